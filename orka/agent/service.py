@@ -1,0 +1,452 @@
+"""The node agent: one stream to the scheduler, admission of offers, supervised instances."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+import structlog
+
+from orka.agent.state import AgentState, InstanceRecord, StateFile
+from orka.agent.supervisor import Supervised
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.errors import Invalid, OrkaError
+from orka.models import FAKE_DRIVER, KIND_DRIVER, Resources, WorkloadKind, WorkloadSpec
+from orka.rpc import convert
+from orka.rpc.client import secure_channel
+from orka.runtime.base import Driver, TaskState
+from orka.runtime.registry import make_driver
+from orka.security.tls import TlsFiles
+
+log = structlog.get_logger("orka.agent")
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class AgentConfig:
+    name: str
+    schedulers: list[str]
+    data_dir: Path
+    runtimes: list[str] = field(default_factory=lambda: ["process"])
+    cpu_millis: int | None = None
+    memory_bytes: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    heartbeat_interval: float = 1.0  # until the scheduler says otherwise
+    leave_timeout: float = 60.0
+    reconnect_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.schedulers:
+            raise Invalid("--scheduler: at least one HOST:PORT is required")
+        if not self.runtimes:
+            raise Invalid("--runtime: at least one driver is required")
+        for flag, value in (
+            ("--cpu-millis", self.cpu_millis),
+            ("--memory-bytes", self.memory_bytes),
+        ):
+            if value is not None and value <= 0:
+                raise Invalid(f"{flag}: must be > 0, got {value}")
+
+
+def detect_capacity() -> Resources:
+    return Resources(
+        cpu_millis=(os.cpu_count() or 1) * 1000, memory_bytes=psutil.virtual_memory().total
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f}Mi"
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, tls: TlsFiles) -> None:
+        self.config = config
+        self.tls = tls
+        self.name = config.name
+        detected = detect_capacity()
+        self.capacity = Resources(
+            cpu_millis=config.cpu_millis or detected.cpu_millis,
+            memory_bytes=config.memory_bytes or detected.memory_bytes,
+        )
+        self.drivers: dict[str, Driver] = {}
+        self.healthy: dict[str, Driver] = {}
+        self.instances: dict[str, Supervised] = {}
+        # instance -> (resources, deadline): accepted offers not yet started.
+        self.reservations: dict[str, tuple[Resources, float]] = {}
+        self.state_file = StateFile(config.data_dir / "agent-state.json")
+        self.interval = config.heartbeat_interval
+        self._outbox: asyncio.Queue[apb.AgentMessage] | None = None
+        self._stopping = asyncio.Event()
+        self._leaving = False
+        self._stopped = False
+        self._main: asyncio.Task[None] | None = None
+        self.connected = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        for name in self.config.runtimes:
+            driver = make_driver(name, self.config.data_dir / "runtime" / name)
+            self.drivers[name] = driver
+            health = await driver.health()
+            if health.healthy:
+                self.healthy[name] = driver
+            else:
+                log.warning("driver unhealthy", driver=name, message=health.message)
+        if not self.healthy:
+            raise Invalid(f"--runtime: no healthy driver among {', '.join(self.config.runtimes)}")
+        await self._adopt()
+        self._main = asyncio.create_task(self._connect_loop(), name="agent-stream")
+
+    async def run(self) -> None:
+        await self.start()
+        await self._stopping.wait()
+        await self._shutdown()
+
+    def request_stop(self, leave: bool) -> None:
+        """Signal handlers call this: leave (SIGTERM) or plain stop (SIGINT)."""
+        self._leaving = self._leaving or leave
+        self._stopping.set()
+
+    async def stop(self, leave: bool = False) -> None:
+        self.request_stop(leave)
+        await self._shutdown()
+
+    async def crash(self) -> None:
+        """Tests only: vanish like a SIGKILL, leaving every task running."""
+        self._stopped = True
+        if self._main is not None:
+            self._main.cancel()
+        for inst in self.instances.values():
+            await inst.close()
+        await self.state_file.flush()
+
+    async def _shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._leaving and self.connected.is_set():
+            await self._leave()
+        # Whatever is still here (no leave, or leave timed out) is stopped and forgotten.
+        await asyncio.gather(
+            *(i.stop(remove=True, reason="agent stopped") for i in list(self.instances.values())),
+            return_exceptions=True,
+        )
+        self.instances.clear()
+        self._save()
+        await self.state_file.flush()
+        if self._main is not None:
+            self._main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._main
+        for d in self.drivers.values():
+            await d.close()
+        log.info("agent stopped", node=self.name)
+
+    async def _leave(self) -> None:
+        log.info("leaving: waiting for instances to be replaced", count=len(self.instances))
+        self._send(apb.AgentMessage(leave=apb.Leave(reason="agent shutting down")))
+        deadline = time.monotonic() + self.config.leave_timeout
+        while time.monotonic() < deadline:
+            if not any(i.holds_resources for i in self.instances.values()):
+                break
+            await asyncio.sleep(0.1)
+
+    # ---- adoption after a restart ----
+
+    async def _adopt(self) -> None:
+        state = self.state_file.load(self.name)
+        tasks = {}
+        for driver in self.drivers.values():
+            with contextlib.suppress(Exception):
+                for info in await driver.list():
+                    tasks[info.instance] = (driver, info)
+        for rec in state.instances.values():
+            driver_name = self._driver_name(rec.spec.kind)
+            driver = self.drivers.get(driver_name or "")
+            if driver is None:
+                continue
+            inst = self._new_instance(rec.name, rec.generation, rec.spec, driver)
+            inst.restarts = rec.restarts
+            found = tasks.pop(rec.name, None)
+            if rec.phase.value in ("SUCCEEDED", "FAILED", "STOPPED"):
+                inst.phase = rec.phase
+                inst.exit_code = rec.exit_code
+                inst.reason, inst.message = rec.reason, rec.message
+                inst.finished_at = rec.finished_at
+                continue
+            info = found[1] if found else None
+            if info is not None and info.state is TaskState.RUNNING:
+                log.info("re-adopted instance", instance=rec.name, pid=info.pid)
+            inst.start(adopted=info)
+        for driver, info in tasks.values():
+            log.info("removing orphan task", instance=info.instance, driver=driver.name)
+            with contextlib.suppress(Exception):
+                await driver.remove(info.instance)
+        self._save()
+
+    def _driver_name(self, kind: WorkloadKind) -> str | None:
+        wanted = KIND_DRIVER[kind]
+        if wanted in self.healthy:
+            return wanted
+        if FAKE_DRIVER in self.healthy:
+            return FAKE_DRIVER
+        return None
+
+    def _new_instance(
+        self, name: str, generation: int, spec: WorkloadSpec, driver: Driver
+    ) -> Supervised:
+        inst = Supervised(name, generation, spec, driver, self._changed)
+        self.instances[name] = inst
+        return inst
+
+    def _changed(self, inst: Supervised) -> None:
+        self._save()
+        status = convert.report_to_pb(inst.report(), inst.resources)
+        status.generation = inst.generation
+        self._send(apb.AgentMessage(event=status))
+
+    def _save(self) -> None:
+        state = AgentState(node=self.name)
+        for inst in self.instances.values():
+            state.instances[inst.name] = InstanceRecord(
+                name=inst.name,
+                workload=inst.workload,
+                generation=inst.generation,
+                spec=inst.spec,
+                phase=inst.phase,
+                restarts=inst.restarts,
+                exit_code=inst.exit_code,
+                started_at=inst.started_at,
+                finished_at=inst.finished_at,
+                reason=inst.reason,
+                message=inst.message,
+            )
+        self.state_file.save(state)
+
+    # ---- the stream ----
+
+    def _send(self, msg: apb.AgentMessage) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(msg)
+
+    def _register_message(self) -> apb.AgentMessage:
+        reg = apb.Register(
+            node=apb.NodeInfo(
+                capacity=convert.resources_to_pb(self.capacity),
+                allocatable=convert.resources_to_pb(self.capacity),
+                labels={**self.config.labels, "orka.io/node": self.name},
+                drivers=sorted(self.healthy),
+                version=VERSION,
+            )
+        )
+        for inst in self.instances.values():
+            status = convert.report_to_pb(inst.report(), inst.resources)
+            status.generation = inst.generation
+            reg.instances.append(status)
+        return apb.AgentMessage(register=reg)
+
+    async def _connect_loop(self) -> None:
+        attempt = 0
+        while not self._stopped:
+            target = self.config.schedulers[attempt % len(self.config.schedulers)]
+            try:
+                await self._session(target)
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as err:
+                log.warning(
+                    "scheduler stream ended",
+                    target=target,
+                    code=err.code().name,
+                    details=err.details(),
+                )
+            except Exception:
+                log.exception("scheduler stream failed", target=target)
+            self.connected.clear()
+            self._outbox = None
+            attempt += 1
+            delay = min(0.2 * 2 ** min(attempt, 6), self.config.reconnect_max)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def _session(self, target: str) -> None:
+        async with secure_channel(target, self.tls) as channel:
+            stub = apb_grpc.SchedulerStub(channel)
+            call = stub.Connect()
+            outbox: asyncio.Queue[apb.AgentMessage] = asyncio.Queue()
+            await call.write(self._register_message())
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
+                raise Invalid("scheduler did not acknowledge the registration")
+            self.interval = first.registered.heartbeat_interval or self.interval
+            self._outbox = outbox
+            self.connected.set()
+            log.info("registered", scheduler=target, node=first.registered.node)
+            if self._leaving:
+                self._send(apb.AgentMessage(leave=apb.Leave(reason="agent shutting down")))
+            writer = asyncio.create_task(self._writer(call, outbox))
+            beats = asyncio.create_task(self._heartbeats())
+            try:
+                while True:
+                    msg = await call.read()
+                    if msg is grpc.aio.EOF:
+                        break
+                    self._on_message(msg)
+            finally:
+                writer.cancel()
+                beats.cancel()
+                self._outbox = None
+
+    async def _writer(
+        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[apb.AgentMessage]
+    ) -> None:
+        while True:
+            msg = await outbox.get()
+            await call.write(msg)
+
+    async def _heartbeats(self) -> None:
+        beat = 0
+        usage = Resources()
+        while True:
+            if beat % 5 == 0:
+                usage = await self._usage()
+            beat += 1
+            self._expire_reservations()
+            hb = apb.Heartbeat(
+                usage=convert.resources_to_pb(usage),
+                allocated=convert.resources_to_pb(self._allocated()),
+                sent_at=time.time(),
+            )
+            for inst in self.instances.values():
+                status = convert.report_to_pb(inst.report(), inst.resources)
+                status.generation = inst.generation
+                hb.instances.append(status)
+            self._send(apb.AgentMessage(heartbeat=hb))
+            await asyncio.sleep(self.interval)
+
+    async def _usage(self) -> Resources:
+        cpu = mem = 0
+        for inst in list(self.instances.values()):
+            if inst.holds_resources:
+                with contextlib.suppress(Exception):
+                    u = await inst.driver.usage(inst.name)
+                    cpu += u.cpu_millis
+                    mem += u.memory_bytes
+        return Resources(cpu_millis=cpu, memory_bytes=mem)
+
+    # ---- admission and commands ----
+
+    def _allocated(self) -> Resources:
+        cpu = mem = 0
+        for inst in self.instances.values():
+            if inst.holds_resources:
+                cpu += inst.resources.cpu_millis
+                mem += inst.resources.memory_bytes
+        for res, _ in self.reservations.values():
+            cpu += res.cpu_millis
+            mem += res.memory_bytes
+        return Resources(cpu_millis=cpu, memory_bytes=mem)
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for name, (_, deadline) in list(self.reservations.items()):
+            if deadline < now:
+                del self.reservations[name]
+
+    def _admit(self, name: str, spec: WorkloadSpec) -> str | None:
+        """Our own check of an offer; returns why not, or None to accept."""
+        if self._leaving or self._stopping.is_set():
+            return "node is shutting down"
+        if self._driver_name(spec.kind) is None:
+            return f"no healthy {KIND_DRIVER[spec.kind]} driver"
+        used = self._allocated()
+        if name in self.reservations:
+            used = used - self.reservations[name][0]
+        free = self.capacity - used
+        need = spec.resources
+        if need.cpu_millis > free.cpu_millis:
+            return f"insufficient cpu: {need.cpu_millis}m requested, {free.cpu_millis}m free"
+        if need.memory_bytes > free.memory_bytes:
+            return (
+                f"insufficient memory: {_mib(need.memory_bytes)} requested,"
+                f" {_mib(free.memory_bytes)} free"
+            )
+        return None
+
+    def _on_message(self, msg: apb.SchedulerMessage) -> None:
+        kind = msg.WhichOneof("body")
+        if kind == "offer":
+            self._on_offer(msg.offer)
+        elif kind == "start":
+            self._on_start(msg.start)
+        elif kind == "stop":
+            task = asyncio.create_task(self._on_stop(msg.stop))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif kind == "release":
+            self.reservations.pop(msg.release.instance, None)
+            self._ack(msg.release.command_id, True, "")
+
+    def _ack(self, command_id: str, ok: bool, error: str) -> None:
+        self._send(apb.AgentMessage(ack=apb.CommandAck(command_id=command_id, ok=ok, error=error)))
+
+    def _on_offer(self, offer: apb.Offer) -> None:
+        name = offer.assignment.instance
+        try:
+            spec = convert.spec_from_pb(offer.assignment.spec)
+            reason = None if name in self.instances else self._admit(name, spec)
+        except OrkaError as err:
+            spec, reason = None, f"invalid assignment: {err.message}"
+        if reason is None and spec is not None and name not in self.instances:
+            hold = offer.hold_seconds or 30.0
+            self.reservations[name] = (spec.resources, time.monotonic() + hold)
+        self._send(
+            apb.AgentMessage(
+                offer_reply=apb.OfferReply(
+                    offer_id=offer.offer_id, accepted=reason is None, reason=reason or ""
+                )
+            )
+        )
+
+    def _on_start(self, start: apb.StartInstance) -> None:
+        a = start.assignment
+        if a.instance in self.instances:
+            self._ack(start.command_id, True, "")
+            return
+        try:
+            spec = convert.spec_from_pb(a.spec)
+        except OrkaError as err:
+            self._ack(start.command_id, False, f"invalid assignment: {err.message}")
+            return
+        reason = self._admit(a.instance, spec)
+        self.reservations.pop(a.instance, None)
+        if reason is not None:
+            self._ack(start.command_id, False, reason)
+            return
+        driver_name = self._driver_name(spec.kind)
+        assert driver_name is not None  # _admit checked
+        inst = self._new_instance(a.instance, a.generation, spec, self.healthy[driver_name])
+        inst.start()
+        self._ack(start.command_id, True, "")
+
+    async def _on_stop(self, stop: apb.StopInstance) -> None:
+        inst = self.instances.get(stop.instance)
+        self._ack(stop.command_id, True, "")
+        if inst is None:
+            return
+        await inst.stop(remove=stop.remove, reason=stop.reason)
+        if stop.remove and self.instances.get(stop.instance) is inst:
+            del self.instances[stop.instance]
+            self._save()

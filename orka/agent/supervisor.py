@@ -1,0 +1,202 @@
+"""One supervised instance: start it, watch it, restart it by policy, stop it on request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+
+from orka.errors import RuntimeFailure
+from orka.models import (
+    TERMINAL_PHASES,
+    InstancePhase,
+    InstanceReport,
+    Resources,
+    RestartPolicy,
+    WorkloadSpec,
+)
+from orka.runtime.base import Driver, RunSpec, TaskInfo, TaskState
+
+log = structlog.get_logger("orka.agent")
+
+BACKOFF_START = 1.0
+BACKOFF_MAX = 30.0
+# A task that ran this long before exiting resets the restart backoff.
+HEALTHY_RUN = 10.0
+
+
+class Supervised:
+    def __init__(
+        self,
+        name: str,
+        generation: int,
+        spec: WorkloadSpec,
+        driver: Driver,
+        on_change: Callable[[Supervised], None],
+    ) -> None:
+        self.name = name
+        self.generation = generation
+        self.spec = spec
+        self.driver = driver
+        self.on_change = on_change
+        self.phase = InstancePhase.SCHEDULED
+        self.reason = ""
+        self.message = ""
+        self.exit_code: int | None = None
+        self.restarts = 0
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._stop_task: asyncio.Task[None] | None = None
+
+    @property
+    def workload(self) -> str:
+        return self.spec.name
+
+    @property
+    def resources(self) -> Resources:
+        return self.spec.resources
+
+    @property
+    def holds_resources(self) -> bool:
+        return self.phase not in TERMINAL_PHASES
+
+    def report(self) -> InstanceReport:
+        return InstanceReport(
+            name=self.name,
+            workload=self.workload,
+            phase=self.phase,
+            reason=self.reason,
+            message=self.message,
+            exit_code=self.exit_code,
+            restarts=self.restarts,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+        )
+
+    def _set(self, phase: InstancePhase, reason: str = "", message: str = "") -> None:
+        self.phase = phase
+        self.reason = reason
+        self.message = message
+        self.on_change(self)
+
+    def start(self, adopted: TaskInfo | None = None) -> None:
+        self._task = asyncio.create_task(self._run(adopted), name=f"instance-{self.name}")
+
+    async def _run(self, adopted: TaskInfo | None) -> None:
+        backoff = BACKOFF_START
+        info = adopted
+        try:
+            while not self.stopping:
+                if info is None:
+                    self._set(InstancePhase.STARTING)
+                    try:
+                        info = await self.driver.start(
+                            RunSpec(instance=self.name, workload=self.workload, spec=self.spec)
+                        )
+                    except RuntimeFailure as err:
+                        self.exit_code = None
+                        self.finished_at = time.time()
+                        if not self._should_restart(None):
+                            self._set(InstancePhase.FAILED, "StartFailed", err.message)
+                            return
+                        self._set(
+                            InstancePhase.STARTING,
+                            "StartFailed",
+                            f"{err.message}; retrying in {backoff:.0f}s",
+                        )
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, BACKOFF_MAX)
+                        self.restarts += 1
+                        continue
+                if info.state is TaskState.RUNNING:
+                    self.started_at = info.started_at
+                    self.exit_code = None
+                    self.finished_at = None
+                    self._set(InstancePhase.RUNNING)
+                    info = await self.driver.wait(self.name)
+                if self.stopping:
+                    return
+                code = info.exit_code
+                self.exit_code = code
+                self.finished_at = info.finished_at or time.time()
+                ran = self.finished_at - (self.started_at or self.finished_at)
+                if not self._should_restart(code):
+                    phase = InstancePhase.SUCCEEDED if code == 0 else InstancePhase.FAILED
+                    self._set(phase, "Completed" if code == 0 else "Error", _exit_text(code))
+                    return
+                if ran >= HEALTHY_RUN:
+                    backoff = BACKOFF_START
+                await self.driver.remove(self.name)
+                self._set(
+                    InstancePhase.STARTING,
+                    "BackOff",
+                    f"{_exit_text(code)}; restarting in {backoff:.0f}s",
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                self.restarts += 1
+                info = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.exception("instance supervisor failed", instance=self.name)
+            self._set(InstancePhase.FAILED, "AgentError", str(err))
+
+    def _should_restart(self, code: int | None) -> bool:
+        policy = self.spec.restart_policy
+        if policy is RestartPolicy.ALWAYS:
+            return True
+        if policy is RestartPolicy.ON_FAILURE:
+            return code != 0
+        return False
+
+    async def stop(self, remove: bool, reason: str = "") -> None:
+        """Stop (SIGTERM, grace, SIGKILL) and, when asked, forget the task's files."""
+        if self._stop_task is None:
+            self._stop_task = asyncio.create_task(self._stop(remove, reason))
+        await asyncio.shield(self._stop_task)
+
+    async def _stop(self, remove: bool, reason: str) -> None:
+        self.stopping = True
+        if self.phase not in (InstancePhase.SUCCEEDED, InstancePhase.FAILED):
+            self._set(InstancePhase.STOPPING, "Stopping", reason)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            info = await self.driver.stop(self.name, self.spec.stop_grace_seconds)
+            if self.phase is InstancePhase.STOPPING:
+                self.exit_code = info.exit_code
+        except Exception as err:
+            log.warning("stop failed", instance=self.name, error=str(err))
+        if remove:
+            try:
+                await self.driver.remove(self.name)
+            except Exception as err:
+                log.warning("remove failed", instance=self.name, error=str(err))
+        self.finished_at = self.finished_at or time.time()
+        if self.phase is InstancePhase.STOPPING:
+            self._set(InstancePhase.STOPPED, "Stopped", reason)
+        else:
+            self.on_change(self)
+
+    async def close(self) -> None:
+        """Stop watching without touching the task, so a later agent can re-adopt it."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exited while the agent was away (exit code unknown)"
+    if code < 0:
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,258 @@
+"""The placement queue: PENDING instances go to the scheduler in batches; bindings are CAS-written.
+
+An instance is bound exactly once: the scheduler only returns an accepted offer, and the binding
+is written only if the instance is still PENDING at the revision we hold. When the write cannot
+happen (the instance was deleted or bound meanwhile) the offer is released on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from orka.api import agent_pb2 as apb
+from orka.controller.link import SchedulerLink
+from orka.controller.repo import Change, Repo
+from orka.errors import OrkaError
+from orka.models import Instance, InstancePhase
+from orka.rpc import convert
+
+log = structlog.get_logger("orka.controller.placement")
+
+
+@dataclass
+class PlacementConfig:
+    batch_size: int = 256
+    max_batches_in_flight: int = 4
+    backoff_start: float = 1.0
+    backoff_max: float = 30.0
+
+
+@dataclass
+class _Backoff:
+    until: float = 0.0
+    delay: float = 0.0
+
+
+@dataclass
+class PlacementQueue:
+    repo: Repo
+    link: SchedulerLink
+    config: PlacementConfig = field(default_factory=PlacementConfig)
+    pending: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
+    inflight: set[str] = field(default_factory=set)
+    backoff: dict[str, _Backoff] = field(default_factory=dict)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _batches: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def add(self, name: str) -> None:
+        if name not in self.pending and name not in self.inflight:
+            self.pending[name] = None
+            self._wake.set()
+
+    def cluster_changed(self) -> None:
+        """A node joined or resources were freed: retry everything now, not after backoff."""
+        self.backoff.clear()
+        self._wake.set()
+
+    def busy(self, name: str) -> bool:
+        return name in self.inflight
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            now = time.monotonic()
+            while len(self._batches) < self.config.max_batches_in_flight:
+                batch = self._take(now)
+                if not batch:
+                    break
+                task = asyncio.create_task(self._place(batch))
+                self._batches.add(task)
+                task.add_done_callback(self._done)
+            next_due = min(
+                (b.until for n, b in self.backoff.items() if n in self.pending), default=None
+            )
+            if next_due is not None and not self._wake.is_set():
+                asyncio.get_running_loop().call_later(
+                    max(0.0, next_due - time.monotonic()) + 0.01, self._wake.set
+                )
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._batches.discard(task)
+        self._wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("placement batch failed", error=repr(task.exception()))
+
+    def _take(self, now: float) -> list[Instance]:
+        batch: list[Instance] = []
+        for name in list(self.pending):
+            if len(batch) >= self.config.batch_size:
+                break
+            b = self.backoff.get(name)
+            if b is not None and b.until > now:
+                continue
+            del self.pending[name]
+            inst = self.repo.instances.get(name)
+            if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
+                continue
+            if inst.workload not in self.repo.workloads:
+                continue
+            self.inflight.add(name)
+            batch.append(inst)
+        return batch
+
+    def _retry_later(self, name: str) -> None:
+        b = self.backoff.setdefault(name, _Backoff())
+        b.delay = min(max(b.delay * 2, self.config.backoff_start), self.config.backoff_max)
+        b.until = time.monotonic() + b.delay
+        self.pending[name] = None
+
+    async def _place(self, batch: list[Instance]) -> None:
+        assignments = []
+        for inst in batch:
+            w = self.repo.workloads[inst.workload]
+            assignments.append(
+                apb.Assignment(
+                    instance=inst.name,
+                    generation=inst.generation,
+                    spec=convert.spec_to_pb(w.spec),
+                )
+            )
+        try:
+            try:
+                resp = await self.link.place(assignments)
+            except OrkaError as err:
+                await self._mark_unplaced(
+                    {i.name: f"scheduler unavailable: {err.message}" for i in batch}
+                )
+                return
+            bound = {r.instance: r.node for r in resp.results if r.node}
+            unplaced = {r.instance: r.reasons for r in resp.results if not r.node}
+            committed = await self._bind(bound)
+            if unplaced:
+                await self._mark_unplaced(unplaced)
+            await self._start(committed, bound)
+        finally:
+            for inst in batch:
+                self.inflight.discard(inst.name)
+
+    async def _bind(self, bound: dict[str, str]) -> list[Instance]:
+        released: list[tuple[str, str]] = []
+        committed: list[Instance] = []
+
+        def plan() -> list[Change]:
+            changes = []
+            now = time.time()
+            for name, node in bound.items():
+                inst = self.repo.instances.get(name)
+                if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
+                    released.append((node, name))
+                    continue
+                new = inst.model_copy(
+                    update={
+                        "phase": InstancePhase.SCHEDULED,
+                        "node": node,
+                        "reason": "Scheduled",
+                        "message": "",
+                        "scheduled_at": now,
+                        "updated_at": now,
+                    }
+                )
+                committed.append(new)
+                changes.append(Change("instances", name, new))
+            return changes
+
+        await self.repo.mutate(plan)
+        for name in (i.name for i in committed):
+            self.backoff.pop(name, None)
+        if released:
+            cmds = [
+                apb.NodeCommand(node=node, release=apb.ReleaseOffer(instance=name))
+                for node, name in released
+            ]
+            try:
+                await self.link.command(cmds)
+            except OrkaError as err:
+                log.warning("release failed", error=err.message)
+        return committed
+
+    async def _start(self, committed: list[Instance], bound: dict[str, str]) -> None:
+        if not committed:
+            return
+        cmds = []
+        for inst in committed:
+            w = self.repo.workloads.get(inst.workload)
+            if w is None:
+                continue
+            cmds.append(
+                apb.NodeCommand(
+                    node=inst.node,
+                    start=apb.StartInstance(
+                        assignment=apb.Assignment(
+                            instance=inst.name,
+                            generation=inst.generation,
+                            spec=convert.spec_to_pb(w.spec),
+                        )
+                    ),
+                )
+            )
+        failed: dict[str, str] = {}
+        try:
+            resp = await self.link.command(cmds)
+            for cmd, result in zip(cmds, resp.results, strict=True):
+                if not result.ok:
+                    failed[cmd.start.assignment.instance] = result.error
+        except OrkaError as err:
+            failed = {c.start.assignment.instance: err.message for c in cmds}
+        if failed:
+            await self._unbind(failed)
+
+    async def _unbind(self, failed: dict[str, str]) -> None:
+        """A start the node refused: the instance goes back to PENDING on no node."""
+
+        def plan() -> list[Change]:
+            changes = []
+            for name, error in failed.items():
+                inst = self.repo.instances.get(name)
+                if inst is None or inst.phase is not InstancePhase.SCHEDULED:
+                    continue
+                new = inst.model_copy(
+                    update={
+                        "phase": InstancePhase.PENDING,
+                        "node": "",
+                        "reason": "StartRefused",
+                        "message": f"node {inst.node}: {error}",
+                        "updated_at": time.time(),
+                    }
+                )
+                changes.append(Change("instances", name, new))
+            return changes
+
+        await self.repo.mutate(plan)
+        for name in failed:
+            self._retry_later(name)
+
+    async def _mark_unplaced(self, reasons: dict[str, str]) -> None:
+        def plan() -> list[Change]:
+            changes = []
+            for name, why in reasons.items():
+                inst = self.repo.instances.get(name)
+                if inst is None or inst.phase is not InstancePhase.PENDING:
+                    continue
+                if inst.reason == "Unschedulable" and inst.message == why:
+                    continue  # unchanged: no write
+                new = inst.model_copy(
+                    update={"reason": "Unschedulable", "message": why, "updated_at": time.time()}
+                )
+                changes.append(Change("instances", name, new))
+            return changes
+
+        await self.repo.mutate(plan)
+        for name in reasons:
+            if name in self.repo.instances:
+                self._retry_later(name)
+        self._wake.set()

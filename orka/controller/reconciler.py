@@ -1,0 +1,491 @@
+"""Keeps stored instances in line with workloads and with what the nodes report.
+
+One planning pass (`plan`) looks at every workload and returns the writes that move it toward
+its desired state; the commands that follow (stop, start again) are sent after the write lands,
+so a crash between the two only repeats a command, it never loses one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from orka.api import agent_pb2 as apb
+from orka.controller.link import SchedulerLink
+from orka.controller.placement import PlacementQueue
+from orka.controller.repo import Change, Repo
+from orka.errors import OrkaError
+from orka.models import (
+    TERMINAL_PHASES,
+    Instance,
+    InstancePhase,
+    InstanceReport,
+    Node,
+    NodeState,
+    RestartPolicy,
+    Workload,
+    WorkloadStatus,
+)
+from orka.rpc import convert
+
+log = structlog.get_logger("orka.controller.reconciler")
+
+# How long a stop or start command may go unanswered before it is sent again.
+RESEND_AFTER = 10.0
+# A bound instance the node does not mention after this long is considered gone.
+START_GRACE = 15.0
+# Finished instances kept per workload for `orka get instances`; older ones are removed.
+KEEP_FINISHED = 5
+
+
+def new_instance(w: Workload) -> Instance:
+    return Instance(
+        name=f"{w.name}-{secrets.token_hex(3)}", workload=w.name, generation=w.generation
+    )
+
+
+@dataclass
+class _Sent:
+    at: float
+
+
+class Reconciler:
+    def __init__(self, repo: Repo, link: SchedulerLink, queue: PlacementQueue) -> None:
+        self.repo = repo
+        self.link = link
+        self.queue = queue
+        self._dirty = asyncio.Event()
+        self._stops_sent: dict[str, float] = {}
+        self._starts_sent: dict[str, float] = {}
+        self._cleanup_sent: dict[tuple[str, str], float] = {}
+        self._synced: set[str] = set()
+
+    def kick(self) -> None:
+        self._dirty.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+            self._dirty.clear()
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile pass failed")
+                await asyncio.sleep(0.5)
+
+    async def reconcile_once(self) -> None:
+        await self.repo.mutate(self.plan)
+        await self._send_commands()
+        for inst in self.repo.instances.values():
+            if inst.phase is InstancePhase.PENDING and not inst.desired_stop:
+                self.queue.add(inst.name)
+
+    # ---- planning ----
+
+    def plan(self) -> list[Change]:
+        changes: list[Change] = []
+        now = time.time()
+        for name in list(self.repo.workloads):
+            w = self.repo.workloads[name]
+            insts = {i.name: i for i in self.repo.instances_of(name)}
+            if w.deleting:
+                changes += self._plan_delete(w, insts)
+            else:
+                changes += self._plan_workload(w, insts, now)
+        # Instances whose workload record is gone (should not happen; heal it anyway).
+        for inst in list(self.repo.instances.values()):
+            if inst.workload not in self.repo.workloads:
+                if inst.terminal or not inst.node:
+                    changes.append(Change("instances", inst.name, None))
+                elif not inst.desired_stop:
+                    changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+        return changes
+
+    def _node(self, name: str) -> Node | None:
+        return self.repo.nodes.get(name)
+
+    def _plan_delete(self, w: Workload, insts: dict[str, Instance]) -> list[Change]:
+        changes: list[Change] = []
+        remaining = 0
+        for inst in insts.values():
+            node = self._node(inst.node) if inst.node else None
+            gone = inst.node and (node is None or node.state in (NodeState.LOST, NodeState.LEFT))
+            unplaced = inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
+            if inst.terminal or unplaced or gone:
+                changes.append(Change("instances", inst.name, None))
+                continue
+            remaining += 1
+            if not inst.desired_stop:
+                changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+        if remaining == 0:
+            changes.append(Change("workloads", w.name, None))
+        return changes
+
+    def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
+        changes: list[Change] = []
+        updated: dict[str, Instance] = {}
+
+        def put(inst: Instance) -> None:
+            updated[inst.name] = inst
+            changes.append(Change("instances", inst.name, inst))
+
+        # 1. Instances on lost or departed nodes are LOST; replacements follow below.
+        for inst in insts.values():
+            if inst.terminal or not inst.node:
+                continue
+            node = self._node(inst.node)
+            if node is not None and node.state in (NodeState.LOST, NodeState.LEFT):
+                put(
+                    inst.model_copy(
+                        update={
+                            "phase": InstancePhase.LOST,
+                            "reason": "NodeLost",
+                            "message": f"node {node.name} is {node.state.value}",
+                            "finished_at": now,
+                            "updated_at": now,
+                        }
+                    )
+                )
+        current = {**insts, **updated}
+
+        # 2. Replacements that now run let their predecessors stop.
+        for inst in current.values():
+            if inst.replaced_by and not inst.desired_stop and not inst.terminal:
+                succ = current.get(inst.replaced_by)
+                if succ is None or succ.terminal or succ.desired_stop:
+                    # The successor failed or vanished: this one stays and may be replaced again.
+                    put(inst.model_copy(update={"replaced_by": ""}))
+                elif succ.phase is InstancePhase.RUNNING:
+                    put(_stop(inst, f"replaced by {succ.name}"))
+        current = {**insts, **updated}
+
+        # 3. Old generations (rolling update) and draining nodes: surge one replacement each.
+        replacing = [
+            i for i in current.values() if i.replaced_by and not i.desired_stop and not i.terminal
+        ]
+        for inst in sorted(current.values(), key=lambda i: i.created_at):
+            if inst.terminal or inst.desired_stop or inst.replaced_by:
+                continue
+            if inst.phase is InstancePhase.PENDING:
+                if inst.generation != w.generation:
+                    put(inst.model_copy(update={"generation": w.generation}))
+                continue
+            node = self._node(inst.node)
+            draining = node is not None and node.draining
+            outdated = inst.generation != w.generation
+            if not (draining or outdated):
+                continue
+            if outdated and not draining and replacing:
+                continue  # a rolling update replaces one instance at a time
+            succ = new_instance(w)
+            put(succ)
+            put(inst.model_copy(update={"replaced_by": succ.name}))
+            replacing.append(inst)
+        current = {**insts, **updated}
+
+        # 4. Count what serves the workload, then add or remove to match replicas.
+        active = [
+            i
+            for i in current.values()
+            if not i.terminal and not i.desired_stop and not i.replaced_by
+        ]
+        done = [
+            i
+            for i in current.values()
+            if not i.desired_stop
+            and (
+                i.phase is InstancePhase.SUCCEEDED
+                or (
+                    i.phase is InstancePhase.FAILED and w.spec.restart_policy is RestartPolicy.NEVER
+                )
+            )
+        ]
+        missing = w.spec.replicas - len(active) - len(done)
+        for _ in range(max(0, missing)):
+            put(new_instance(w))
+        if missing < 0:
+            order = {
+                InstancePhase.PENDING: 0,
+                InstancePhase.SCHEDULED: 1,
+                InstancePhase.STARTING: 2,
+                InstancePhase.RUNNING: 3,
+            }
+            extras = sorted(active, key=lambda i: (order.get(i.phase, 1), -i.created_at))[:-missing]
+            for inst in extras:
+                put(_stop(inst, "scaled down"))
+        current = {**insts, **updated}
+
+        # 5. Stopped-on-request and never-placed ones are removed; history is trimmed.
+        finished = sorted(
+            (i for i in current.values() if i.terminal),
+            key=lambda i: i.finished_at or i.updated_at,
+        )
+        for inst in current.values():
+            if inst.desired_stop and (
+                inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
+            ):
+                changes.append(Change("instances", inst.name, None))
+        for inst in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            if inst.phase is InstancePhase.LOST and inst.node and self._node_unsettled(inst):
+                continue  # keep until the node confirms it stopped, or is gone for good
+            changes.append(Change("instances", inst.name, None))
+
+        # 6. Status.
+        status = self._status(w, current.values())
+        if status != w.status:
+            changes.append(
+                Change(
+                    "workloads", w.name, w.model_copy(update={"status": status, "updated_at": now})
+                )
+            )
+        return changes
+
+    def _node_unsettled(self, inst: Instance) -> bool:
+        node = self._node(inst.node)
+        return node is not None and node.state is NodeState.READY
+
+    def _status(self, w: Workload, insts: Sequence[Instance] | object) -> WorkloadStatus:
+        placed = running = 0
+        reasons: list[str] = []
+        for i in insts:  # type: ignore[attr-defined]
+            if i.terminal or i.desired_stop or i.replaced_by:
+                continue
+            if i.node:
+                placed += 1
+            if i.phase is InstancePhase.RUNNING:
+                running += 1
+            if i.phase is InstancePhase.PENDING and i.message and i.message not in reasons:
+                reasons.append(i.message)
+        message = ""
+        if reasons:
+            message = f"{w.spec.replicas - placed} replica(s) not placed"
+        return WorkloadStatus(
+            desired=w.spec.replicas,
+            placed=placed,
+            running=running,
+            unschedulable_reasons=reasons,
+            message=message,
+        )
+
+    # ---- commands to nodes ----
+
+    async def _send_commands(self) -> None:
+        now = time.monotonic()
+        cmds: list[apb.NodeCommand] = []
+        for inst in self.repo.instances.values():
+            if not inst.node or inst.terminal:
+                continue
+            node = self._node(inst.node)
+            if node is None or node.state is not NodeState.READY:
+                continue
+            if inst.desired_stop:
+                if now - self._stops_sent.get(inst.name, -1e9) > RESEND_AFTER:
+                    self._stops_sent[inst.name] = now
+                    cmds.append(
+                        apb.NodeCommand(
+                            node=inst.node,
+                            stop=apb.StopInstance(
+                                instance=inst.name, remove=True, reason=inst.message
+                            ),
+                        )
+                    )
+            elif inst.phase is InstancePhase.SCHEDULED:
+                # The start may have been lost (controller restart between bind and start).
+                scheduled = inst.scheduled_at or 0.0
+                if (
+                    time.time() - scheduled > RESEND_AFTER
+                    and now - self._starts_sent.get(inst.name, -1e9) > RESEND_AFTER
+                ):
+                    w = self.repo.workloads.get(inst.workload)
+                    if w is None:
+                        continue
+                    self._starts_sent[inst.name] = now
+                    cmds.append(
+                        apb.NodeCommand(
+                            node=inst.node,
+                            start=apb.StartInstance(
+                                assignment=apb.Assignment(
+                                    instance=inst.name,
+                                    generation=inst.generation,
+                                    spec=convert.spec_to_pb(w.spec),
+                                )
+                            ),
+                        )
+                    )
+        for name in list(self._stops_sent):
+            if name not in self.repo.instances:
+                del self._stops_sent[name]
+        for name in list(self._starts_sent):
+            if name not in self.repo.instances:
+                del self._starts_sent[name]
+        if cmds:
+            await self._command(cmds)
+
+    async def _command(self, cmds: list[apb.NodeCommand]) -> None:
+        try:
+            resp = await self.link.command(cmds)
+        except OrkaError as err:
+            log.warning("commands not delivered", count=len(cmds), error=err.message)
+            return
+        for cmd, result in zip(cmds, resp.results, strict=True):
+            if not result.ok:
+                log.warning("command refused", node=cmd.node, error=result.error)
+
+    def cleanup(self, node: str, instance: str, why: str) -> apb.NodeCommand | None:
+        """A node runs something the controller did not bind there: tell it to stop."""
+        key = (node, instance)
+        now = time.monotonic()
+        if now - self._cleanup_sent.get(key, -1e9) < RESEND_AFTER:
+            return None
+        self._cleanup_sent[key] = now
+        log.info("stopping unexpected instance", node=node, instance=instance, why=why)
+        return apb.NodeCommand(
+            node=node, stop=apb.StopInstance(instance=instance, remove=True, reason=why)
+        )
+
+    # ---- what the scheduler tells us ----
+
+    async def on_updates(self, updates: Sequence[apb.ClusterUpdate]) -> None:
+        nodes: list[Node] = []
+        reports: list[InstanceReport] = []
+        syncs: dict[str, set[str]] = {}
+        for u in updates:
+            which = u.WhichOneof("body")
+            try:
+                if which == "node":
+                    nodes.append(convert.node_from_pb(u.node))
+                elif which == "instance":
+                    reports.append(convert.report_from_pb(u.instance.status, u.instance.node))
+                elif which == "sync":
+                    names = set()
+                    for s in u.sync.instances:
+                        reports.append(convert.report_from_pb(s, u.sync.node))
+                        names.add(s.name)
+                    syncs[u.sync.node] = names
+            except OrkaError as err:
+                log.warning("bad update from scheduler", error=err.message)
+        cleanups: list[apb.NodeCommand] = []
+        reapply: list[Node] = []
+        freed = False
+
+        def plan() -> list[Change]:
+            nonlocal freed
+            changes: list[Change] = []
+            now = time.time()
+            for node in nodes:
+                old = self.repo.nodes.get(node.name)
+                if old is not None:
+                    # Cordon is the controller's truth; a restarted scheduler forgets it.
+                    if not old.schedulable and node.schedulable:
+                        reapply.append(old)
+                        node = node.model_copy(update={"schedulable": False})
+                    if old.draining and not node.draining and old.state is node.state:
+                        reapply.append(old)
+                        node = node.model_copy(update={"draining": True})
+                if old is None or _node_changed(old, node):
+                    changes.append(Change("nodes", node.name, node))
+                    if node.state is NodeState.READY:
+                        freed = True
+                else:
+                    self.repo.touch(node)
+            changed_instances: dict[str, Instance] = {}
+            for r in reports:
+                inst = changed_instances.get(r.name) or self.repo.instances.get(r.name)
+                if inst is None or inst.node != r.node or inst.phase is InstancePhase.LOST:
+                    why = (
+                        "not bound to this node"
+                        if inst is None or inst.node != r.node
+                        else "replaced after node loss"
+                    )
+                    cmd = self.cleanup(r.node, r.name, why)
+                    if cmd is not None:
+                        cleanups.append(cmd)
+                    continue
+                new = _apply_report(inst, r, now)
+                if new is not None:
+                    changed_instances[r.name] = new
+                    if new.terminal:
+                        freed = True
+            for node_name, names in syncs.items():
+                for inst in self.repo.instances.values():
+                    if inst.node != node_name or inst.terminal or inst.name in names:
+                        continue
+                    if inst.name in changed_instances:
+                        continue
+                    if (
+                        inst.phase is InstancePhase.SCHEDULED
+                        and now - (inst.scheduled_at or 0) < START_GRACE
+                    ):
+                        continue
+                    changed_instances[inst.name] = inst.model_copy(
+                        update={
+                            "phase": InstancePhase.LOST,
+                            "reason": "NotOnNode",
+                            "message": f"node {node_name} re-registered without it",
+                            "finished_at": now,
+                            "updated_at": now,
+                        }
+                    )
+                    freed = True
+            changes += [Change("instances", n, i) for n, i in changed_instances.items()]
+            return changes
+
+        changes = await self.repo.mutate(plan)
+        if cleanups:
+            await self._command(cleanups)
+        for node in reapply:
+            try:
+                await self.link.set_node(
+                    node.name, schedulable=node.schedulable, draining=node.draining or None
+                )
+            except OrkaError as err:
+                log.warning("could not re-apply cordon", node=node.name, error=err.message)
+        if freed:
+            self.queue.cluster_changed()
+        if changes or freed:
+            self.kick()
+
+
+def _stop(inst: Instance, why: str) -> Instance:
+    return inst.model_copy(update={"desired_stop": True, "message": why, "updated_at": time.time()})
+
+
+def _node_changed(old: Node, new: Node) -> bool:
+    return (
+        old.state is not new.state
+        or old.schedulable != new.schedulable
+        or old.draining != new.draining
+        or old.labels != new.labels
+        or old.drivers != new.drivers
+        or old.capacity != new.capacity
+        or old.allocatable != new.allocatable
+    )
+
+
+def _apply_report(inst: Instance, r: InstanceReport, now: float) -> Instance | None:
+    """Fold an agent's report into the stored instance; None when nothing changed."""
+    if r.phase is InstancePhase.SCHEDULED:
+        return None
+    if inst.terminal and r.phase not in TERMINAL_PHASES:
+        return None
+    update: dict[str, object] = {}
+    for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
+        value = getattr(r, field)
+        if getattr(inst, field) != value:
+            update[field] = value
+    if r.message != inst.message and not (inst.desired_stop and not r.message):
+        update["message"] = r.message
+    if not update:
+        return None
+    update["updated_at"] = now
+    return inst.model_copy(update=update)

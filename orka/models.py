@@ -1,0 +1,250 @@
+"""Domain models shared by every service.
+
+Protobuf stops at the servicers: they convert to and from these pydantic models in
+`orka/*/convert.py`, and everything behind them works on these types only.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_REPLICAS = 1000
+MAX_NAME_LENGTH = 63
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,252})$")
+
+
+class WorkloadKind(StrEnum):
+    PROCESS = "PROCESS"
+    CONTAINER = "CONTAINER"
+    VM = "VM"
+
+
+# The runtime driver a node needs to run a kind; `fake` serves every kind.
+KIND_DRIVER: dict[WorkloadKind, str] = {
+    WorkloadKind.PROCESS: "process",
+    WorkloadKind.CONTAINER: "containerd",
+    WorkloadKind.VM: "libvirt",
+}
+FAKE_DRIVER = "fake"
+
+
+class RestartPolicy(StrEnum):
+    ALWAYS = "ALWAYS"
+    ON_FAILURE = "ON_FAILURE"
+    NEVER = "NEVER"
+
+
+class InstancePhase(StrEnum):
+    PENDING = "PENDING"
+    SCHEDULED = "SCHEDULED"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    STOPPING = "STOPPING"
+    STOPPED = "STOPPED"
+    LOST = "LOST"
+
+
+# Phases after which an instance never runs again.
+TERMINAL_PHASES = frozenset(
+    {InstancePhase.SUCCEEDED, InstancePhase.FAILED, InstancePhase.STOPPED, InstancePhase.LOST}
+)
+# Phases in which an instance holds (or is about to hold) a node's resources.
+BOUND_PHASES = frozenset(
+    {
+        InstancePhase.SCHEDULED,
+        InstancePhase.STARTING,
+        InstancePhase.RUNNING,
+        InstancePhase.STOPPING,
+    }
+)
+
+
+class NodeState(StrEnum):
+    READY = "READY"
+    NOT_READY = "NOT_READY"
+    LOST = "LOST"
+    LEFT = "LEFT"
+
+
+def check_name(value: str, field: str = "name") -> str:
+    """Names are DNS labels, like Kubernetes object names, so they fit hosts and paths."""
+    if not value:
+        raise ValueError(f"{field} is required")
+    if len(value) > MAX_NAME_LENGTH or not _NAME_RE.match(value):
+        raise ValueError(
+            f"{field} {value!r} must be 1-{MAX_NAME_LENGTH} lowercase letters, digits or '-',"
+            " starting and ending with a letter or digit"
+        )
+    return value
+
+
+class Resources(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    cpu_millis: int = Field(default=0, ge=0)
+    memory_bytes: int = Field(default=0, ge=0)
+
+    def __add__(self, other: Resources) -> Resources:
+        return Resources(
+            cpu_millis=self.cpu_millis + other.cpu_millis,
+            memory_bytes=self.memory_bytes + other.memory_bytes,
+        )
+
+    def __sub__(self, other: Resources) -> Resources:
+        return Resources(
+            cpu_millis=self.cpu_millis - other.cpu_millis,
+            memory_bytes=self.memory_bytes - other.memory_bytes,
+        )
+
+    def fits_in(self, free: Resources) -> bool:
+        return self.cpu_millis <= free.cpu_millis and self.memory_bytes <= free.memory_bytes
+
+
+class VmSpec(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    kernel: str = ""
+    initrd: str = ""
+    cmdline: str = ""
+
+
+class WorkloadSpec(BaseModel):
+    """What a user declares. Validation errors name the offending field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    kind: WorkloadKind
+    image: str = ""
+    command: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    restart_policy: RestartPolicy = RestartPolicy.ALWAYS
+    vm: VmSpec | None = None
+    working_dir: str = ""
+    # Spread rule: at most this many replicas of the workload on one node (0: no limit).
+    max_per_node: int = Field(default=0, ge=0)
+    # Seconds between SIGTERM and SIGKILL when an instance is stopped.
+    stop_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"env key {key!r} must be non-empty without '=' or NUL")
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _LABEL_KEY_RE.match(key):
+                raise ValueError(f"node_selector key {key!r} is not a valid label key")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_needs(self) -> WorkloadSpec:
+        if self.kind is WorkloadKind.PROCESS and not self.command:
+            raise ValueError("command is required for a PROCESS workload")
+        if self.kind is WorkloadKind.CONTAINER and not self.image:
+            raise ValueError("image is required for a CONTAINER workload")
+        if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):
+            raise ValueError("image or vm.kernel is required for a VM workload")
+        return self
+
+    @property
+    def driver(self) -> str:
+        return KIND_DRIVER[self.kind]
+
+
+class WorkloadStatus(BaseModel):
+    desired: int = 0
+    placed: int = 0
+    running: int = 0
+    unschedulable_reasons: list[str] = Field(default_factory=list)
+    message: str = ""
+
+
+class Workload(BaseModel):
+    spec: WorkloadSpec
+    generation: int = 1
+    deleting: bool = False
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    status: WorkloadStatus = Field(default_factory=WorkloadStatus)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class Instance(BaseModel):
+    name: str
+    workload: str
+    generation: int = 1
+    node: str = ""
+    phase: InstancePhase = InstancePhase.PENDING
+    reason: str = ""
+    message: str = ""
+    exit_code: int | None = None
+    restarts: int = 0
+    # Set when the controller wants this instance gone (scale down, delete, replaced).
+    desired_stop: bool = False
+    # Name of the instance that replaces this one while its node drains.
+    replaced_by: str = ""
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    scheduled_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+
+class Node(BaseModel):
+    name: str
+    state: NodeState = NodeState.READY
+    schedulable: bool = True
+    draining: bool = False
+    capacity: Resources = Field(default_factory=Resources)
+    allocatable: Resources = Field(default_factory=Resources)
+    allocated: Resources = Field(default_factory=Resources)
+    usage: Resources = Field(default_factory=Resources)
+    labels: dict[str, str] = Field(default_factory=dict)
+    drivers: list[str] = Field(default_factory=list)
+    instances: int = 0
+    last_heartbeat: float = 0.0
+    joined_at: float = Field(default_factory=time.time)
+    message: str = ""
+
+
+class InstanceReport(BaseModel):
+    """What an agent says about one instance it runs (or ran)."""
+
+    name: str
+    workload: str = ""
+    node: str = ""
+    phase: InstancePhase
+    reason: str = ""
+    message: str = ""
+    exit_code: int | None = None
+    restarts: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None

@@ -1,0 +1,260 @@
+"""The one place where protobuf messages become domain models and back."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
+from orka.errors import Invalid
+from orka.models import (
+    Instance,
+    InstancePhase,
+    InstanceReport,
+    Node,
+    NodeState,
+    Resources,
+    RestartPolicy,
+    Workload,
+    WorkloadSpec,
+    WorkloadStatus,
+)
+
+
+def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
+    """Turn pydantic's report into one message that names each offending field."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
+        parts.append(f"{field}: {msg}" if field else msg)
+    return Invalid("; ".join(parts))
+
+
+def resources_from_pb(msg: pb.Resources) -> Resources:
+    return Resources.model_construct(cpu_millis=msg.cpu_millis, memory_bytes=msg.memory_bytes)
+
+
+def resources_to_pb(r: Resources) -> pb.Resources:
+    return pb.Resources(cpu_millis=r.cpu_millis, memory_bytes=r.memory_bytes)
+
+
+def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
+    if msg.kind == pb.WorkloadSpec.KIND_UNSPECIFIED:
+        raise Invalid("spec.kind: is required (PROCESS, CONTAINER or VM)")
+    if msg.kind not in (pb.WorkloadSpec.PROCESS, pb.WorkloadSpec.CONTAINER, pb.WorkloadSpec.VM):
+        raise Invalid(f"spec.kind: unknown kind {msg.kind}; use PROCESS, CONTAINER or VM")
+    policy = pb.WorkloadSpec.RestartPolicy.Name(msg.restart_policy)
+    if msg.restart_policy == pb.WorkloadSpec.RESTART_POLICY_UNSPECIFIED:
+        policy = RestartPolicy.ALWAYS.value
+    data: dict[str, object] = {
+        "name": msg.name,
+        "kind": pb.WorkloadSpec.Kind.Name(msg.kind),
+        "image": msg.image,
+        "command": list(msg.command),
+        "env": dict(msg.env),
+        "replicas": msg.replicas,
+        "resources": {
+            "cpu_millis": msg.resources.cpu_millis,
+            "memory_bytes": msg.resources.memory_bytes,
+        },
+        "node_selector": dict(msg.node_selector),
+        "restart_policy": policy,
+        "working_dir": msg.working_dir,
+        "max_per_node": msg.max_per_node,
+    }
+    if msg.HasField("vm"):
+        data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
+    if msg.HasField("stop_grace_seconds"):
+        data["stop_grace_seconds"] = msg.stop_grace_seconds
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as err:
+        raise invalid_from(err, "spec.") from None
+
+
+def spec_to_pb(spec: WorkloadSpec) -> pb.WorkloadSpec:
+    msg = pb.WorkloadSpec(
+        name=spec.name,
+        kind=pb.WorkloadSpec.Kind.Value(spec.kind.value),
+        image=spec.image,
+        command=spec.command,
+        env=spec.env,
+        replicas=spec.replicas,
+        resources=resources_to_pb(spec.resources),
+        node_selector=spec.node_selector,
+        restart_policy=pb.WorkloadSpec.RestartPolicy.Value(spec.restart_policy.value),
+        working_dir=spec.working_dir,
+        max_per_node=spec.max_per_node,
+        stop_grace_seconds=spec.stop_grace_seconds,
+    )
+    if spec.vm is not None:
+        msg.vm.CopyFrom(
+            pb.VmSpec(kernel=spec.vm.kernel, initrd=spec.vm.initrd, cmdline=spec.vm.cmdline)
+        )
+    return msg
+
+
+def workload_to_pb(w: Workload) -> pb.Workload:
+    s = w.status
+    return pb.Workload(
+        spec=spec_to_pb(w.spec),
+        status=pb.WorkloadStatus(
+            desired=s.desired,
+            placed=s.placed,
+            running=s.running,
+            unschedulable_reasons=s.unschedulable_reasons,
+            message=s.message,
+        ),
+        generation=w.generation,
+        deleting=w.deleting,
+        created_at=w.created_at,
+        updated_at=w.updated_at,
+    )
+
+
+def workload_from_pb(msg: pb.Workload) -> Workload:
+    s = msg.status
+    return Workload(
+        spec=spec_from_pb(msg.spec),
+        status=WorkloadStatus(
+            desired=s.desired,
+            placed=s.placed,
+            running=s.running,
+            unschedulable_reasons=list(s.unschedulable_reasons),
+            message=s.message,
+        ),
+        generation=msg.generation,
+        deleting=msg.deleting,
+        created_at=msg.created_at,
+        updated_at=msg.updated_at,
+    )
+
+
+def phase_to_pb(phase: InstancePhase) -> int:
+    return pb.Instance.Phase.Value(phase.value)
+
+
+def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
+    if value == pb.Instance.PHASE_UNSPECIFIED:
+        raise Invalid(f"{field}: is required")
+    try:
+        return InstancePhase(pb.Instance.Phase.Name(value))
+    except ValueError:
+        raise Invalid(f"{field}: unknown phase {value}") from None
+
+
+def instance_to_pb(i: Instance) -> pb.Instance:
+    msg = pb.Instance(
+        name=i.name,
+        workload=i.workload,
+        node=i.node,
+        phase=phase_to_pb(i.phase),
+        reason=i.reason,
+        message=i.message,
+        restarts=i.restarts,
+        generation=i.generation,
+        created_at=i.created_at,
+        updated_at=i.updated_at,
+        scheduled_at=i.scheduled_at or 0.0,
+        started_at=i.started_at or 0.0,
+        finished_at=i.finished_at or 0.0,
+    )
+    if i.exit_code is not None:
+        msg.exit_code = i.exit_code
+    return msg
+
+
+def instance_from_pb(msg: pb.Instance) -> Instance:
+    return Instance(
+        name=msg.name,
+        workload=msg.workload,
+        node=msg.node,
+        phase=phase_from_pb(msg.phase),
+        reason=msg.reason,
+        message=msg.message,
+        exit_code=msg.exit_code if msg.HasField("exit_code") else None,
+        restarts=msg.restarts,
+        generation=msg.generation,
+        created_at=msg.created_at,
+        updated_at=msg.updated_at,
+        scheduled_at=msg.scheduled_at or None,
+        started_at=msg.started_at or None,
+        finished_at=msg.finished_at or None,
+    )
+
+
+def node_to_pb(n: Node) -> pb.Node:
+    return pb.Node(
+        name=n.name,
+        state=pb.Node.State.Value(n.state.value),
+        schedulable=n.schedulable,
+        draining=n.draining,
+        capacity=resources_to_pb(n.capacity),
+        allocatable=resources_to_pb(n.allocatable),
+        allocated=resources_to_pb(n.allocated),
+        usage=resources_to_pb(n.usage),
+        labels=n.labels,
+        drivers=n.drivers,
+        instances=n.instances,
+        last_heartbeat=n.last_heartbeat,
+        message=n.message,
+    )
+
+
+def node_from_pb(msg: pb.Node) -> Node:
+    state = NodeState.READY
+    if msg.state != pb.Node.STATE_UNSPECIFIED:
+        state = NodeState(pb.Node.State.Name(msg.state))
+    return Node(
+        name=msg.name,
+        state=state,
+        schedulable=msg.schedulable,
+        draining=msg.draining,
+        capacity=resources_from_pb(msg.capacity),
+        allocatable=resources_from_pb(msg.allocatable),
+        allocated=resources_from_pb(msg.allocated),
+        usage=resources_from_pb(msg.usage),
+        labels=dict(msg.labels),
+        drivers=list(msg.drivers),
+        instances=msg.instances,
+        last_heartbeat=msg.last_heartbeat,
+        message=msg.message,
+    )
+
+
+def report_to_pb(r: InstanceReport, resources: Resources | None = None) -> apb.InstanceStatus:
+    msg = apb.InstanceStatus(
+        name=r.name,
+        workload=r.workload,
+        phase=phase_to_pb(r.phase),
+        reason=r.reason,
+        message=r.message,
+        restarts=r.restarts,
+        started_at=r.started_at or 0.0,
+        finished_at=r.finished_at or 0.0,
+    )
+    if r.exit_code is not None:
+        msg.exit_code = r.exit_code
+    if resources is not None:
+        msg.resources.CopyFrom(resources_to_pb(resources))
+    return msg
+
+
+def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
+    """Agent input: validated here, so a bad message is rejected before it touches state."""
+    if not msg.name:
+        raise Invalid("instance status: name is required")
+    return InstanceReport(
+        name=msg.name,
+        workload=msg.workload,
+        node=node,
+        phase=phase_from_pb(msg.phase, f"instance status {msg.name}: phase"),
+        reason=msg.reason,
+        message=msg.message,
+        exit_code=msg.exit_code if msg.HasField("exit_code") else None,
+        restarts=msg.restarts,
+        started_at=msg.started_at or None,
+        finished_at=msg.finished_at or None,
+    )

@@ -1,0 +1,123 @@
+"""Server plumbing shared by every service: TLS listener, health, reflection, the error boundary."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from orka.errors import Invalid, OrkaError
+from orka.security.identity import Identity, require_role
+from orka.security.tls import TlsFiles, server_credentials
+
+log = structlog.get_logger("orka.rpc")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def split_hostport(value: str, flag: str = "--listen") -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise Invalid(f"{flag}: {value!r} is not HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def grpc_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+async def start_server(
+    listen: str,
+    tls: TlsFiles,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Sequence[str],
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start a mutual-TLS server with health and reflection; returns it and its bound port."""
+    host, port = split_hostport(listen)
+    server = grpc.aio.server(options=grpc_options())
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, server_credentials(tls))
+    if bound == 0:
+        raise Invalid(f"--listen: cannot listen on {listen}")
+    await server.start()
+    for name in (*service_names, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+def _abort_code(err: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(err, OrkaError):
+        return err.code, err.message
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+
+
+def unary(
+    roles: Collection[str],
+) -> Callable[
+    [Callable[[Any, Req, Identity], Awaitable[Resp]]],
+    Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]],
+]:
+    """The error boundary of a unary RPC: checks the caller's role, maps OrkaError to a code."""
+
+    def wrap(fn: Callable[[Any, Req, Identity], Awaitable[Resp]]) -> Any:
+        @functools.wraps(fn)
+        async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+            try:
+                who = require_role(context, roles)
+                return await fn(self, request, who)
+            except Exception as err:
+                code, message = _abort_code(err)
+                if code is grpc.StatusCode.INTERNAL:
+                    log.exception("rpc failed", method=fn.__name__)
+                await context.abort(code, message)
+                raise  # unreachable: abort raises
+
+        return handler
+
+    return wrap
+
+
+def stream(
+    roles: Collection[str],
+) -> Callable[[Callable[..., AsyncIterator[Resp]]], Callable[..., AsyncIterator[Resp]]]:
+    """The same boundary for server-streaming and bidirectional RPCs."""
+
+    def wrap(fn: Callable[..., AsyncIterator[Resp]]) -> Any:
+        @functools.wraps(fn)
+        async def handler(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Resp]:
+            try:
+                who = require_role(context, roles)
+                async for item in fn(self, request, who, context):
+                    yield item
+            except Exception as err:
+                code, message = _abort_code(err)
+                if code is grpc.StatusCode.INTERNAL:
+                    log.exception("stream failed", method=fn.__name__)
+                await context.abort(code, message)
+
+        return handler
+
+    return wrap

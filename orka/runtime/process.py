@@ -1,0 +1,512 @@
+"""The `process` driver: plain child processes, no root needed (the embedded default).
+
+Layout per instance, under `<data_dir>/instances/<instance>/`:
+`task.json` (pid, kernel start time, workload, started_at), `stdout.log`, `stderr.log`,
+`exit_code` (written by the wrapper) and `exit.json` (written once the driver saw the exit).
+It is also the working directory unless the spec names one.
+
+Surviving the agent. Every task runs in its own session (`start_new_session=True`), like Nomad's
+executor, so SIGKILLing the agent leaves tasks running; a new driver on the same data dir finds
+them through `task.json` and re-adopts them. The pid is only trusted while `/proc/<pid>/stat`
+still shows the start time recorded at launch, which guards against pid reuse.
+
+Exit codes. A re-adopted task is no longer our child, so it cannot be waited for. Rather than
+lose its exit code, each command runs under a tiny `/bin/sh` wrapper that waits for it and writes
+`$?` to `exit_code`. The wrapper traps SIGTERM/SIGINT with a no-op handler (handlers, unlike
+ignored signals, reset to default in the command it runs), so when the process group is signalled
+the command dies and the wrapper survives long enough to record the code. SIGKILL still goes to
+the whole process group, wrapper included, so nothing survives a stop; a code that was never
+recorded because we SIGKILLed the group is reported as 137. Exit codes follow the shell
+convention: death by signal N is 128+N. Our own children are still waited for for real; adopted
+ones are polled (`poll_interval`, one small /proc read each).
+
+When a task's main command ends, whatever it left running in its process group is killed, as a
+container runtime does when a container's init exits.
+
+Not enforced: `resources.cpu_millis` and `memory_bytes` (plain processes have no cgroup here);
+`usage()` only reports what the process tree uses. Linux only (`/proc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import psutil
+import structlog
+
+from orka.errors import AlreadyExists, NotFound, RuntimeFailure
+from orka.models import WorkloadKind
+from orka.runtime.base import (
+    Driver,
+    DriverHealth,
+    RunSpec,
+    TaskInfo,
+    TaskState,
+    Usage,
+    check_instance,
+)
+
+log = structlog.get_logger(__name__)
+
+SHELL = "/bin/sh"
+# $1 is the exit-code file, the rest is the command. See the module docstring for why it traps.
+_WRAPPER = 'f=$1; shift\ntrap : TERM INT\n"$@"\nc=$?\necho "$c" > "$f"\nexit "$c"\n'
+_WRAPPER_NAME = "orka-task"
+SIGKILL_EXIT_CODE = 128 + signal.SIGKILL
+# How long a process group may take to disappear after SIGKILL before we call it stuck.
+_KILL_TIMEOUT = 5.0
+
+TASK_FILE = "task.json"
+EXIT_FILE = "exit.json"
+EXIT_CODE_FILE = "exit_code"
+
+
+@dataclass(eq=False)
+class _Task:
+    instance: str
+    workload: str
+    dir: Path
+    pid: int
+    start_ticks: int | None
+    started_at: float
+    # Only set for children of this process; adopted tasks are polled instead.
+    proc: asyncio.subprocess.Process | None = None
+    exit_code: int | None = None
+    finished_at: float | None = None
+    message: str = ""
+    killed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task[None] | None = None
+    # Kept between usage() calls because psutil's cpu_percent measures since the last call.
+    samples: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def info(self) -> TaskInfo:
+        return TaskInfo(
+            instance=self.instance,
+            workload=self.workload,
+            driver=ProcessDriver.name,
+            state=TaskState.EXITED if self.done.is_set() else TaskState.RUNNING,
+            exit_code=self.exit_code,
+            pid=self.pid,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            message=self.message,
+        )
+
+
+class ProcessDriver(Driver):
+    name: ClassVar[str] = "process"
+
+    def __init__(self, data_dir: Path, poll_interval: float = 0.2) -> None:
+        self._root = Path(data_dir) / "instances"
+        self._poll = poll_interval
+        self._tasks: dict[str, _Task] = {}
+        # Start, stop and remove of one instance must not interleave.
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._closed = False
+
+    # -- interface ---------------------------------------------------------------------------
+
+    async def health(self) -> DriverHealth:
+        kinds = [WorkloadKind.PROCESS]
+        if not os.access(SHELL, os.X_OK):
+            return DriverHealth(healthy=False, message=f"{SHELL} is missing", kinds=kinds)
+        try:
+            await asyncio.to_thread(self._root.mkdir, parents=True, exist_ok=True)
+        except OSError as exc:
+            return DriverHealth(healthy=False, message=f"data dir: {exc}", kinds=kinds)
+        if not os.access(self._root, os.W_OK):
+            return DriverHealth(healthy=False, message=f"{self._root} is not writable", kinds=kinds)
+        return DriverHealth(healthy=True, kinds=kinds)
+
+    async def start(self, run: RunSpec) -> TaskInfo:
+        instance = check_instance(run.instance)
+        async with self._locks[instance]:
+            existing = await self._lookup(instance)
+            if existing is not None:
+                if not existing.done.is_set():
+                    raise AlreadyExists(f"process: instance {instance!r} is already running")
+                # A restart of an exited instance reuses its directory and appends to its logs.
+                self._tasks.pop(instance, None)
+            task_dir = self._root / instance
+            argv, cwd, env = await asyncio.to_thread(_prepare, run, task_dir)
+            out, err = _open_logs(task_dir)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    SHELL,
+                    "-c",
+                    _WRAPPER,
+                    _WRAPPER_NAME,
+                    str(task_dir / EXIT_CODE_FILE),
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise RuntimeFailure(f"process: cannot start {argv[0]!r}: {exc}") from exc
+            finally:
+                # The child holds its own copies of the descriptors.
+                os.close(out)
+                os.close(err)
+            task = _Task(
+                instance=instance,
+                workload=run.workload,
+                dir=task_dir,
+                pid=proc.pid,
+                start_ticks=_start_ticks(proc.pid),
+                started_at=time.time(),
+                proc=proc,
+            )
+            record = {
+                "instance": instance,
+                "workload": run.workload,
+                "pid": task.pid,
+                "start_ticks": task.start_ticks,
+                "started_at": task.started_at,
+                "command": argv,
+            }
+            await asyncio.to_thread(_write_json, task_dir / TASK_FILE, record)
+            self._tasks[instance] = task
+            task.watcher = asyncio.create_task(self._watch_child(task), name=f"watch-{instance}")
+            log.info("process.started", instance=instance, pid=task.pid, command=argv)
+            return task.info()
+
+    async def wait(self, instance: str) -> TaskInfo:
+        task = await self._require(instance)
+        await task.done.wait()
+        return task.info()
+
+    async def stop(self, instance: str, grace: float) -> TaskInfo:
+        task = await self._require(instance)
+        async with self._locks[instance]:
+            if task.done.is_set():
+                return task.info()
+            self._signal(task, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(task.done.wait(), timeout=max(grace, 0.0))
+            except TimeoutError:
+                task.killed = True
+                self._signal(task, signal.SIGKILL)
+                try:
+                    await asyncio.wait_for(task.done.wait(), timeout=_KILL_TIMEOUT)
+                except TimeoutError:
+                    raise RuntimeFailure(
+                        f"process: instance {instance!r} (pid {task.pid}) survived SIGKILL"
+                    ) from None
+            log.info("process.stopped", instance=instance, exit_code=task.exit_code)
+            return task.info()
+
+    async def remove(self, instance: str) -> None:
+        """Kill at once if still running: a graceful stop is the caller's `stop()` beforehand."""
+        check_instance(instance)
+        task = await self._lookup(instance)
+        if task is not None and not task.done.is_set():
+            await self.stop(instance, grace=0.0)
+        async with self._locks[instance]:
+            task = self._tasks.pop(instance, None)
+            if task is not None and task.watcher is not None:
+                task.watcher.cancel()
+            await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
+        self._locks.pop(instance, None)
+
+    async def list(self) -> list[TaskInfo]:
+        unknown = await asyncio.to_thread(self._scan, set(self._tasks))
+        for instance, record in unknown.items():
+            await self._adopt(instance, record)
+        return [task.info() for task in self._tasks.values()]
+
+    async def usage(self, instance: str) -> Usage:
+        task = await self._require(instance)
+        if task.done.is_set():
+            return Usage()
+        return await asyncio.to_thread(_measure, task)
+
+    def log_paths(self, instance: str) -> tuple[Path, Path]:
+        task_dir = self._root / check_instance(instance)
+        return task_dir / "stdout.log", task_dir / "stderr.log"
+
+    async def close(self) -> None:
+        """Stop watching; tasks keep running so that the next agent re-adopts them."""
+        if self._closed:
+            return
+        self._closed = True
+        watchers = [t.watcher for t in self._tasks.values() if t.watcher is not None]
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+    # -- tracking ----------------------------------------------------------------------------
+
+    async def _require(self, instance: str) -> _Task:
+        task = await self._lookup(check_instance(instance))
+        if task is None:
+            raise NotFound(f"process: no task {instance!r}")
+        return task
+
+    async def _lookup(self, instance: str) -> _Task | None:
+        task = self._tasks.get(instance)
+        if task is not None:
+            return task
+        record = await asyncio.to_thread(_read_record, self._root / instance)
+        if record is None:
+            return None
+        return await self._adopt(instance, record)
+
+    def _scan(self, known: set[str]) -> dict[str, dict[str, Any]]:
+        """Read the records of every instance dir this driver does not track yet (in a thread)."""
+        found: dict[str, dict[str, Any]] = {}
+        try:
+            entries = list(os.scandir(self._root))
+        except FileNotFoundError:
+            return found
+        for entry in entries:
+            if entry.name in known or not entry.is_dir():
+                continue
+            record = _read_record(Path(entry.path))
+            if record is not None:
+                found[entry.name] = record
+        return found
+
+    async def _adopt(self, instance: str, record: dict[str, Any]) -> _Task:
+        # Another caller may have adopted it while we were reading the files.
+        if instance in self._tasks:
+            return self._tasks[instance]
+        task = _Task(
+            instance=instance,
+            workload=str(record.get("workload", "")),
+            dir=self._root / instance,
+            pid=int(record["pid"]),
+            start_ticks=record.get("start_ticks"),
+            started_at=float(record.get("started_at", 0.0)),
+        )
+        self._tasks[instance] = task
+        exit_record = record.get("exit")
+        if exit_record is not None:
+            task.exit_code = exit_record.get("exit_code")
+            task.finished_at = exit_record.get("finished_at")
+            task.message = str(exit_record.get("message", ""))
+            task.done.set()
+        elif _alive(task.pid, task.start_ticks):
+            log.info("process.adopted", instance=instance, pid=task.pid)
+            task.watcher = asyncio.create_task(self._watch_adopted(task), name=f"watch-{instance}")
+        else:
+            await self._finish(task, None)
+        return task
+
+    async def _watch_child(self, task: _Task) -> None:
+        assert task.proc is not None
+        returncode = await task.proc.wait()
+        # A negative code means the wrapper itself died of a signal (our SIGKILL of the group).
+        code = 128 - returncode if returncode < 0 else returncode
+        await self._finish(task, code)
+
+    async def _watch_adopted(self, task: _Task) -> None:
+        # Not our child: no wait() and no pidfd event to await, so polling /proc is the way.
+        while _alive(task.pid, task.start_ticks):  # noqa: ASYNC110
+            await asyncio.sleep(self._poll)
+        await self._finish(task, None)
+
+    async def _finish(self, task: _Task, code: int | None) -> None:
+        """Record the exit once: exit.json first, so a waiter can rely on it being on disk."""
+        if task.done.is_set():
+            return
+        _sweep_group(task.pid, task.start_ticks)
+        recorded, recorded_at = await asyncio.to_thread(_read_exit_code, task.dir)
+        if code is None:
+            code = recorded
+        if code is None and task.killed:
+            code = SIGKILL_EXIT_CODE
+        task.exit_code = code
+        task.finished_at = recorded_at if task.proc is None and recorded_at else time.time()
+        if task.killed:
+            task.message = "killed after the stop grace period"
+        elif code is None:
+            task.message = "exited while unwatched; exit code unknown"
+        elif code > 128:
+            task.message = f"terminated by signal {code - 128}"
+        else:
+            task.message = f"exited with code {code}"
+        exit_record = {
+            "exit_code": task.exit_code,
+            "finished_at": task.finished_at,
+            "message": task.message,
+        }
+        try:
+            await asyncio.to_thread(_write_json, task.dir / EXIT_FILE, exit_record)
+        except OSError as exc:
+            # Only a restarted agent loses by this; the live state stays right.
+            log.warning("process.exit_record_failed", instance=task.instance, error=str(exc))
+        task.done.set()
+        log.info("process.exited", instance=task.instance, exit_code=code)
+
+    def _signal(self, task: _Task, sig: signal.Signals) -> None:
+        if task.proc is not None:
+            # Our child's pid cannot be reused before we reaped it, and once reaped it is done.
+            if task.proc.returncode is not None:
+                return
+        elif not _alive(task.pid, task.start_ticks):
+            return
+        # start_new_session made the pid the process group id; signal the whole tree.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(task.pid, sig)
+
+
+# -- helpers that touch the filesystem (called from threads where they may be slow) ----------
+
+
+def _prepare(run: RunSpec, task_dir: Path) -> tuple[list[str], str, dict[str, str]]:
+    spec = run.spec
+    argv = list(spec.command)
+    if not argv:
+        raise RuntimeFailure("process: the workload has no command to run")
+    task_dir.mkdir(parents=True, exist_ok=True)
+    cwd = spec.working_dir or str(task_dir)
+    if not Path(cwd).is_dir():
+        raise RuntimeFailure(f"process: working_dir {cwd!r} is not a directory")
+    # A minimal environment: the agent's own (secrets, sockets) must not leak into tasks.
+    env = {
+        "PATH": os.environ.get("PATH", os.defpath),
+        "HOME": os.environ.get("HOME", str(task_dir)),
+        "ORKA_INSTANCE": run.instance,
+        "ORKA_WORKLOAD": run.workload,
+    }
+    env.update(spec.env)
+    argv[0] = _resolve(argv[0], env["PATH"], cwd)
+    # Stale records from an earlier run of this instance would be mistaken for this one.
+    for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):
+        (task_dir / name).unlink(missing_ok=True)
+    return argv, cwd, env
+
+
+def _resolve(command: str, path: str, cwd: str) -> str:
+    """Find the executable up front: the wrapper would only report a failure as exit code 127."""
+    if "/" in command:
+        candidate = Path(cwd, command)
+        if not candidate.is_file():
+            raise RuntimeFailure(f"command {command!r} not found")
+        if not os.access(candidate, os.X_OK):
+            raise RuntimeFailure(f"command {command!r} is not executable")
+        return str(candidate)
+    found = shutil.which(command, path=path)
+    if found is None:
+        raise RuntimeFailure(f"command {command!r} not found in PATH")
+    return found
+
+
+def _open_logs(task_dir: Path) -> tuple[int, int]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    out = os.open(task_dir / "stdout.log", flags, 0o644)
+    try:
+        err = os.open(task_dir / "stderr.log", flags, 0o644)
+    except OSError:
+        os.close(out)
+        raise
+    return out, err
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    # Write then rename, so a crash never leaves a half-written record behind.
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_record(task_dir: Path) -> dict[str, Any] | None:
+    try:
+        record: dict[str, Any] = json.loads((task_dir / TASK_FILE).read_text())
+        if not isinstance(record.get("pid"), int):
+            return None
+    except (OSError, ValueError):
+        return None
+    try:
+        record["exit"] = json.loads((task_dir / EXIT_FILE).read_text())
+    except (OSError, ValueError):
+        record["exit"] = None
+    return record
+
+
+def _read_exit_code(task_dir: Path) -> tuple[int | None, float | None]:
+    path = task_dir / EXIT_CODE_FILE
+    try:
+        return int(path.read_text().strip()), path.stat().st_mtime
+    except (OSError, ValueError):
+        return None, None
+
+
+# -- /proc -----------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a pid, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields resume after the last ')'.
+    rest = raw[raw.rfind(")") + 2 :].split()
+    # rest[0] is field 3 (state), so field 22 (starttime) is rest[19].
+    return rest[0], int(rest[19])
+
+
+def _start_ticks(pid: int) -> int | None:
+    st = _stat(pid)
+    return st[1] if st else None
+
+
+def _alive(pid: int, start_ticks: int | None) -> bool:
+    """Whether the pid is still our live task; without a start time we cannot tell, so no."""
+    st = _stat(pid)
+    if st is None or start_ticks is None:
+        return False
+    state, ticks = st
+    return ticks == start_ticks and state not in ("Z", "X")
+
+
+def _sweep_group(pgid: int, start_ticks: int | None) -> None:
+    """Kill whatever the task left in its process group once the main command has ended."""
+    st = _stat(pgid)
+    # A live pid with another start time means the number was reused: not our group.
+    if st is not None and st[1] != start_ticks:
+        return
+    # Otherwise the pid is our (zombie) leader or gone; a pgid is never reused while a member
+    # of the group lives, so this reaches only processes the task started.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _measure(task: _Task) -> Usage:
+    try:
+        root = psutil.Process(task.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return Usage()
+    cpu_percent = 0.0
+    rss = 0
+    seen: dict[int, psutil.Process] = {}
+    for proc in procs:
+        # Reuse the cached object so cpu_percent measures since the previous sample.
+        cached = task.samples.get(proc.pid, proc)
+        try:
+            cpu_percent += cached.cpu_percent(interval=None)
+            rss += cached.memory_info().rss
+        except psutil.Error:
+            continue
+        seen[proc.pid] = cached
+    task.samples = seen
+    # psutil reports percent of one CPU; 100 % of a CPU is 1000 millicores.
+    return Usage(cpu_millis=int(cpu_percent * 10), memory_bytes=rss)

@@ -1,0 +1,24 @@
+"""The explicit table of runtime drivers an agent can be configured with (`--runtime`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orka.errors import Invalid
+from orka.runtime.base import Driver
+from orka.runtime.fake import FakeDriver
+from orka.runtime.process import ProcessDriver
+
+DRIVERS: dict[str, type[Driver]] = {
+    "process": ProcessDriver,
+    "fake": FakeDriver,
+}
+
+
+def make_driver(name: str, data_dir: Path, **opts: Any) -> Driver:
+    cls = DRIVERS.get(name)
+    if cls is None:
+        known = ", ".join(sorted(DRIVERS))
+        raise Invalid(f"unknown runtime driver {name!r}; known: {known}")
+    return cls(data_dir, **opts)  # type: ignore[call-arg]

@@ -1,0 +1,42 @@
+"""The placement filters, in the order the pipeline runs them.
+
+A node is rejected by the first filter that returns a reason, so the order is both a cost order
+(cheap attribute checks first, they also remove the most nodes) and the precedence of reasons
+users see: a lost node reports "lost", not "insufficient cpu".
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from orka.scheduler.filters.driver import DriverFilter
+from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.ready import ReadyFilter
+from orka.scheduler.filters.resources import ResourcesFilter
+from orka.scheduler.filters.schedulable import SchedulableFilter
+from orka.scheduler.filters.spread import SpreadFilter
+from orka.scheduler.snapshot import NodeView, PlacementRequest
+
+
+class Filter(Protocol):
+    name: str
+
+    def applies(self, req: PlacementRequest) -> bool:
+        """False when the request cannot be rejected by this filter, so it is skipped."""
+        ...
+
+    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
+        """The reason the node cannot take the request, or None when it can."""
+        ...
+
+
+FILTERS: tuple[Filter, ...] = (
+    ReadyFilter(),
+    SchedulableFilter(),
+    DriverFilter(),
+    ResourcesFilter(),
+    NodeSelectorFilter(),
+    SpreadFilter(),
+)
+
+__all__ = ["FILTERS", "Filter"]

@@ -1,0 +1,226 @@
+"""The scheduler's live picture of the cluster: nodes, what they hold, and reservations.
+
+Soft state only. It is rebuilt from agents re-registering after a restart, so nothing here is
+ever written to disk.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from orka.models import (
+    TERMINAL_PHASES,
+    InstancePhase,
+    InstanceReport,
+    Node,
+    NodeState,
+    Resources,
+)
+from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
+
+if TYPE_CHECKING:
+    from orka.scheduler.session import AgentSession
+
+
+@dataclass(slots=True)
+class Hold:
+    """Resources an instance takes on a node: reserved by an offer, or bound and running."""
+
+    workload: str
+    cpu_millis: int
+    memory_bytes: int
+    # Reservations expire if the controller never commits them (it crashed, the agent left).
+    expires_at: float | None = None
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    name: str
+    capacity: Resources = field(default_factory=Resources)
+    allocatable: Resources = field(default_factory=Resources)
+    usage: Resources = field(default_factory=Resources)
+    labels: dict[str, str] = field(default_factory=dict)
+    drivers: frozenset[str] = frozenset()
+    state: NodeState = NodeState.READY
+    schedulable: bool = True
+    draining: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    last_heartbeat_wall: float = field(default_factory=time.time)
+    session: AgentSession | None = None
+    holds: dict[str, Hold] = field(default_factory=dict)
+    reports: dict[str, InstanceReport] = field(default_factory=dict)
+    cpu_used: int = 0
+    mem_used: int = 0
+    message: str = ""
+
+    def free(self) -> tuple[int, int]:
+        return (
+            self.allocatable.cpu_millis - self.cpu_used,
+            self.allocatable.memory_bytes - self.mem_used,
+        )
+
+    def add_hold(self, instance: str, hold: Hold) -> None:
+        old = self.holds.pop(instance, None)
+        if old is not None:
+            self.cpu_used -= old.cpu_millis
+            self.mem_used -= old.memory_bytes
+        self.holds[instance] = hold
+        self.cpu_used += hold.cpu_millis
+        self.mem_used += hold.memory_bytes
+
+    def drop_hold(self, instance: str) -> bool:
+        old = self.holds.pop(instance, None)
+        if old is None:
+            return False
+        self.cpu_used -= old.cpu_millis
+        self.mem_used -= old.memory_bytes
+        return True
+
+    def workload_count(self, workload: str) -> int:
+        return sum(1 for h in self.holds.values() if h.workload == workload)
+
+    def view(self) -> NodeView:
+        counts: dict[str, int] = {}
+        for h in self.holds.values():
+            counts[h.workload] = counts.get(h.workload, 0) + 1
+        return NodeView(
+            name=self.name,
+            state=self.state,
+            schedulable=self.schedulable and not self.draining,
+            drivers=self.drivers,
+            labels=self.labels,
+            cpu_allocatable=self.allocatable.cpu_millis,
+            mem_allocatable=self.allocatable.memory_bytes,
+            cpu_used=self.cpu_used,
+            mem_used=self.mem_used,
+            workload_counts=counts,
+            total_instances=len(self.holds),
+        )
+
+    def to_model(self) -> Node:
+        return Node(
+            name=self.name,
+            state=self.state,
+            schedulable=self.schedulable,
+            draining=self.draining,
+            capacity=self.capacity,
+            allocatable=self.allocatable,
+            allocated=Resources(cpu_millis=self.cpu_used, memory_bytes=self.mem_used),
+            usage=self.usage,
+            labels=dict(self.labels),
+            drivers=sorted(self.drivers),
+            instances=len(self.holds),
+            last_heartbeat=self.last_heartbeat_wall,
+            message=self.message,
+        )
+
+
+class Registry:
+    """Nodes by name, with a cached snapshot rebuilt only after something changed."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeRecord] = {}
+        self._snapshot: Snapshot | None = None
+
+    def __iter__(self) -> Iterator[NodeRecord]:
+        return iter(self.nodes.values())
+
+    def get(self, name: str) -> NodeRecord | None:
+        return self.nodes.get(name)
+
+    def changed(self) -> None:
+        self._snapshot = None
+
+    def snapshot(self) -> Snapshot:
+        if self._snapshot is None:
+            self._snapshot = Snapshot(tuple(n.view() for n in self.nodes.values()))
+        return self._snapshot
+
+    def upsert(self, name: str) -> NodeRecord:
+        rec = self.nodes.get(name)
+        if rec is None:
+            rec = NodeRecord(name=name)
+            self.nodes[name] = rec
+        self.changed()
+        return rec
+
+    def try_reserve(
+        self, node: NodeRecord, req: PlacementRequest, hold_seconds: float
+    ) -> str | None:
+        """Check the live record (not the snapshot) and reserve; returns a reason on failure.
+
+        The snapshot a ranking used may be stale by now; this check is the one that prevents
+        overbooking, and it runs without an await, so no other placement can interleave.
+        """
+        if node.state is not NodeState.READY or node.session is None:
+            return "not ready"
+        if not node.schedulable or node.draining:
+            return "cordoned"
+        cpu_free, mem_free = node.free()
+        if req.cpu_millis > cpu_free:
+            return "insufficient cpu"
+        if req.memory_bytes > mem_free:
+            return "insufficient memory"
+        if req.max_per_node and node.workload_count(req.workload) >= req.max_per_node:
+            return f"spread: {req.max_per_node} replicas already on node"
+        node.add_hold(
+            req.instance,
+            Hold(
+                workload=req.workload,
+                cpu_millis=req.cpu_millis,
+                memory_bytes=req.memory_bytes,
+                expires_at=time.monotonic() + hold_seconds,
+            ),
+        )
+        self.changed()
+        return None
+
+    def release(self, node: NodeRecord, instance: str) -> None:
+        if node.drop_hold(instance):
+            self.changed()
+
+    def apply_report(self, node: NodeRecord, report: InstanceReport, resources: Resources) -> bool:
+        """Record what an agent said; returns True when it differs from what it said before."""
+        old = node.reports.get(report.name)
+        node.reports[report.name] = report
+        if report.phase in TERMINAL_PHASES:
+            self.release(node, report.name)
+        else:
+            hold = node.holds.get(report.name)
+            if hold is None or hold.expires_at is not None:
+                node.add_hold(
+                    report.name,
+                    Hold(report.workload, resources.cpu_millis, resources.memory_bytes),
+                )
+                self.changed()
+        if old is None:
+            return True
+        return (
+            old.phase != report.phase
+            or old.restarts != report.restarts
+            or old.exit_code != report.exit_code
+            or old.reason != report.reason
+            or old.message != report.message
+        )
+
+    def forget(self, node: NodeRecord, instance: str) -> None:
+        node.reports.pop(instance, None)
+        self.release(node, instance)
+
+    def expire_reservations(self, now: float) -> list[tuple[str, str]]:
+        expired = []
+        for node in self.nodes.values():
+            for name, hold in list(node.holds.items()):
+                if hold.expires_at is not None and hold.expires_at < now:
+                    node.drop_hold(name)
+                    expired.append((node.name, name))
+        if expired:
+            self.changed()
+        return expired
+
+
+def running_phase(phase: InstancePhase) -> bool:
+    return phase not in TERMINAL_PHASES

@@ -1,0 +1,485 @@
+"""The scheduler service: agent gateway, placement by offers, liveness, and the controller feed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.api import controller_pb2 as pb
+from orka.errors import Invalid, NotFound
+from orka.models import NodeState, Resources, WorkloadKind
+from orka.rpc import convert
+from orka.rpc.server import start_server, stream, unary
+from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
+from orka.scheduler.registry import NodeRecord, Registry
+from orka.scheduler.session import AgentSession, next_id
+from orka.scheduler.snapshot import PlacementRequest
+from orka.security.identity import Identity
+from orka.security.tls import TlsFiles
+
+log = structlog.get_logger("orka.scheduler")
+
+SERVICE_NAME = "orka.v1.Scheduler"
+
+
+@dataclass
+class SchedulerConfig:
+    listen: str = "127.0.0.1:7444"
+    heartbeat_interval: float = 1.0
+    node_lost_after: float = 5.0
+    offer_timeout: float = 2.0
+    # How long an accepted offer holds resources while the controller persists the binding.
+    hold_seconds: float = 30.0
+    register_timeout: float = 10.0
+    command_timeout: float = 10.0
+    # Forward a node's usage to the controller at most this often (state changes go at once).
+    usage_report_interval: float = 5.0
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0:
+            raise Invalid("heartbeat_interval must be > 0")
+        if self.node_lost_after <= 2 * self.heartbeat_interval:
+            raise Invalid("node_lost_after must be more than 2 heartbeat intervals")
+        if self.offer_timeout <= 0:
+            raise Invalid("offer_timeout must be > 0")
+
+
+class WatchHub:
+    """Fans cluster updates out to every connected controller, batched per wake-up."""
+
+    def __init__(self) -> None:
+        self.queues: set[asyncio.Queue[apb.ClusterUpdate | None]] = set()
+
+    def publish(self, update: apb.ClusterUpdate) -> None:
+        for q in self.queues:
+            q.put_nowait(update)
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put_nowait(None)
+
+
+def request_of(a: apb.Assignment) -> PlacementRequest:
+    spec = a.spec
+    kind = pb.WorkloadSpec.Kind.Name(spec.kind)
+    if kind not in WorkloadKind.__members__:
+        raise Invalid(f"assignment {a.instance}: spec.kind is required")
+    return PlacementRequest(
+        instance=a.instance,
+        workload=spec.name,
+        kind=WorkloadKind(kind),
+        cpu_millis=spec.resources.cpu_millis,
+        memory_bytes=spec.resources.memory_bytes,
+        node_selector=dict(spec.node_selector),
+        max_per_node=spec.max_per_node,
+    )
+
+
+class Scheduler(apb_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig, tls: TlsFiles) -> None:
+        self.config = config
+        self.tls = tls
+        self.registry = Registry()
+        self.pipeline = Pipeline(config.pipeline)
+        self.hub = WatchHub()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+        self.port = 0
+
+    # ---- lifecycle ----
+
+    async def start(self) -> int:
+        self._server, self.port, _ = await start_server(
+            self.config.listen,
+            self.tls,
+            [lambda s: apb_grpc.add_SchedulerServicer_to_server(self, s)],
+            [SERVICE_NAME],
+        )
+        self._tasks.append(asyncio.create_task(self._liveness(), name="liveness"))
+        log.info("scheduler listening", port=self.port)
+        return self.port
+
+    async def run(self) -> None:
+        await self.start()
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for t in self._tasks:
+            t.cancel()
+        for node in self.registry:
+            if node.session is not None:
+                node.session.close()
+        self.hub.close()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+
+    async def __aenter__(self) -> Scheduler:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- publishing to controllers ----
+
+    def _publish_node(self, node: NodeRecord) -> None:
+        self.hub.publish(apb.ClusterUpdate(node=convert.node_to_pb(node.to_model())))
+
+    def _publish_sync(self, node: NodeRecord) -> None:
+        sync = apb.NodeSync(node=node.name)
+        for report in node.reports.values():
+            sync.instances.append(convert.report_to_pb(report))
+        self.hub.publish(apb.ClusterUpdate(sync=sync))
+
+    def _set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
+        if node.state is state:
+            return
+        log.info("node state", node=node.name, old=node.state.value, new=state.value)
+        was_lost = node.state in (NodeState.LOST, NodeState.LEFT)
+        node.state = state
+        node.message = message
+        self.registry.changed()
+        self._publish_node(node)
+        if was_lost and state is NodeState.READY:
+            # The controller may have replaced what this node runs while it was away.
+            self._publish_sync(node)
+
+    # ---- agent stream ----
+
+    @stream(roles={"agent"})
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[apb.AgentMessage],
+        who: Identity,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[apb.SchedulerMessage]:
+        session = AgentSession(who.name)
+        reader = asyncio.create_task(self._read_agent(request_iterator, session, context))
+        try:
+            while True:
+                msg = await session.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._disconnected(session)
+
+    async def _read_agent(
+        self,
+        messages: AsyncIterator[apb.AgentMessage],
+        session: AgentSession,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        node: NodeRecord | None = None
+        try:
+            iterator = aiter(messages)
+            first = await asyncio.wait_for(anext(iterator), self.config.register_timeout)
+            if first.WhichOneof("body") != "register":
+                raise Invalid("the first message on the agent stream must be register")
+            node = self._register(session, first.register)
+            async for msg in iterator:
+                self._on_agent_message(node, session, msg)
+        except (TimeoutError, StopAsyncIteration):
+            pass
+        except Invalid as err:
+            log.warning("agent sent bad input", node=session.node, error=err.message)
+            with contextlib.suppress(Exception):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("agent stream failed", node=session.node)
+        finally:
+            session.close()
+
+    def _register(self, session: AgentSession, reg: apb.Register) -> NodeRecord:
+        info = reg.node
+        capacity = convert.resources_from_pb(info.capacity)
+        allocatable = convert.resources_from_pb(info.allocatable)
+        if capacity.cpu_millis < 0 or capacity.memory_bytes < 0:
+            raise Invalid("register: node.capacity must not be negative")
+        if allocatable.cpu_millis < 0 or allocatable.memory_bytes < 0:
+            raise Invalid("register: node.allocatable must not be negative")
+        reports = [
+            (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
+            for s in reg.instances
+        ]
+        node = self.registry.upsert(session.node)
+        if node.session is not None and node.session is not session:
+            node.session.close()
+        node.session = session
+        node.capacity = capacity
+        node.allocatable = allocatable
+        node.labels = dict(info.labels)
+        node.drivers = frozenset(info.drivers)
+        node.last_seen = time.monotonic()
+        node.last_heartbeat_wall = time.time()
+        if node.state is NodeState.LEFT:
+            node.draining = False
+        # What the node re-announces replaces what we believed it held, except reservations
+        # for offers still in flight.
+        node.reports.clear()
+        for name, hold in list(node.holds.items()):
+            if hold.expires_at is None:
+                node.drop_hold(name)
+        for report, res in reports:
+            self.registry.apply_report(node, report, res)
+        old_state = node.state
+        node.state = NodeState.READY
+        node.message = ""
+        self.registry.changed()
+        log.info("agent registered", node=node.name, instances=len(reports), was=old_state.value)
+        session.send(
+            apb.SchedulerMessage(
+                registered=apb.Registered(
+                    node=node.name, heartbeat_interval=self.config.heartbeat_interval
+                )
+            )
+        )
+        self._publish_node(node)
+        self._publish_sync(node)
+        return node
+
+    def _on_agent_message(
+        self, node: NodeRecord, session: AgentSession, msg: apb.AgentMessage
+    ) -> None:
+        if node.session is not session:
+            return  # a newer stream of the same node took over
+        kind = msg.WhichOneof("body")
+        node.last_seen = time.monotonic()
+        if kind == "heartbeat":
+            hb = msg.heartbeat
+            node.last_heartbeat_wall = time.time()
+            node.usage = convert.resources_from_pb(hb.usage)
+            for status in hb.instances:
+                self._on_status(node, status)
+            if node.state is not NodeState.READY:
+                self._set_state(node, NodeState.READY)
+        elif kind == "event":
+            self._on_status(node, msg.event)
+        elif kind == "offer_reply":
+            r = msg.offer_reply
+            session.resolve(r.offer_id, r.accepted, r.reason)
+        elif kind == "ack":
+            a = msg.ack
+            session.resolve(a.command_id, a.ok, a.error)
+        elif kind == "leave":
+            log.info("agent leaving", node=node.name, reason=msg.leave.reason)
+            session.left = True
+            node.draining = True
+            self.registry.changed()
+            self._publish_node(node)
+        elif kind == "register":
+            raise Invalid("register may only be sent once per stream")
+        else:
+            raise Invalid("empty agent message")
+
+    def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
+        report = convert.report_from_pb(status, node.name)
+        if self.registry.apply_report(node, report, convert.resources_from_pb(status.resources)):
+            self.hub.publish(
+                apb.ClusterUpdate(instance=apb.InstanceUpdate(node=node.name, status=status))
+            )
+
+    def _disconnected(self, session: AgentSession) -> None:
+        node = self.registry.get(session.node)
+        if node is None or node.session is not session:
+            return
+        node.session = None
+        if session.left:
+            node.draining = False
+            for name in list(node.holds):
+                node.drop_hold(name)
+            node.reports.clear()
+            self._set_state(node, NodeState.LEFT, "agent left")
+        log.info("agent disconnected", node=node.name, left=session.left)
+
+    # ---- liveness ----
+
+    async def _liveness(self) -> None:
+        interval = self.config.heartbeat_interval
+        tick = min(interval / 4, 0.25)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for node in list(self.registry):
+                if node.state in (NodeState.LOST, NodeState.LEFT):
+                    continue
+                silent = now - node.last_seen
+                if silent > self.config.node_lost_after:
+                    self._set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
+                    if node.session is not None:
+                        node.session.close()
+                    node.reports.clear()
+                    for name in list(node.holds):
+                        node.drop_hold(name)
+                    self.registry.changed()
+                elif silent > 2 * interval and node.state is NodeState.READY:
+                    self._set_state(node, NodeState.NOT_READY, f"no heartbeat for {silent:.1f}s")
+            for node_name, instance in self.registry.expire_reservations(now):
+                node = self.registry.get(node_name)
+                if node is not None and node.session is not None:
+                    node.session.send(
+                        apb.SchedulerMessage(
+                            release=apb.ReleaseOffer(command_id=next_id("r"), instance=instance)
+                        )
+                    )
+
+    # ---- placement ----
+
+    @unary(roles={"controller"})
+    async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
+        items = [(a, request_of(a)) for a in request.items]
+        results = await asyncio.gather(*(self._place_one(a, req) for a, req in items))
+        return apb.PlaceResponse(results=results)
+
+    async def _place_one(
+        self, assignment: apb.Assignment, req: PlacementRequest
+    ) -> apb.PlaceResult:
+        ranking = self.pipeline.rank(req, self.registry.snapshot())
+        rejections = dict(ranking.rejections)
+        refusals: dict[str, str] = {}
+
+        def refuse(node: str, reason: str) -> None:
+            refusals[node] = reason
+            rejections[reason] = rejections.get(reason, 0) + 1
+
+        for name in ranking.candidates:
+            node = self.registry.get(name)
+            if node is None:
+                refuse(name, "gone")
+                continue
+            reason = self.registry.try_reserve(node, req, self.config.hold_seconds)
+            if reason is not None:
+                refuse(name, reason)
+                continue
+            session = node.session
+            assert session is not None  # try_reserve checked it
+            offer_id = next_id("o")
+            msg = apb.SchedulerMessage(
+                offer=apb.Offer(
+                    offer_id=offer_id,
+                    assignment=assignment,
+                    hold_seconds=self.config.hold_seconds,
+                )
+            )
+            ok, why = await session.request(msg, offer_id, self.config.offer_timeout)
+            if ok:
+                return apb.PlaceResult(instance=req.instance, node=name, refusals=refusals)
+            self.registry.release(node, req.instance)
+            if why == "timed out":
+                why = "offer timed out"
+                session.send(
+                    apb.SchedulerMessage(
+                        release=apb.ReleaseOffer(command_id=next_id("r"), instance=req.instance)
+                    )
+                )
+            refuse(name, f"refused: {why}" if not why.startswith("offer") else why)
+        return apb.PlaceResult(
+            instance=req.instance, reasons=format_reasons(rejections), refusals=refusals
+        )
+
+    # ---- commands ----
+
+    @unary(roles={"controller"})
+    async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
+        results = await asyncio.gather(*(self._command(c) for c in request.commands))
+        return apb.CommandResponse(results=results)
+
+    async def _command(self, cmd: apb.NodeCommand) -> apb.CommandResult:
+        node = self.registry.get(cmd.node)
+        if node is None or node.session is None:
+            return apb.CommandResult(ok=False, error=f"node {cmd.node} is not connected")
+        which = cmd.WhichOneof("command")
+        msg: Any
+        if which == "start":
+            msg = apb.SchedulerMessage(start=cmd.start)
+            key = cmd.start.command_id or next_id("c")
+            msg.start.command_id = key
+        elif which == "stop":
+            msg = apb.SchedulerMessage(stop=cmd.stop)
+            key = cmd.stop.command_id or next_id("c")
+            msg.stop.command_id = key
+        elif which == "release":
+            self.registry.release(node, cmd.release.instance)
+            msg = apb.SchedulerMessage(release=cmd.release)
+            key = cmd.release.command_id or next_id("c")
+            msg.release.command_id = key
+        else:
+            return apb.CommandResult(ok=False, error="empty command")
+        ok, err = await node.session.request(msg, key, self.config.command_timeout)
+        if which == "start":
+            hold = node.holds.get(cmd.start.assignment.instance)
+            if ok and hold is not None:
+                hold.expires_at = None  # bound now: the hold lasts until the instance ends
+            elif not ok:
+                self.registry.release(node, cmd.start.assignment.instance)
+        return apb.CommandResult(ok=ok, error=err)
+
+    @unary(roles={"controller"})
+    async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:
+        node = self.registry.get(request.name)
+        if node is None:
+            raise NotFound(f"node {request.name!r} is not known to the scheduler")
+        if request.HasField("schedulable"):
+            node.schedulable = request.schedulable
+        if request.HasField("draining"):
+            node.draining = request.draining
+        self.registry.changed()
+        self._publish_node(node)
+        return convert.node_to_pb(node.to_model())
+
+    # ---- controller feed ----
+
+    @stream(roles={"controller"})
+    async def Watch(
+        self, request: apb.WatchClusterRequest, who: Identity, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[apb.ClusterUpdates]:
+        queue: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
+        first = apb.ClusterUpdates()
+        for node in self.registry:
+            first.updates.append(apb.ClusterUpdate(node=convert.node_to_pb(node.to_model())))
+            if node.state in (NodeState.READY, NodeState.NOT_READY):
+                sync = apb.NodeSync(node=node.name)
+                for report in node.reports.values():
+                    sync.instances.append(convert.report_to_pb(report))
+                first.updates.append(apb.ClusterUpdate(sync=sync))
+        self.hub.queues.add(queue)
+        try:
+            yield first
+            while True:
+                update = await queue.get()
+                if update is None:
+                    return
+                batch = apb.ClusterUpdates(updates=[update])
+                # Drain whatever else is queued so a burst travels as one message.
+                while not queue.empty() and len(batch.updates) < 1000:
+                    more = queue.get_nowait()
+                    if more is None:
+                        yield batch
+                        return
+                    batch.updates.append(more)
+                yield batch
+        finally:
+            self.hub.queues.discard(queue)
+
+
+def node_usage(node: NodeRecord) -> Resources:
+    return node.usage

@@ -1,0 +1,57 @@
+"""One connected agent: its outbound queue and the replies the scheduler is waiting for."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from orka.api import agent_pb2 as apb
+
+_ids = itertools.count(1)
+
+
+def next_id(prefix: str) -> str:
+    return f"{prefix}{next(_ids)}"
+
+
+class AgentSession:
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.outbox: asyncio.Queue[apb.SchedulerMessage | None] = asyncio.Queue()
+        self.waiting: dict[str, asyncio.Future[tuple[bool, str]]] = {}
+        self.closed = False
+        self.left = False
+
+    def send(self, msg: apb.SchedulerMessage) -> None:
+        if not self.closed:
+            self.outbox.put_nowait(msg)
+
+    async def request(
+        self, msg: apb.SchedulerMessage, key: str, timeout: float
+    ) -> tuple[bool, str]:
+        """Send and wait for the reply carrying `key` (an offer or command id)."""
+        if self.closed:
+            return False, "agent disconnected"
+        fut: asyncio.Future[tuple[bool, str]] = asyncio.get_running_loop().create_future()
+        self.waiting[key] = fut
+        self.send(msg)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            return False, "timed out"
+        finally:
+            self.waiting.pop(key, None)
+
+    def resolve(self, key: str, ok: bool, reason: str) -> None:
+        fut = self.waiting.get(key)
+        if fut is not None and not fut.done():
+            fut.set_result((ok, reason))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_result((False, "agent disconnected"))
+        self.outbox.put_nowait(None)

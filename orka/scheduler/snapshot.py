@@ -1,0 +1,96 @@
+"""The immutable picture of the cluster that one placement decision works on.
+
+The node registry builds a new `Snapshot` whenever the cluster changes; the pipeline only ever
+reads it, so a decision can never see a half-applied heartbeat or reservation. Everything here is
+a slots dataclass with plain attributes because the filters read them once per node per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TypeVar
+
+from orka.models import NodeState, WorkloadKind
+
+V = TypeVar("V")
+
+
+def _frozen_mapping(value: Mapping[str, V]) -> Mapping[str, V]:
+    # A caller's dict could be mutated after the snapshot is built; a private read-only copy
+    # keeps the snapshot honest for as long as anyone holds it. A proxy is already read-only
+    # (its owner is whoever built it, normally another snapshot), so it is shared, not copied.
+    if isinstance(value, MappingProxyType):
+        return value
+    return MappingProxyType(dict(value))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    state: NodeState
+    schedulable: bool
+    drivers: frozenset[str]
+    labels: Mapping[str, str]
+    # What the node offers to instances.
+    cpu_allocatable: int
+    mem_allocatable: int
+    # Allocated plus reserved by in-flight offers, so two decisions cannot both take the last slot.
+    cpu_used: int
+    mem_used: int
+    # Instances (reservations included) per workload on this node.
+    workload_counts: Mapping[str, int]
+    total_instances: int
+
+    def __post_init__(self) -> None:
+        # object.__setattr__ is the only way to normalise fields of a frozen dataclass.
+        if not isinstance(self.drivers, frozenset):
+            object.__setattr__(self, "drivers", frozenset(self.drivers))
+        object.__setattr__(self, "labels", _frozen_mapping(self.labels))
+        object.__setattr__(self, "workload_counts", _frozen_mapping(self.workload_counts))
+
+    @property
+    def cpu_free(self) -> int:
+        return self.cpu_allocatable - self.cpu_used
+
+    @property
+    def mem_free(self) -> int:
+        return self.mem_allocatable - self.mem_used
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    nodes: tuple[NodeView, ...]
+    by_name: Mapping[str, NodeView] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        nodes = tuple(self.nodes)
+        by_name = {n.name: n for n in nodes}
+        if len(by_name) != len(nodes):
+            # Ties are broken by node name, so a duplicate would make rankings ambiguous.
+            raise ValueError("snapshot node names must be unique")
+        object.__setattr__(self, "nodes", nodes)
+        object.__setattr__(self, "by_name", MappingProxyType(by_name))
+
+    @classmethod
+    def of(cls, nodes: Iterable[NodeView]) -> Snapshot:
+        return cls(tuple(nodes))
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    instance: str
+    workload: str
+    kind: WorkloadKind
+    cpu_millis: int
+    memory_bytes: int
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    # Spread rule: at most this many instances of the workload per node; 0 means no limit.
+    max_per_node: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "node_selector", _frozen_mapping(self.node_selector))

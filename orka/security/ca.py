@@ -1,0 +1,222 @@
+"""The cluster CA and the certificates it signs: pure crypto, no files (see `issue.py`)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import re
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from orka.errors import Invalid
+
+ROLES: tuple[str, ...] = ("controller", "scheduler", "agent", "admin")
+# Roles whose certificates may be presented by a listening server, so they need host SANs.
+SERVING_ROLES: frozenset[str] = frozenset({"controller", "scheduler", "agent"})
+SPIFFE_PREFIX = "spiffe://orka/"
+CA_COMMON_NAME = "orka cluster CA"
+CA_DAYS = 3650
+LEAF_DAYS = 365
+# Backdate notBefore so a peer whose clock is slightly behind ours still accepts a fresh cert.
+CLOCK_SKEW = dt.timedelta(minutes=5)
+
+_NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class CertificateAuthority:
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+
+@dataclass(frozen=True)
+class IssuedCert:
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+
+def validate_role(role: str) -> str:
+    if role not in ROLES:
+        raise Invalid(f"role: {role!r} is not one of {', '.join(ROLES)}")
+    return role
+
+
+def validate_name(name: str) -> str:
+    if len(name) > 63 or not _NAME_RE.fullmatch(name):
+        raise Invalid(
+            f"name: {name!r} must be a DNS label (lowercase letters, digits and '-', "
+            "not starting or ending with '-', at most 63 characters)"
+        )
+    return name
+
+
+def spiffe_uri(role: str, name: str) -> str:
+    return f"{SPIFFE_PREFIX}{role}/{name}"
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def create_ca(
+    *,
+    not_valid_before: dt.datetime | None = None,
+    not_valid_after: dt.datetime | None = None,
+) -> CertificateAuthority:
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_COMMON_NAME)])
+    start = not_valid_before or (_now() - CLOCK_SKEW)
+    end = not_valid_after or (start + dt.timedelta(days=CA_DAYS))
+    public = key.public_key()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return CertificateAuthority(cert=cert, key=key)
+
+
+def local_host_names() -> list[str]:
+    names = ["localhost"]
+    host = socket.gethostname()
+    # getfqdn can hit DNS; that is acceptable at cert-issue time, and it falls back to host.
+    for candidate in (host, socket.getfqdn()):
+        if candidate and candidate not in names:
+            names.append(candidate)
+    return names
+
+
+def split_hosts(hosts: Iterable[str]) -> tuple[list[str], list[IpAddress]]:
+    """Sort caller-given hosts into DNS names and IPs, deduplicated, order kept."""
+    dns: list[str] = []
+    ips: list[IpAddress] = []
+    for raw in hosts:
+        host = raw.strip()
+        if not host:
+            continue
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            name = host.lower()
+            if not name.isascii():
+                # x509 DNSName must be IA5 (ASCII); IDNA encoding is the caller's job.
+                raise Invalid(f"hosts: {raw!r} is not an ASCII DNS name or IP address") from None
+            if name not in dns:
+                dns.append(name)
+        else:
+            if ip not in ips:
+                ips.append(ip)
+    return dns, ips
+
+
+def issue_leaf(
+    ca: CertificateAuthority,
+    role: str,
+    name: str,
+    hosts: Iterable[str] = (),
+    *,
+    days: int = LEAF_DAYS,
+    not_valid_before: dt.datetime | None = None,
+    not_valid_after: dt.datetime | None = None,
+) -> IssuedCert:
+    validate_role(role)
+    validate_name(name)
+    if days <= 0:
+        raise Invalid(f"days: must be positive, got {days}")
+    host_list = list(hosts)
+    if role in SERVING_ROLES:
+        host_list = [*local_host_names(), "127.0.0.1", "::1", *host_list]
+    dns, ips = split_hosts(host_list)
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
+    sans += [x509.DNSName(d) for d in dns]
+    sans += [x509.IPAddress(ip) for ip in ips]
+
+    key = _new_key()
+    start = not_valid_before or (_now() - CLOCK_SKEW)
+    end = not_valid_after or (start + dt.timedelta(days=days))
+    public = key.public_key()
+    ca_ski = ca.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{role}/{name}")]))
+        .issuer_name(ca.cert.subject)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
+            critical=False,
+        )
+        .sign(ca.key, hashes.SHA256())
+    )
+    return IssuedCert(cert=cert, key=key)
+
+
+def cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    # Unencrypted PKCS#8: what gRPC and grpcurl both read without a passphrase prompt.
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )

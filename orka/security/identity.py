@@ -1,0 +1,85 @@
+"""Who is on the other end of a connection, read from the SAN URI of their certificate."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import grpc
+from cryptography import x509
+
+from orka.errors import Invalid, PermissionDenied, Unauthenticated
+from orka.security.ca import ROLES, SPIFFE_PREFIX, spiffe_uri, validate_name
+
+# gRPC's auth-context key for the verified peer certificate (PEM).
+PEER_CERT_KEY = "x509_pem_cert"
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: str
+    name: str
+
+    @property
+    def uri(self) -> str:
+        return spiffe_uri(self.role, self.name)
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.name}"
+
+
+def identity_from_cert(cert: x509.Certificate) -> Identity:
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise Unauthenticated("certificate has no subjectAltName extension") from None
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    # Exactly one URI: with several, which one names the peer would be ambiguous.
+    if len(uris) != 1:
+        raise Unauthenticated(
+            f"certificate must carry exactly one SAN URI {SPIFFE_PREFIX}<role>/<name>, "
+            f"found {len(uris)}"
+        )
+    uri = uris[0]
+    if not uri.startswith(SPIFFE_PREFIX):
+        raise Unauthenticated(f"certificate SAN URI {uri!r} does not start with {SPIFFE_PREFIX}")
+    parts = uri[len(SPIFFE_PREFIX) :].split("/")
+    if len(parts) != 2:
+        raise Unauthenticated(f"certificate SAN URI {uri!r} is not {SPIFFE_PREFIX}<role>/<name>")
+    role, name = parts
+    if role not in ROLES:
+        raise Unauthenticated(f"certificate SAN URI {uri!r} has unknown role {role!r}")
+    try:
+        validate_name(name)
+    except Invalid:
+        raise Unauthenticated(f"certificate SAN URI {uri!r} has an invalid name") from None
+    return Identity(role=role, name=name)
+
+
+# Every RPC re-reads the peer cert; peers are few, so caching the parse is cheap and saves an
+# ASN.1 decode per call. Failures raise and so are never cached.
+@functools.lru_cache(maxsize=1024)
+def identity_from_pem(pem: bytes) -> Identity:
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as e:
+        raise Unauthenticated(f"peer certificate does not parse: {e}") from None
+    return identity_from_cert(cert)
+
+
+def peer_identity(context: grpc.aio.ServicerContext) -> Identity:
+    # The TLS layer already verified the chain against the cluster CA; this only names the peer.
+    certs = context.auth_context().get(PEER_CERT_KEY) or []
+    if not certs:
+        raise Unauthenticated("no client certificate")
+    return identity_from_pem(bytes(certs[0]))
+
+
+def require_role(context: grpc.aio.ServicerContext, roles: Collection[str]) -> Identity:
+    ident = peer_identity(context)
+    if ident.role not in roles:
+        raise PermissionDenied(
+            f"role {ident.role} may not call this API; allowed: {', '.join(sorted(roles))}"
+        )
+    return ident

@@ -1,0 +1,221 @@
+"""The store interface: JSON documents addressed by (kind, name), with global revisions.
+
+Semantics follow etcd so that an etcd backend can pass the same conformance suite:
+
+* one global revision counter; every successful non-empty commit bumps it exactly once and every
+  key written by that commit carries the new revision (etcd's mod_revision);
+* a commit is a transaction: all of its ops apply or none do;
+* a key may appear at most once per commit (etcd rejects duplicate keys in one txn), so every
+  op's precondition is checked against the state before the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Self
+
+from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
+
+_KIND_RE = re.compile(r"[a-z_]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    kind: str
+    name: str
+    revision: int
+    value: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Create:
+    """Write a new key; AlreadyExists if it is there."""
+
+    kind: str
+    name: str
+    value: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Update:
+    """Overwrite an existing key; NotFound if missing, Conflict if its revision is not
+    `expected_revision` (no check when None)."""
+
+    kind: str
+    name: str
+    value: dict[str, Any]
+    expected_revision: int | None
+
+
+@dataclass(frozen=True)
+class Delete:
+    """Remove an existing key; NotFound if missing, Conflict on a revision mismatch."""
+
+    kind: str
+    name: str
+    expected_revision: int | None = None
+
+
+@dataclass(frozen=True)
+class Put:
+    """Create or overwrite, unconditionally."""
+
+    kind: str
+    name: str
+    value: dict[str, Any]
+
+
+Op = Create | Update | Delete | Put
+
+
+def ref(kind: str, name: str) -> str:
+    """How errors name a key; repr because names may hold spaces, slashes or anything else."""
+    return f"{kind} {name!r}"
+
+
+def validate_kind(kind: str) -> None:
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):
+        raise Invalid(f"kind {kind!r}: must be a non-empty string of [a-z_]")
+
+
+def validate_key(kind: str, name: str) -> None:
+    validate_kind(kind)
+    if not isinstance(name, str) or not name:
+        raise Invalid(f"{kind} name {name!r}: must be a non-empty string")
+    if "\x00" in name:
+        raise Invalid(f"{kind} name {name!r}: must not contain NUL")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Lone surrogates cannot be stored by any backend (SQLite and etcd keys are UTF-8).
+        raise Invalid(f"{kind} name {name!r}: not valid unicode") from exc
+
+
+def encode_value(kind: str, name: str, value: Any) -> str:
+    if not isinstance(value, dict):
+        raise Invalid(f"{ref(kind, name)}: value must be a JSON object, got {type(value).__name__}")
+    try:
+        # allow_nan=False: NaN/Infinity are not JSON and another backend's reader may reject them.
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise Invalid(f"{ref(kind, name)}: value is not JSON-serializable: {exc}") from exc
+
+
+def decode_value(text: str) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(text)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedOp:
+    """An op that passed validation, with its value already encoded (None for Delete)."""
+
+    op: Op
+    encoded: str | None
+
+
+def prepare_batch(ops: Sequence[Op]) -> list[PreparedOp]:
+    """Validate a whole batch before touching any state, so a malformed batch never half-runs."""
+    prepared: list[PreparedOp] = []
+    seen: set[tuple[str, str]] = set()
+    for op in ops:
+        if not isinstance(op, Create | Update | Delete | Put):
+            raise Invalid(f"unsupported store op {op!r}")
+        validate_key(op.kind, op.name)
+        key = (op.kind, op.name)
+        if key in seen:
+            raise Invalid(f"{ref(*key)}: appears more than once in one commit")
+        seen.add(key)
+        expected = getattr(op, "expected_revision", None)
+        if expected is not None and (
+            isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
+        ):
+            raise Invalid(f"{ref(*key)}: expected_revision must be a non-negative integer")
+        encoded = None if isinstance(op, Delete) else encode_value(op.kind, op.name, op.value)
+        prepared.append(PreparedOp(op, encoded))
+    return prepared
+
+
+def check_precondition(op: Op, current: int | None) -> None:
+    """Raise the error `op` meets against a key whose revision is `current` (None: absent)."""
+    if isinstance(op, Create):
+        if current is not None:
+            raise AlreadyExists(f"{ref(op.kind, op.name)} already exists")
+    elif isinstance(op, Update | Delete):
+        if current is None:
+            raise NotFound(f"{ref(op.kind, op.name)} not found")
+        if op.expected_revision is not None and op.expected_revision != current:
+            raise Conflict(
+                f"{ref(op.kind, op.name)}: expected revision {op.expected_revision}, "
+                f"current is {current}"
+            )
+
+
+class Store(ABC):
+    """A transactional map (kind, name) -> JSON object with etcd-like revisions.
+
+    Backends implement open/close/get/list/commit/revision; the single-op helpers are built on
+    commit() here so every backend gets identical semantics for them.
+    """
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect / create storage. Idempotent."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release resources. Idempotent; waits for an in-flight commit."""
+
+    @abstractmethod
+    async def get(self, kind: str, name: str) -> Item | None: ...
+
+    @abstractmethod
+    async def list(self, kind: str, prefix: str = "") -> list[Item]:
+        """Items of `kind` whose name starts with `prefix`, sorted by name (code point order)."""
+
+    @abstractmethod
+    async def commit(self, ops: Sequence[Op]) -> list[int]:
+        """Apply `ops` atomically; return the new revision per op (0 for Delete).
+
+        Raises Invalid for a malformed batch, otherwise the first failing op's AlreadyExists,
+        NotFound or Conflict; on any error the store is left unchanged. An empty batch is a
+        no-op and does not bump the revision.
+        """
+
+    @abstractmethod
+    async def revision(self) -> int:
+        """The current global revision (0 for an empty, never-written store)."""
+
+    async def create(self, kind: str, name: str, value: dict[str, Any]) -> int:
+        (revision,) = await self.commit([Create(kind, name, value)])
+        return revision
+
+    async def update(
+        self, kind: str, name: str, value: dict[str, Any], expected_revision: int | None
+    ) -> int:
+        (revision,) = await self.commit([Update(kind, name, value, expected_revision)])
+        return revision
+
+    async def put(self, kind: str, name: str, value: dict[str, Any]) -> int:
+        (revision,) = await self.commit([Put(kind, name, value)])
+        return revision
+
+    async def delete(self, kind: str, name: str, expected_revision: int | None = None) -> None:
+        await self.commit([Delete(kind, name, expected_revision)])
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,180 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orka.models import NodeState, WorkloadKind
+from orka.scheduler.filters import FILTERS
+from orka.scheduler.filters.driver import DriverFilter
+from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.ready import ReadyFilter
+from orka.scheduler.filters.resources import ResourcesFilter
+from orka.scheduler.filters.schedulable import SchedulableFilter
+from orka.scheduler.filters.spread import SpreadFilter
+from tests.unit.scheduler.builders import GIB, node, request
+
+CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
+    # id, filter, node overrides, request overrides, expected reason
+    ("ready", ReadyFilter(), {}, {}, None),
+    ("not-ready", ReadyFilter(), {"state": NodeState.NOT_READY}, {}, "not ready"),
+    ("lost", ReadyFilter(), {"state": NodeState.LOST}, {}, "lost"),
+    ("left", ReadyFilter(), {"state": NodeState.LEFT}, {}, "left"),
+    ("schedulable", SchedulableFilter(), {}, {}, None),
+    ("cordoned", SchedulableFilter(), {"schedulable": False}, {}, "cordoned"),
+    ("driver-process", DriverFilter(), {}, {}, None),
+    (
+        "driver-container",
+        DriverFilter(),
+        {"drivers": frozenset({"containerd"})},
+        {"kind": WorkloadKind.CONTAINER},
+        None,
+    ),
+    (
+        "driver-fake-serves-vm",
+        DriverFilter(),
+        {"drivers": frozenset({"fake"})},
+        {"kind": WorkloadKind.VM},
+        None,
+    ),
+    (
+        "no-libvirt",
+        DriverFilter(),
+        {"drivers": frozenset({"process", "containerd"})},
+        {"kind": WorkloadKind.VM},
+        "no libvirt driver",
+    ),
+    (
+        "no-containerd",
+        DriverFilter(),
+        {},
+        {"kind": WorkloadKind.CONTAINER},
+        "no containerd driver",
+    ),
+    ("no-drivers", DriverFilter(), {"drivers": frozenset()}, {}, "no process driver"),
+    ("fits", ResourcesFilter(), {}, {}, None),
+    (
+        "fits-exactly",
+        ResourcesFilter(),
+        {"cpu_used": 3500, "mem_used": 7 * GIB},
+        {},
+        None,
+    ),
+    ("cpu", ResourcesFilter(), {"cpu_used": 3501}, {}, "insufficient cpu"),
+    ("memory", ResourcesFilter(), {"mem_used": 7 * GIB + 1}, {}, "insufficient memory"),
+    (
+        "cpu-named-first",
+        ResourcesFilter(),
+        {"cpu_used": 4000, "mem_used": 8 * GIB},
+        {},
+        "insufficient cpu",
+    ),
+    (
+        "overcommitted-zero-request",
+        ResourcesFilter(),
+        {"cpu_used": 4001},
+        {"cpu_millis": 0, "memory_bytes": 0},
+        "insufficient cpu",
+    ),
+    ("no-selector", NodeSelectorFilter(), {"labels": {"zone": "eu"}}, {}, None),
+    (
+        "selector-match",
+        NodeSelectorFilter(),
+        {"labels": {"zone": "eu", "disk": "ssd"}},
+        {"node_selector": {"zone": "eu"}},
+        None,
+    ),
+    (
+        "selector-wrong-value",
+        NodeSelectorFilter(),
+        {"labels": {"zone": "us"}},
+        {"node_selector": {"zone": "eu"}},
+        "label zone != eu",
+    ),
+    (
+        "selector-missing-key",
+        NodeSelectorFilter(),
+        {"labels": {"zone": "eu"}},
+        {"node_selector": {"zone": "eu", "disk": "ssd"}},
+        "label disk != ssd",
+    ),
+    ("no-spread-limit", SpreadFilter(), {"workload_counts": {"web": 9}}, {}, None),
+    (
+        "under-limit",
+        SpreadFilter(),
+        {"workload_counts": {"web": 1}},
+        {"max_per_node": 2},
+        None,
+    ),
+    (
+        "other-workload-ignored",
+        SpreadFilter(),
+        {"workload_counts": {"db": 5}},
+        {"max_per_node": 1},
+        None,
+    ),
+    (
+        "limit-reached",
+        SpreadFilter(),
+        {"workload_counts": {"web": 2}},
+        {"max_per_node": 2},
+        "spread: 2 replicas already on node",
+    ),
+    (
+        "limit-reached-singular",
+        SpreadFilter(),
+        {"workload_counts": {"web": 1}},
+        {"max_per_node": 1},
+        "spread: 1 replica already on node",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("flt", "node_overrides", "req_overrides", "expected"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_filter(
+    flt: Any, node_overrides: dict[str, Any], req_overrides: dict[str, Any], expected: str | None
+) -> None:
+    req = request(**req_overrides)
+    n = node(**node_overrides)
+    # A filter that does not apply must be one that would pass anyway.
+    result = flt.check(req, n) if flt.applies(req) else None
+    assert result == expected
+    assert flt.check(req, n) == expected
+
+
+@pytest.mark.parametrize(
+    ("req_overrides", "expected"),
+    [
+        ({}, {"node_selector": False, "spread": False}),
+        ({"node_selector": {"zone": "eu"}}, {"node_selector": True, "spread": False}),
+        ({"max_per_node": 1}, {"node_selector": False, "spread": True}),
+    ],
+)
+def test_optional_filters_apply_only_when_asked(
+    req_overrides: dict[str, Any], expected: dict[str, bool]
+) -> None:
+    req = request(**req_overrides)
+    applies = {f.name: f.applies(req) for f in FILTERS}
+    for name, want in expected.items():
+        assert applies[name] is want
+    assert all(applies[name] for name in ("ready", "schedulable", "driver", "resources"))
+
+
+def test_filter_table_is_explicit_and_ordered() -> None:
+    assert [f.name for f in FILTERS] == [
+        "ready",
+        "schedulable",
+        "driver",
+        "resources",
+        "node_selector",
+        "spread",
+    ]
+
+
+def test_request_sized_exactly_to_free_memory_fits() -> None:
+    req = request(cpu_millis=0, memory_bytes=GIB)
+    assert ResourcesFilter().check(req, node(mem_allocatable=GIB)) is None

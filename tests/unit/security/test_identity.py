@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import datetime as dt
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from orka.errors import PermissionDenied, Unauthenticated
+from orka.security.ca import cert_pem, create_ca, issue_leaf
+from orka.security.identity import Identity, identity_from_pem, peer_identity, require_role
+
+
+def _cert_with_sans(sans: list[x509.GeneralName] | None) -> bytes:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "t")])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=1))
+    )
+    if sans is not None:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return cert_pem(builder.sign(key, hashes.SHA256()))
+
+
+URI = x509.UniformResourceIdentifier
+
+
+def test_issued_cert_identity() -> None:
+    leaf = issue_leaf(create_ca(), "agent", "node-1")
+    ident = identity_from_pem(cert_pem(leaf.cert))
+    assert ident == Identity("agent", "node-1")
+    assert ident.uri == "spiffe://orka/agent/node-1"
+
+
+@pytest.mark.parametrize(
+    ("sans", "problem"),
+    [
+        (None, "no subjectAltName"),
+        ([x509.DNSName("localhost")], "found 0"),
+        ([URI("spiffe://orka/admin/a"), URI("spiffe://orka/admin/b")], "found 2"),
+        ([URI("https://orka/admin/admin")], "does not start with"),
+        ([URI("spiffe://other/admin/admin")], "does not start with"),
+        ([URI("spiffe://orka/root/admin")], "unknown role"),
+        ([URI("spiffe://orka/admin")], "is not spiffe://orka/<role>/<name>"),
+        ([URI("spiffe://orka/admin/a/b")], "is not spiffe://orka/<role>/<name>"),
+        ([URI("spiffe://orka/admin/Bad_Name")], "invalid name"),
+    ],
+)
+def test_bad_identities(sans: list[x509.GeneralName] | None, problem: str) -> None:
+    with pytest.raises(Unauthenticated) as exc:
+        identity_from_pem(_cert_with_sans(sans))
+    assert problem in exc.value.message
+
+
+def test_garbage_pem() -> None:
+    with pytest.raises(Unauthenticated, match="does not parse"):
+        identity_from_pem(b"not a cert")
+
+
+def _context(auth: dict[str, list[bytes]]) -> Any:
+    return SimpleNamespace(auth_context=lambda: auth)
+
+
+def test_peer_identity_and_require_role() -> None:
+    pem = cert_pem(issue_leaf(create_ca(), "admin", "admin").cert)
+    ctx = _context({"x509_pem_cert": [pem]})
+    assert peer_identity(ctx) == Identity("admin", "admin")
+    assert require_role(ctx, {"admin"}) == Identity("admin", "admin")
+    with pytest.raises(PermissionDenied, match="role admin may not call this API; allowed: agent"):
+        require_role(ctx, ["agent"])
+
+
+def test_no_client_certificate() -> None:
+    with pytest.raises(Unauthenticated, match="no client certificate"):
+        peer_identity(_context({"transport_security_type": [b"ssl"]}))

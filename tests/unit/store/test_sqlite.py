@@ -1,0 +1,125 @@
+"""What only the SQLite backend promises: durability, WAL, no partial commits."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import aiosqlite
+import pytest
+
+from orka.store import Create, Item, Put, SqliteStore, Update
+from orka.store.base import PreparedOp
+from orka.store.sqlite import _prefix_end
+
+
+async def test_data_and_revision_survive_close_and_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "orka.db"
+    async with SqliteStore(path) as s:
+        await s.commit([Create("workload", "web", {"replicas": 2}), Put("node", "n1", {})])
+        await s.delete("node", "n1")
+        assert await s.revision() == 2
+    assert path.exists()
+
+    async with SqliteStore(path) as s:
+        assert await s.revision() == 2
+        assert await s.list("workload") == [Item("workload", "web", 1, {"replicas": 2})]
+        assert await s.get("node", "n1") is None
+        assert await s.update("workload", "web", {"replicas": 3}, expected_revision=1) == 3
+
+
+async def test_wal_and_synchronous_normal(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "orka.db") as s:
+        await s.put("node", "n", {})
+        assert s._writer is not None
+        assert await s._writer.execute_fetchall("PRAGMA journal_mode") == [("wal",)]
+        # 1 = NORMAL
+        assert await s._writer.execute_fetchall("PRAGMA synchronous") == [(1,)]
+
+
+async def test_failure_mid_transaction_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stands in for a crash between two writes of one commit: the first write must vanish."""
+    path = tmp_path / "orka.db"
+    async with SqliteStore(path) as s:
+        await s.create("workload", "web", {"v": 1})
+        real_apply = SqliteStore._apply
+        calls = 0
+
+        async def exploding_apply(
+            self: SqliteStore, db: aiosqlite.Connection, p: PreparedOp, revision: int
+        ) -> int:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise OSError("disk on fire")
+            return await real_apply(self, db, p, revision)
+
+        monkeypatch.setattr(SqliteStore, "_apply", exploding_apply)
+        with pytest.raises(OSError, match="disk on fire"):
+            await s.commit(
+                [Update("workload", "web", {"v": 2}, None), Create("workload", "db", {})]
+            )
+        monkeypatch.undo()
+        assert await s.revision() == 1
+        assert await s.list("workload") == [Item("workload", "web", 1, {"v": 1})]
+        assert await s.put("workload", "db", {}) == 2
+
+    # And nothing half-written reached the file either.
+    with sqlite3.connect(path) as raw:
+        rows = raw.execute("SELECT kind, name, revision FROM items ORDER BY name").fetchall()
+    assert rows == [("workload", "db", 2), ("workload", "web", 1)]
+
+
+async def test_readers_never_see_an_uncommitted_batch(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "orka.db") as s:
+        seen: set[int] = set()
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                seen.add(len(await s.list("instance")))
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        for batch in range(5):
+            await s.commit([Create("instance", f"{batch}-{i}", {}) for i in range(20)])
+        done.set()
+        await watcher
+        # Only whole batches are ever visible.
+        assert seen <= {0, 20, 40, 60, 80, 100}
+
+
+async def test_cancelled_commit_is_rolled_back_or_complete(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "orka.db") as s:
+        for delay in range(10):
+            task = asyncio.create_task(
+                s.commit([Put("instance", f"{delay}-{i}", {}) for i in range(50)])
+            )
+            for _ in range(delay):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # Whatever point the cancel hit, the store holds whole batches and stays writable.
+            rev = await s.revision()
+            items = await s.list("instance")
+            assert len(items) == 50 * len({i.revision for i in items})
+            assert await s.put("node", "probe", {}) == rev + 1
+
+
+@pytest.mark.parametrize(
+    ("prefix", "end"),
+    [
+        ("", None),
+        ("a", "b"),
+        ("web-", "web."),
+        ("\U0010ffff", None),
+        ("a\U0010ffff", "b"),
+        ("x\ud7ff", "x\ue000"),
+    ],
+)
+def test_prefix_end(prefix: str, end: str | None) -> None:
+    assert _prefix_end(prefix) == end
