@@ -56,7 +56,9 @@ def main() -> int:
     current = {p.name: p.read_text() for p in API_DIR.glob("*.py*")} if API_DIR.exists() else {}
     if args.check:
         if fresh != current:
-            stale = sorted(set(fresh) ^ set(current) | {k for k in fresh if fresh[k] != current.get(k)})
+            stale = sorted(
+                set(fresh) ^ set(current) | {k for k in fresh if fresh[k] != current.get(k)}
+            )
             print(f"orka/api is stale; run scripts/gen_api.py ({', '.join(stale)})")
             return 1
         print("orka/api matches proto/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class StateFile:
         self._dirty = asyncio.Event()
         self._pending: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
+        # A cancelled to_thread call keeps running; this keeps two writes from interleaving.
+        self._write_lock = threading.Lock()
 
     def load(self, node: str) -> AgentState:
         try:
@@ -76,13 +79,14 @@ class StateFile:
             await asyncio.sleep(0.05)
 
     def _write(self, data: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        with self._write_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
 
     async def flush(self) -> None:
         if self._task is not None:

@@ -56,6 +56,7 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self._failed: BaseException | None = None
+        self._stopping: asyncio.Future[None] | None = None
         self.port = 0
 
     async def _on_updates(self, updates: object) -> None:
@@ -108,9 +109,12 @@ class Controller:
             raise self._failed
 
     async def stop(self) -> None:
-        if getattr(self, "_closing", False):
-            return
-        self._closing = True
+        """Idempotent: every caller waits for the one shutdown to finish."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._shutdown())
+        await asyncio.shield(self._stopping)
+
+    async def _shutdown(self) -> None:
         self._stopped.set()
         self.events.close()
         if self._server is not None:

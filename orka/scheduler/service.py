@@ -316,6 +316,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def _liveness(self) -> None:
         interval = self.config.heartbeat_interval
         tick = min(interval / 4, 0.25)
+        last_usage_report = time.monotonic()
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
@@ -324,15 +325,21 @@ class Scheduler(apb_grpc.SchedulerServicer):
                     continue
                 silent = now - node.last_seen
                 if silent > self.config.node_lost_after:
-                    self._set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
                     if node.session is not None:
                         node.session.close()
                     node.reports.clear()
                     for name in list(node.holds):
                         node.drop_hold(name)
-                    self.registry.changed()
+                    self._set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
                 elif silent > 2 * interval and node.state is NodeState.READY:
                     self._set_state(node, NodeState.NOT_READY, f"no heartbeat for {silent:.1f}s")
+            if now - last_usage_report >= self.config.usage_report_interval:
+                # Usage and allocation change with every heartbeat; the controller gets them
+                # at this pace rather than once per heartbeat per node.
+                last_usage_report = now
+                for node in self.registry:
+                    if node.state in (NodeState.READY, NodeState.NOT_READY):
+                        self._publish_node(node)
             for node_name, instance in self.registry.expire_reservations(now):
                 node = self.registry.get(node_name)
                 if node is not None and node.session is not None:

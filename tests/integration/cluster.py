@@ -72,14 +72,14 @@ class Cluster:
         await asyncio.wait_for(self.controller.link.connected.wait(), 10)
         return self.controller
 
-    async def add_agent(self, name: str, **opts: object) -> Agent:
+    async def add_agent(self, name: str, cls: type[Agent] = Agent, **opts: object) -> Agent:
         config = AgentConfig(
             name=name,
             schedulers=[f"127.0.0.1:{self.scheduler.port}"],
             data_dir=self.data / "agents" / name,
             **opts,  # type: ignore[arg-type]
         )
-        agent = Agent(config, TlsFiles.for_service(self.certs, "agent", name))
+        agent = cls(config, TlsFiles.for_service(self.certs, "agent", name))
         await agent.start()
         await asyncio.wait_for(agent.connected.wait(), 10)
         self.agents[name] = agent

@@ -12,7 +12,10 @@ async def test_three_replicas_run_on_three_nodes(certs_dir: Path, tmp_path: Path
         await cluster.start(agents=3, runtimes=["fake"])
         assert cluster.api is not None
         spec = pb.WorkloadSpec(
-            name="web", kind=pb.WorkloadSpec.PROCESS, command=["sleep", "100"], replicas=3,
+            name="web",
+            kind=pb.WorkloadSpec.PROCESS,
+            command=["sleep", "100"],
+            replicas=3,
             resources=pb.Resources(cpu_millis=100, memory_bytes=1 << 20),
         )
         await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))

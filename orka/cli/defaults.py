@@ -1,0 +1,109 @@
+"""Default locations and the ORKA_* environment fallback shared by every command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONTROLLER = "127.0.0.1:7443"
+DEFAULT_SCHEDULER = "127.0.0.1:7444"
+ENV_PREFIX = "ORKA_"
+
+
+class UsageError(Exception):
+    """A bad flag value found after argparse accepted the syntax; exits 2 like argparse does."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+def env_value(flag: str) -> str | None:
+    value = os.environ.get(env_name(flag))
+    # An empty variable is how compose files and unit files "unset" a value.
+    return value if value else None
+
+
+def add_flag(
+    parser: argparse.ArgumentParser | Any,
+    flag: str,
+    *aliases: str,
+    default: Any = None,
+    help: str = "",
+    **kwargs: Any,
+) -> None:
+    """Add `flag`, defaulting to $ORKA_<FLAG> when set, else `default`.
+
+    argparse runs `type` over string defaults, so a bad env value fails exactly like a bad
+    flag value, naming the flag. An explicit flag always beats the environment.
+    """
+    env = env_value(flag)
+    if env is not None and kwargs.get("action") not in ("append", "store_true"):
+        default = env
+    elif env is not None and kwargs.get("action") == "store_true":
+        default = env.lower() in ("1", "true", "yes", "on")
+    elif env is not None and kwargs.get("action") == "append":
+        # argparse would append flags onto a non-empty default list, so the env value is
+        # applied after parsing instead (see `append_from_env`).
+        pass
+    suffix = f" [env {env_name(flag)}]"
+    parser.add_argument(*aliases, flag, default=default, help=(help + suffix).strip(), **kwargs)
+
+
+def append_from_env(values: list[str] | None, flag: str) -> list[str]:
+    """Repeatable flags: the flags if any were given, else the comma-separated env value."""
+    if values:
+        out: list[str] = []
+        for v in values:
+            out += [p.strip() for p in v.split(",") if p.strip()]
+        return out
+    env = env_value(flag)
+    if env is None:
+        return []
+    return [p.strip() for p in env.split(",") if p.strip()]
+
+
+def default_data_dir() -> Path:
+    env = env_value("--data-dir")
+    return Path(env).expanduser() if env else Path.home() / ".orka"
+
+
+def resolve_data_dir(value: str | Path | None) -> Path:
+    return Path(value).expanduser() if value else default_data_dir()
+
+
+def resolve_certs(value: str | Path | None, data_dir: Path) -> Path:
+    return Path(value).expanduser() if value else data_dir / "certs"
+
+
+def add_location_flags(parser: argparse.ArgumentParser) -> None:
+    """--data-dir and --certs, which every command resolves the same way."""
+    add_flag(parser, "--data-dir", metavar="DIR", help="Orka data directory (default ~/.orka)")
+    add_flag(parser, "--certs", metavar="DIR", help="certs directory (default <data-dir>/certs)")
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(
+        parser,
+        "--controller",
+        metavar="HOST:PORT",
+        default=DEFAULT_CONTROLLER,
+        help=f"controller address (default {DEFAULT_CONTROLLER})",
+    )
+    add_location_flags(parser)
+
+
+def client_target(args: argparse.Namespace) -> tuple[str, Path]:
+    """The controller address and certs dir a client command talks with."""
+    controller = str(args.controller).strip()
+    host, sep, port = controller.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--controller: {controller!r} is not HOST:PORT")
+    data_dir = resolve_data_dir(args.data_dir)
+    return controller, resolve_certs(args.certs, data_dir)

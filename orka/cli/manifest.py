@@ -1,0 +1,178 @@
+"""Workload manifests: YAML documents in a flat form or a `kind: Workload` wrapper."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from orka.cli.units import parse_cpu, parse_memory
+from orka.errors import Invalid
+from orka.models import VmSpec, WorkloadKind, WorkloadSpec
+from orka.rpc.convert import invalid_from
+
+_CAMEL_RE = re.compile(r"(?<=[a-z0-9])([A-Z])")
+_WRAPPER_KEYS = frozenset({"apiVersion", "kind", "metadata", "spec"})
+_RESOURCE_KEYS = {
+    "cpu": "cpu",
+    "cpu_millis": "cpu_millis",
+    "memory": "memory",
+    "memory_bytes": "memory_bytes",
+}
+# Maps whose values users write unquoted (`port: 8080`, `ssd: true`) but the API holds as strings.
+_STRING_MAPS = ("env", "node_selector")
+
+
+def snake(key: str) -> str:
+    return _CAMEL_RE.sub(r"_\1", key).replace("-", "_").lower()
+
+
+def _enum_name(value: str) -> str:
+    """`OnFailure`, `on-failure`, `on_failure` and `ON_FAILURE` all mean ON_FAILURE."""
+    return snake(value.strip()).upper()
+
+
+def _scalar_str(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+def _normalise_keys(doc: dict[Any, Any], allowed: set[str], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for raw in doc:
+        if not isinstance(raw, str):
+            raise Invalid(f"{where}: key {raw!r} is not a string")
+        key = snake(raw)
+        if key not in allowed:
+            known = ", ".join(sorted(allowed))
+            raise Invalid(f"{where}: unknown key {raw!r} (known keys: {known})")
+        if key in out:
+            raise Invalid(f"{where}: key {raw!r} is given twice (as camelCase and snake_case)")
+        out[key] = doc[raw]
+    return out
+
+
+def _resources(value: Any, where: str) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Invalid(f"{where}: resources must be a mapping like {{cpu: 500m, memory: 256Mi}}")
+    data = _normalise_keys(value, set(_RESOURCE_KEYS), f"{where}: resources")
+    out: dict[str, int] = {}
+    if "cpu" in data and "cpu_millis" in data:
+        raise Invalid(f"{where}: resources: give cpu or cpu_millis, not both")
+    if "memory" in data and "memory_bytes" in data:
+        raise Invalid(f"{where}: resources: give memory or memory_bytes, not both")
+    if "cpu" in data:
+        out["cpu_millis"] = parse_cpu(data["cpu"], f"{where}: resources.cpu")
+    if "cpu_millis" in data:
+        out["cpu_millis"] = parse_cpu(f"{data['cpu_millis']}m", f"{where}: resources.cpu_millis")
+    if "memory" in data:
+        out["memory_bytes"] = parse_memory(data["memory"], f"{where}: resources.memory")
+    if "memory_bytes" in data:
+        out["memory_bytes"] = parse_memory(data["memory_bytes"], f"{where}: resources.memory_bytes")
+    return out
+
+
+def _kind(value: Any, where: str) -> str:
+    names = ", ".join(k.value.lower() for k in WorkloadKind)
+    if not isinstance(value, str) or value.strip().upper() not in WorkloadKind.__members__:
+        raise Invalid(f"{where}: kind: {value!r} is not one of {names}")
+    return value.strip().upper()
+
+
+def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
+    """One flat workload mapping (camelCase or snake_case keys) to a validated spec."""
+    data = _normalise_keys(doc, set(WorkloadSpec.model_fields), where)
+    if "kind" not in data:
+        raise Invalid(f"{where}: kind: is required (process, container or vm)")
+    data["kind"] = _kind(data["kind"], where)
+    if "resources" in data:
+        data["resources"] = _resources(data["resources"], where)
+    if isinstance(data.get("restart_policy"), str):
+        data["restart_policy"] = _enum_name(data["restart_policy"])
+    if isinstance(data.get("command"), str):
+        # A single string is a shell-style command line, not one argv element with spaces.
+        data["command"] = shlex.split(data["command"])
+    for key in _STRING_MAPS:
+        if isinstance(data.get(key), dict):
+            data[key] = {str(k): _scalar_str(v) for k, v in data[key].items()}
+    if isinstance(data.get("vm"), dict):
+        data["vm"] = _normalise_keys(data["vm"], set(VmSpec.model_fields), f"{where}: vm")
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as err:
+        raise Invalid(f"{where}: {invalid_from(err).message}") from None
+
+
+def _unwrap(doc: dict[Any, Any], where: str) -> dict[Any, Any]:
+    """`kind: Workload` + metadata.name + spec -> the flat form."""
+    for key in doc:
+        if key not in _WRAPPER_KEYS:
+            raise Invalid(
+                f"{where}: unknown key {key!r} in a kind: Workload document "
+                "(known keys: apiVersion, kind, metadata, spec)"
+            )
+    spec = doc.get("spec") or {}
+    if not isinstance(spec, dict):
+        raise Invalid(f"{where}: spec must be a mapping")
+    meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict):
+        raise Invalid(f"{where}: metadata must be a mapping")
+    for key in meta:
+        if key != "name":
+            raise Invalid(f"{where}: unknown key {key!r} in metadata (known keys: name)")
+    flat = dict(spec)
+    if "name" in meta:
+        if "name" in flat and flat["name"] != meta["name"]:
+            raise Invalid(
+                f"{where}: metadata.name {meta['name']!r} and spec.name {flat['name']!r} differ"
+            )
+        flat["name"] = meta["name"]
+    return flat
+
+
+def parse_manifests(text: str, source: str = "<stdin>") -> list[WorkloadSpec]:
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as e:
+        raise Invalid(f"{source}: not valid YAML: {e}") from None
+    specs: list[WorkloadSpec] = []
+    seen: dict[str, str] = {}
+    for index, doc in enumerate(docs, start=1):
+        where = f"{source}: document {index}"
+        if doc is None:
+            continue  # a stray `---` at the start or end
+        if not isinstance(doc, dict):
+            raise Invalid(f"{where}: expected a mapping (a workload), got {type(doc).__name__}")
+        kind = doc.get("kind")
+        if isinstance(kind, str) and kind.strip().lower() == "workload":
+            doc = _unwrap(doc, where)
+        spec = spec_from_mapping(doc, where)
+        if spec.name in seen:
+            raise Invalid(
+                f"{where}: workload {spec.name!r} is already defined in {seen[spec.name]}"
+            )
+        seen[spec.name] = where
+        specs.append(spec)
+    if not specs:
+        raise Invalid(f"{source}: no workloads found")
+    return specs
+
+
+def load_manifests(path: str) -> list[WorkloadSpec]:
+    if path == "-":
+        return parse_manifests(sys.stdin.read(), "<stdin>")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise Invalid(f"-f: cannot read {path}: {e.strerror or e}") from None
+    return parse_manifests(text, path)

@@ -1,0 +1,229 @@
+"""Rendering: aligned tables like kubectl, and json/yaml straight from the pydantic models."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shlex
+import time
+from collections.abc import Iterable, Sequence
+
+import yaml
+from pydantic import BaseModel
+
+from orka.cli.units import format_cpu, format_memory
+from orka.models import Instance, Node, Resources, Workload
+
+FORMATS = ("table", "json", "yaml")
+_GAP = "   "
+NONE = "<none>"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [_GAP.join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    # The last column is padded too; trailing blanks would only upset diffs and copy-paste.
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def age(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return NONE
+    seconds = max(0, int((now if now is not None else time.time()) - ts))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 3600:
+        m, s = divmod(seconds, 60)
+        return f"{m}m{s}s" if m < 10 and s else f"{m}m"
+    if seconds < 48 * 3600:
+        h, rest = divmod(seconds, 3600)
+        m = rest // 60
+        return f"{h}h{m}m" if h < 10 and m else f"{h}h"
+    return f"{seconds // 86400}d"
+
+
+def timestamp(ts: float | None, now: float | None = None) -> str:
+    if not ts:
+        return NONE
+    when = dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"{when} ({age(ts, now)} ago)"
+
+
+def resources(r: Resources) -> str:
+    return f"cpu {format_cpu(r.cpu_millis)}, memory {format_memory(r.memory_bytes)}"
+
+
+def mapping(m: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(m.items())) or NONE
+
+
+def dump(data: BaseModel | Sequence[BaseModel], fmt: str) -> str:
+    plain = (
+        data.model_dump(mode="json")
+        if isinstance(data, BaseModel)
+        else [m.model_dump(mode="json") for m in data]
+    )
+    if fmt == "json":
+        return json.dumps(plain, indent=2)
+    return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).rstrip("\n")
+
+
+def workloads_table(items: Sequence[Workload], now: float | None = None) -> str:
+    rows = [
+        (
+            w.name + (" (deleting)" if w.deleting else ""),
+            w.spec.kind.value,
+            w.spec.replicas,
+            w.status.placed,
+            w.status.running,
+            age(w.created_at, now),
+        )
+        for w in items
+    ]
+    return table(("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "AGE"), rows)
+
+
+def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
+    rows = [
+        (
+            i.name,
+            i.workload,
+            i.node or NONE,
+            i.phase.value,
+            i.restarts,
+            age(i.created_at, now),
+            _one_line(i.message or i.reason),
+        )
+        for i in items
+    ]
+    return table(("NAME", "WORKLOAD", "NODE", "PHASE", "RESTARTS", "AGE", "MESSAGE"), rows)
+
+
+def schedulable(n: Node) -> str:
+    if n.draining:
+        return "false (draining)"
+    return "true" if n.schedulable else "false (cordoned)"
+
+
+def nodes_table(items: Sequence[Node]) -> str:
+    rows = [
+        (
+            n.name,
+            n.state.value,
+            schedulable(n),
+            f"{format_cpu(n.allocated.cpu_millis)}/{format_cpu(n.allocatable.cpu_millis)}",
+            f"{format_memory(n.allocated.memory_bytes)}/"
+            f"{format_memory(n.allocatable.memory_bytes)}",
+            n.instances,
+            ",".join(n.drivers) or NONE,
+        )
+        for n in items
+    ]
+    return table(("NAME", "STATE", "SCHEDULABLE", "CPU", "MEMORY", "INSTANCES", "DRIVERS"), rows)
+
+
+def _one_line(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def indent(text: str, prefix: str = "  ") -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def fields(pairs: Sequence[tuple[str, object]]) -> str:
+    width = max(len(k) for k, _ in pairs) + 2
+    return "\n".join(f"{(k + ':').ljust(width)}{v}" for k, v in pairs)
+
+
+def describe_workload(w: Workload, instances: Sequence[Instance], now: float | None = None) -> str:
+    s = w.spec
+    pairs: list[tuple[str, object]] = [
+        ("Name", s.name),
+        ("Kind", s.kind.value),
+    ]
+    if s.image:
+        pairs.append(("Image", s.image))
+    if s.vm is not None:
+        pairs.append(("VM", f"kernel={s.vm.kernel} initrd={s.vm.initrd} cmdline={s.vm.cmdline}"))
+    pairs += [
+        ("Command", shlex.join(s.command) if s.command else NONE),
+        ("Replicas", s.replicas),
+        ("Resources", resources(s.resources) + " per replica"),
+        ("Env", mapping(s.env)),
+        ("Node selector", mapping(s.node_selector)),
+        ("Restart policy", s.restart_policy.value),
+        ("Max per node", s.max_per_node or "no limit"),
+    ]
+    if s.working_dir:
+        pairs.append(("Working dir", s.working_dir))
+    pairs += [
+        ("Generation", w.generation),
+        ("Created", timestamp(w.created_at, now)),
+        ("Updated", timestamp(w.updated_at, now)),
+        (
+            "Status",
+            f"desired {w.status.desired}, placed {w.status.placed}, running {w.status.running}"
+            + (" (deleting)" if w.deleting else ""),
+        ),
+    ]
+    if w.status.message:
+        pairs.append(("Message", w.status.message))
+    out = [fields(pairs)]
+    if w.status.unschedulable_reasons:
+        out.append("Unschedulable:")
+        out += [f"  {r}" for r in w.status.unschedulable_reasons]
+    else:
+        out.append(f"Unschedulable:  {NONE}")
+    out.append(_section("Instances", instances_table(instances, now) if instances else ""))
+    return "\n".join(out)
+
+
+def describe_instance(i: Instance, now: float | None = None) -> str:
+    pairs: list[tuple[str, object]] = [
+        ("Name", i.name),
+        ("Workload", i.workload),
+        ("Generation", i.generation),
+        ("Node", i.node or NONE),
+        ("Phase", i.phase.value),
+        ("Reason", i.reason or NONE),
+        ("Message", i.message or NONE),
+        ("Exit code", NONE if i.exit_code is None else i.exit_code),
+        ("Restarts", i.restarts),
+        ("Created", timestamp(i.created_at, now)),
+        ("Scheduled", timestamp(i.scheduled_at, now)),
+        ("Started", timestamp(i.started_at, now)),
+        ("Finished", timestamp(i.finished_at, now)),
+    ]
+    return fields(pairs)
+
+
+def describe_node(n: Node, instances: Sequence[Instance], now: float | None = None) -> str:
+    pairs: list[tuple[str, object]] = [
+        ("Name", n.name),
+        ("State", n.state.value),
+        ("Schedulable", schedulable(n)),
+        ("Last heartbeat", timestamp(n.last_heartbeat, now)),
+        ("Capacity", resources(n.capacity)),
+        ("Allocatable", resources(n.allocatable)),
+        ("Allocated", resources(n.allocated)),
+        ("Usage", resources(n.usage)),
+        ("Labels", mapping(n.labels)),
+        ("Drivers", ",".join(n.drivers) or NONE),
+        ("Instances", n.instances),
+    ]
+    if n.message:
+        pairs.append(("Message", n.message))
+    return "\n".join(
+        [
+            fields(pairs),
+            _section("Instances on node", instances_table(instances, now) if instances else ""),
+        ]
+    )
+
+
+def _section(title: str, body: str) -> str:
+    if not body:
+        return f"{title}:  {NONE}"
+    return f"{title}:\n{indent(body)}"

@@ -1,0 +1,322 @@
+"""`orka controller|scheduler|agent`: run one service in the foreground (compose, systemd, up)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from orka import log
+from orka.cli.defaults import (
+    DEFAULT_CONTROLLER,
+    DEFAULT_SCHEDULER,
+    UsageError,
+    add_flag,
+    add_location_flags,
+    resolve_certs,
+    resolve_data_dir,
+)
+from orka.errors import Invalid
+from orka.rpc.client import split_targets
+from orka.rpc.server import split_hostport
+from orka.security.ca import validate_name
+from orka.security.tls import TlsFiles, load_and_check
+
+POLICIES = ("spread", "binpack")
+
+
+def default_node_name() -> str:
+    # The short host name: node names are DNS labels, so an FQDN's dots cannot be kept.
+    return socket.gethostname().split(".")[0].lower()
+
+
+def check_tls(certs: Path, role: str, name: str) -> TlsFiles:
+    """Fail at start-up, naming the file, rather than on the first handshake."""
+    files = TlsFiles.for_service(certs, role, name)
+    identity = load_and_check(files)
+    if identity.role != role:
+        raise Invalid(
+            f"certs: {files.cert} has role {identity.role!r} ({identity.uri}); "
+            f"the {role} needs a {role} certificate"
+        )
+    if role == "agent" and identity.name != name:
+        raise Invalid(
+            f"certs: {files.cert} is for node {identity.name!r} but --name is {name!r}; "
+            f"the scheduler names the node after its certificate"
+        )
+    return files
+
+
+def _positive(flag: str, value: float | int | None) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"{flag}: must be > 0, got {value:g}")
+
+
+def _listen(value: str) -> str:
+    try:
+        split_hostport(value)
+    except Invalid as e:
+        raise UsageError(e.message) from None
+    return value
+
+
+def _targets(value: str, flag: str = "--scheduler") -> list[str]:
+    try:
+        return split_targets(value, flag)
+    except Invalid as e:
+        raise UsageError(e.message) from None
+
+
+def parse_labels(value: str | None) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for part in (value or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--labels: {part!r} is not KEY=VALUE")
+        labels[key.strip()] = val.strip()
+    return labels
+
+
+def parse_list(value: str, flag: str) -> list[str]:
+    items = [p.strip() for p in value.split(",") if p.strip()]
+    if not items:
+        raise UsageError(f"{flag}: at least one value is required")
+    return items
+
+
+async def serve(
+    run: Callable[[], Awaitable[None]], handlers: dict[signal.Signals, Callable[[], None]]
+) -> None:
+    loop = asyncio.get_running_loop()
+    for sig, handler in handlers.items():
+        loop.add_signal_handler(sig, handler)
+    try:
+        await run()
+    finally:
+        for sig in handlers:
+            loop.remove_signal_handler(sig)
+
+
+class GracefulStop:
+    """SIGINT and SIGTERM both mean a graceful stop for the controller and the scheduler.
+
+    The stop runs as its own task; `run()` may return (its own idempotent `stop()` sees one
+    already under way) before that task has closed the store, so `wait()` must be awaited
+    before the loop closes, or a half-closed store's worker thread keeps the process alive.
+    """
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def handler(self) -> None:
+        self.tasks.add(asyncio.ensure_future(self.service.stop()))
+
+    @property
+    def handlers(self) -> dict[signal.Signals, Callable[[], None]]:
+        return {signal.SIGINT: self.handler, signal.SIGTERM: self.handler}
+
+    async def run(self) -> None:
+        try:
+            await serve(self.service.run, self.handlers)
+        finally:
+            if self.tasks:
+                await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+# ---- controller ----
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    from orka.controller.service import Controller, ControllerConfig
+
+    listen = _listen(args.listen)
+    schedulers = _targets(args.scheduler)
+    data_dir = resolve_data_dir(args.data_dir)
+    certs = resolve_certs(args.certs, data_dir)
+    tls = check_tls(certs, "controller", "controller")
+    log.configure(level=args.log_level, service="controller")
+    config = ControllerConfig(
+        listen=listen, schedulers=schedulers, store_url=args.store or "", data_dir=data_dir
+    )
+
+    async def main() -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        await GracefulStop(Controller(config, tls)).run()
+
+    asyncio.run(main())
+    return 0
+
+
+# ---- scheduler ----
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from orka.scheduler.pipeline import PipelineConfig
+    from orka.scheduler.service import Scheduler, SchedulerConfig
+
+    listen = _listen(args.listen)
+    for flag, value in (
+        ("--heartbeat-interval", args.heartbeat_interval),
+        ("--node-lost-after", args.node_lost_after),
+        ("--offer-timeout", args.offer_timeout),
+    ):
+        _positive(flag, value)
+    if args.node_lost_after <= 2 * args.heartbeat_interval:
+        raise UsageError(
+            f"--node-lost-after: {args.node_lost_after:g}s must be more than two "
+            f"--heartbeat-interval ({args.heartbeat_interval:g}s), or nodes are lost "
+            "before they are even marked not ready"
+        )
+    if args.policy not in POLICIES:
+        raise UsageError(f"--policy: {args.policy!r} is not one of {', '.join(POLICIES)}")
+    data_dir = resolve_data_dir(args.data_dir)
+    tls = check_tls(resolve_certs(args.certs, data_dir), "scheduler", "scheduler")
+    log.configure(level=args.log_level, service="scheduler")
+    config = SchedulerConfig(
+        listen=listen,
+        heartbeat_interval=args.heartbeat_interval,
+        node_lost_after=args.node_lost_after,
+        offer_timeout=args.offer_timeout,
+        pipeline=PipelineConfig(policy=args.policy),
+    )
+
+    async def main() -> None:
+        await GracefulStop(Scheduler(config, tls)).run()
+
+    asyncio.run(main())
+    return 0
+
+
+# ---- agent ----
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from orka.agent.service import Agent, AgentConfig
+
+    name = args.name or default_node_name()
+    try:
+        validate_name(name)
+    except Invalid as e:
+        raise UsageError(f"--name: {e.message.removeprefix('name: ')}") from None
+    if args.listen:
+        _listen(args.listen)
+    schedulers = _targets(args.scheduler)
+    runtimes = parse_list(args.runtime, "--runtime")
+    _positive("--cpu-millis", args.cpu_millis)
+    _positive("--memory-bytes", args.memory_bytes)
+    _positive("--leave-timeout", args.leave_timeout)
+    labels = parse_labels(args.labels)
+    data_dir = resolve_data_dir(args.data_dir)
+    tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
+    log.configure(level=args.log_level, service=f"agent/{name}")
+    config = AgentConfig(
+        name=name,
+        schedulers=schedulers,
+        data_dir=data_dir,
+        runtimes=runtimes,
+        cpu_millis=args.cpu_millis,
+        memory_bytes=args.memory_bytes,
+        labels=labels,
+        leave_timeout=args.leave_timeout,
+    )
+
+    async def main() -> None:
+        agent = Agent(config, tls)
+        # SIGTERM (systemd stop, docker stop): leave, so instances move before we exit.
+        # SIGINT (Ctrl-C, `orka up` shutdown): just stop the instances and exit.
+        handlers = {
+            signal.SIGTERM: lambda: agent.request_stop(leave=True),
+            signal.SIGINT: lambda: agent.request_stop(leave=False),
+        }
+        await serve(agent.run, handlers)
+
+    asyncio.run(main())
+    return 0
+
+
+# ---- flags ----
+
+
+def _int_arg(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+
+
+def _float_arg(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+
+
+def _common(p: argparse.ArgumentParser, listen: str | None) -> None:
+    add_flag(
+        p,
+        "--listen",
+        default=listen,
+        metavar="HOST:PORT",
+        help=f"address to serve on (default {listen})" if listen else "unused by the agent",
+    )
+    add_location_flags(p)
+    add_flag(p, "--log-level", metavar="LEVEL", help="debug, info, warning or error")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("controller", help="run the controller (the public API)")
+    _common(p, DEFAULT_CONTROLLER)
+    add_flag(
+        p,
+        "--scheduler",
+        default=DEFAULT_SCHEDULER,
+        metavar="HOST:PORT[,...]",
+        help=f"scheduler address(es) (default {DEFAULT_SCHEDULER})",
+    )
+    add_flag(
+        p,
+        "--store",
+        metavar="URL",
+        help="sqlite:///path or etcd://host:port[,...] (default sqlite in the data dir)",
+    )
+    p.set_defaults(func=cmd_controller)
+
+    p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")
+    _common(p, DEFAULT_SCHEDULER)
+    add_flag(p, "--heartbeat-interval", type=_float_arg, default=1.0, metavar="S")
+    add_flag(p, "--node-lost-after", type=_float_arg, default=5.0, metavar="S")
+    add_flag(p, "--offer-timeout", type=_float_arg, default=2.0, metavar="S")
+    add_flag(p, "--policy", default="spread", metavar="spread|binpack", help="scoring policy")
+    p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser("agent", help="run a node agent")
+    _common(p, None)
+    add_flag(p, "--name", metavar="NODE", help="node name (default: the host name)")
+    add_flag(
+        p,
+        "--scheduler",
+        default=DEFAULT_SCHEDULER,
+        metavar="HOST:PORT[,...]",
+        help=f"scheduler address(es) (default {DEFAULT_SCHEDULER})",
+    )
+    add_flag(p, "--runtime", default="process", metavar="DRIVER[,...]", help="(default process)")
+    add_flag(p, "--cpu-millis", type=_int_arg, metavar="N", help="CPU to offer")
+    add_flag(p, "--memory-bytes", type=_int_arg, metavar="N", help="memory to offer")
+    add_flag(p, "--labels", metavar="k=v,k=v", help="node labels for node selectors")
+    add_flag(
+        p,
+        "--leave-timeout",
+        type=_float_arg,
+        default=60.0,
+        metavar="S",
+        help="on SIGTERM, wait this long for instances to move (60)",
+    )
+    p.set_defaults(func=cmd_agent)

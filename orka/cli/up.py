@@ -1,0 +1,409 @@
+"""`orka up`: a whole local cluster as child OS processes, supervised in the foreground.
+
+Children are separate processes (not tasks) so a user can `kill -9` one agent and watch its
+instances heal onto the others. They run in their own sessions, so a Ctrl-C in the terminal
+reaches only `orka up`, which then stops them in order: agents first (they stop their
+instances), then the controller and the scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orka.cli.client import AdminClient
+from orka.cli.defaults import (
+    DEFAULT_CONTROLLER,
+    DEFAULT_SCHEDULER,
+    UsageError,
+    add_flag,
+    default_data_dir,
+    resolve_data_dir,
+)
+from orka.errors import Invalid, OrkaError
+from orka.models import NodeState
+from orka.rpc.server import split_hostport
+from orka.security.issue import CA_CERT, init_certs
+
+READY_TIMEOUT = 60.0
+AGENT_STOP_GRACE = 30.0
+SERVICE_STOP_GRACE = 10.0
+MAX_AGENTS = 50
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    log: Path
+    proc: asyncio.subprocess.Process | None = None
+    reported: bool = field(default=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid if self.proc else 0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+def client_host(listen: str) -> str:
+    """The address a client dials for a listen address (a wildcard is dialed on loopback)."""
+    host, port = split_hostport(listen)
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port_free(listen: str, flag: str) -> None:
+    host, port = split_hostport(listen, flag)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise Invalid(
+                    f"{flag}: {listen} is already in use (another `orka up` or orka service "
+                    f"running? pick another port with {flag})"
+                ) from None
+            raise Invalid(f"{flag}: cannot listen on {listen}: {e.strerror or e}") from None
+
+
+def _open_log(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def _exit_text(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+class Cluster:
+    def __init__(
+        self, data_dir: Path, agents: int, controller_listen: str, scheduler_listen: str
+    ) -> None:
+        self.data_dir = data_dir
+        self.certs = data_dir / "certs"
+        self.logs = data_dir / "logs"
+        self.agents = agents
+        self.controller_listen = controller_listen
+        self.scheduler_listen = scheduler_listen
+        self.controller_addr = client_host(controller_listen)
+        self.node_names = [f"node-{i}" for i in range(1, agents + 1)]
+        common = ["--certs", str(self.certs)]
+        self.scheduler = Child(
+            "scheduler",
+            "scheduler",
+            ["scheduler", "--listen", scheduler_listen, "--data-dir", str(data_dir), *common],
+            self.logs / "scheduler.log",
+        )
+        self.controller = Child(
+            "controller",
+            "controller",
+            [
+                "controller",
+                "--listen",
+                controller_listen,
+                "--scheduler",
+                client_host(scheduler_listen),
+                "--data-dir",
+                str(data_dir),
+                *common,
+            ],
+            self.logs / "controller.log",
+        )
+        self.agent_children = [
+            Child(
+                name,
+                "agent",
+                [
+                    "agent",
+                    "--name",
+                    name,
+                    "--scheduler",
+                    client_host(scheduler_listen),
+                    "--data-dir",
+                    str(data_dir / "agents" / name),
+                    *common,
+                ],
+                self.logs / f"{name}.log",
+            )
+            for name in self.node_names
+        ]
+        self.stop_requested = asyncio.Event()
+        self.signals = 0
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.scheduler, self.controller, *self.agent_children]
+
+    # ---- start ----
+
+    async def spawn(self, child: Child) -> None:
+        fd = _open_log(child.log)
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "orka.cli.main",
+                *child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            os.close(fd)
+
+    def _check_alive(self, children: list[Child]) -> None:
+        for c in children:
+            if c.proc is not None and c.proc.returncode is not None:
+                raise OrkaError(
+                    f"{c.name} exited during start-up ({_exit_text(c.proc.returncode)}); "
+                    f"last lines of {c.log}:\n{_tail(c.log)}"
+                )
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Until the controller answers and lists every agent READY."""
+        deadline = time.monotonic() + timeout
+        last_error = "no answer yet"
+        while True:
+            self._check_alive(self.children)
+            if self.stop_requested.is_set():
+                return
+            try:
+                # A fresh channel per try: a channel's reconnect backoff would otherwise
+                # stretch the wait long after the controller came up.
+                async with AdminClient(self.controller_addr, self.certs, timeout=2.0) as c:
+                    nodes = await c.list_nodes(timeout=2.0)
+                ready = {n.name for n in nodes if n.state is NodeState.READY}
+                missing = [n for n in self.node_names if n not in ready]
+                if not missing:
+                    return
+                last_error = f"waiting for nodes: {', '.join(missing)}"
+            except OrkaError as e:
+                last_error = e.message
+            if time.monotonic() >= deadline:
+                raise OrkaError(
+                    f"the cluster was not ready within {timeout:g}s ({last_error}); "
+                    f"see the logs in {self.logs}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop_requested.wait(), 0.3)
+
+    async def start(self) -> None:
+        await self.spawn(self.scheduler)
+        await self.spawn(self.controller)
+        for agent in self.agent_children:
+            await self.spawn(agent)
+        await self.wait_ready(READY_TIMEOUT)
+
+    # ---- stop ----
+
+    async def _stop(self, children: list[Child], sig: signal.Signals, grace: float) -> None:
+        alive = [c for c in children if c.alive]
+        for c in alive:
+            assert c.proc is not None
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(sig)
+        if not alive:
+            return
+        waits = [asyncio.ensure_future(c.proc.wait()) for c in alive if c.proc is not None]
+        _, pending = await asyncio.wait(waits, timeout=grace)
+        for w in pending:
+            w.cancel()
+        for c in alive:
+            if c.alive and c.proc is not None:
+                print(f"orka up: {c.name} did not stop within {grace:g}s; killing it", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+                await c.proc.wait()
+
+    async def shutdown(self) -> None:
+        if any(c.alive for c in self.agent_children):
+            print("orka up: stopping the agents (their instances stop too)...", flush=True)
+        await self._stop(self.agent_children, signal.SIGINT, AGENT_STOP_GRACE)
+        if self.controller.alive or self.scheduler.alive:
+            print("orka up: stopping the controller and the scheduler...", flush=True)
+        await self._stop([self.controller], signal.SIGTERM, SERVICE_STOP_GRACE)
+        await self._stop([self.scheduler], signal.SIGTERM, SERVICE_STOP_GRACE)
+
+    def on_signal(self) -> None:
+        self.signals += 1
+        if self.signals == 1:
+            self.stop_requested.set()
+            return
+        # A second Ctrl-C: the user does not want to wait for a graceful stop.
+        print("orka up: second signal, killing every child now", flush=True)
+        for c in self.children:
+            if c.alive and c.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()
+
+    # ---- supervise ----
+
+    def _report_exit(self, c: Child) -> None:
+        assert c.proc is not None and c.proc.returncode is not None
+        what = f"orka up: {c.name} (pid {c.pid}) exited: {_exit_text(c.proc.returncode)}"
+        if c.role == "agent":
+            what += "; its instances will be replaced on the other nodes (not restarting it)"
+        else:
+            what += f"; the cluster cannot work without it (log: {c.log}); Ctrl-C to stop"
+        print(what, flush=True)
+
+    async def supervise(self) -> int:
+        waits: dict[asyncio.Future[int], Child] = {
+            asyncio.ensure_future(c.proc.wait()): c
+            for c in self.children
+            if c.proc is not None and c.alive
+        }
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            while waits and not self.stop_requested.is_set():
+                done, _ = await asyncio.wait([*waits, stop], return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    child = waits.pop(fut, None)  # type: ignore[call-overload]
+                    if child is not None:
+                        self._report_exit(child)
+            if not waits and not self.stop_requested.is_set():
+                print("orka up: every process has exited", flush=True)
+                return 1
+            return 0
+        finally:
+            stop.cancel()
+            for fut in waits:
+                fut.cancel()
+
+    def banner(self) -> str:
+        ca = self.certs / CA_CERT
+        admin_crt, admin_key = self.certs / "admin.crt", self.certs / "admin.key"
+        client_flags = []
+        if self.data_dir != default_data_dir():
+            client_flags += ["--data-dir", str(self.data_dir)]
+        if self.controller_addr != DEFAULT_CONTROLLER:
+            client_flags += ["--controller", self.controller_addr]
+        flags = (" " + shlex.join(client_flags)) if client_flags else ""
+        agents = "\n".join(
+            f"    {c.name:<10} pid {c.pid:<8} log {c.log}" for c in self.agent_children
+        )
+        first = self.agent_children[0] if self.agent_children else None
+        grpcurl = (
+            f"grpcurl -cacert {shlex.quote(str(ca))} -cert {shlex.quote(str(admin_crt))} "
+            f"-key {shlex.quote(str(admin_key))} {self.controller_addr} list"
+        )
+        lines = [
+            "",
+            f"Orka is up ({len(self.agent_children)} agents, data in {self.data_dir}).",
+            f"  controller   {self.controller_addr}   pid {self.controller.pid}   "
+            f"log {self.controller.log}",
+            f"  scheduler    {client_host(self.scheduler_listen)}   pid {self.scheduler.pid}   "
+            f"log {self.scheduler.log}",
+            f"  certs        {self.certs}",
+            "  agents:",
+            agents,
+            "",
+            "Try:",
+            f"  orka get nodes{flags}",
+            f"  orka apply{flags} -f workload.yaml --wait",
+            f"  {grpcurl}",
+        ]
+        if first is not None:
+            lines.append(f"  kill -9 {first.pid}    # lose {first.name}; watch its instances move")
+        lines += ["", "Ctrl-C stops the cluster; `orka up` again resumes it.", ""]
+        return "\n".join(lines)
+
+
+async def run_up(cluster: Cluster) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, cluster.on_signal)
+    try:
+        try:
+            await cluster.start()
+        except BaseException:
+            await cluster.shutdown()
+            raise
+        if cluster.stop_requested.is_set():
+            await cluster.shutdown()
+            return 0
+        print(cluster.banner(), flush=True)
+        rc = await cluster.supervise()
+        await cluster.shutdown()
+        print("orka up: stopped", flush=True)
+        return rc
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if not 1 <= args.agents <= MAX_AGENTS:
+        raise UsageError(f"--agents: must be between 1 and {MAX_AGENTS}, got {args.agents}")
+    for flag, value in (
+        ("--controller-listen", args.controller_listen),
+        ("--scheduler-listen", args.scheduler_listen),
+    ):
+        try:
+            split_hostport(value, flag)
+        except Invalid as e:
+            raise UsageError(e.message) from None
+    if split_hostport(args.controller_listen) == split_hostport(args.scheduler_listen):
+        raise UsageError("--controller-listen and --scheduler-listen must differ")
+    data_dir = resolve_data_dir(args.data_dir).resolve()
+    check_port_free(args.controller_listen, "--controller-listen")
+    check_port_free(args.scheduler_listen, "--scheduler-listen")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    nodes = [f"node-{i}" for i in range(1, args.agents + 1)]
+    written = init_certs(data_dir / "certs", nodes=nodes)
+    if written:
+        print(f"orka up: wrote {len(written)} certificate files to {data_dir / 'certs'}")
+
+    async def main() -> int:
+        # Built inside the loop: the cluster owns asyncio primitives.
+        cluster = Cluster(data_dir, args.agents, args.controller_listen, args.scheduler_listen)
+        print(
+            f"orka up: starting the scheduler, the controller and {args.agents} agents "
+            f"(logs in {cluster.logs})...",
+            flush=True,
+        )
+        return await run_up(cluster)
+
+    return asyncio.run(main())
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="run a whole local cluster in the foreground")
+    add_flag(p, "--data-dir", metavar="DIR", help="where state, certs and logs go (~/.orka)")
+    add_flag(p, "--agents", type=int, default=2, metavar="N", help="number of agents (2)")
+    add_flag(p, "--controller-listen", default=DEFAULT_CONTROLLER, metavar="HOST:PORT")
+    add_flag(p, "--scheduler-listen", default=DEFAULT_SCHEDULER, metavar="HOST:PORT")
+    p.set_defaults(func=cmd_up)

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orka.cli.defaults import client_target
+from orka.cli.main import build_parser, main
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in ("ORKA_CONTROLLER", "ORKA_CERTS", "ORKA_DATA_DIR", "ORKA_CPU_MILLIS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def parse(*argv: str) -> object:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({}, [], "127.0.0.1:7443"),
+        ({"ORKA_CONTROLLER": "10.0.0.1:9000"}, [], "10.0.0.1:9000"),
+        ({"ORKA_CONTROLLER": "10.0.0.1:9000"}, ["--controller", "h:1"], "h:1"),
+    ],
+)
+def test_controller_flag_env_default(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str], expected: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args = parse("get", "nodes", *argv)
+    assert args.controller == expected  # type: ignore[attr-defined]
+
+
+def test_certs_default_follows_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert client_target(parse("get", "nodes"))[1] == tmp_path / "home" / ".orka" / "certs"  # type: ignore[arg-type]
+    monkeypatch.setenv("ORKA_DATA_DIR", str(tmp_path / "d"))
+    assert client_target(parse("get", "nodes"))[1] == tmp_path / "d" / "certs"  # type: ignore[arg-type]
+    monkeypatch.setenv("ORKA_CERTS", str(tmp_path / "c"))
+    assert client_target(parse("get", "nodes"))[1] == tmp_path / "c"  # type: ignore[arg-type]
+
+
+def test_typed_env_default_is_converted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORKA_CPU_MILLIS", "1500")
+    assert parse("agent").cpu_millis == 1500  # type: ignore[attr-defined]
+    assert parse("agent", "--cpu-millis", "10").cpu_millis == 10  # type: ignore[attr-defined]
+
+
+def test_certs_init_writes_and_is_idempotent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d), "--node", "node-1", "--node", "node-2"]) == 0
+    for name in ("ca.crt", "ca.key", "admin.crt", "admin.key", "controller.crt", "scheduler.crt"):
+        assert (d / name).is_file(), name
+    assert (d / "agent-node-1.crt").is_file() and (d / "agent-node-2.key").is_file()
+    assert "wrote" in capsys.readouterr().out
+    before = (d / "ca.crt").read_bytes()
+    assert main(["certs", "init", "--dir", str(d), "--node", "node-1,node-2"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert (d / "ca.crt").read_bytes() == before
+
+
+def test_certs_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    assert main(["certs", "issue", "--dir", str(d), "--role", "agent", "--name", "n9"]) == 0
+    assert (d / "agent-n9.crt").is_file()
+    assert main(["certs", "issue", "--dir", str(d), "--role", "boss", "--name", "x"]) == 1
+    assert "role" in capsys.readouterr().err
+
+
+def test_unreachable_controller_is_a_clean_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    capsys.readouterr()
+    rc = main(["get", "workloads", "--controller", "127.0.0.1:1", "--certs", str(d)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("error: cannot reach the controller at 127.0.0.1:1")
+    assert "Traceback" not in err
+
+
+def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["get", "workloads", "--controller", "127.0.0.1:1", "--certs", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith("error: certs:") and "orka certs init" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["get", "gizmos"], "unknown resource 'gizmos'"),
+        (["get", "nodes", "-o", "xml"], "-o/--output"),
+        (["get", "nodes", "--controller", "nohostport"], "--controller"),
+        (["agent", "--labels", "zone"], "--labels"),
+        (["agent", "--name", "Bad_Name"], "--name"),
+        (["agent", "--cpu-millis", "0"], "--cpu-millis"),
+        (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
+        (["scheduler", "--policy", "random"], "--policy"),
+        (["controller", "--listen", "nope"], "--listen"),
+        (["up", "--agents", "0"], "--agents"),
+        (["delete", "node", "x"], "only workloads"),
+    ],
+)
+def test_usage_errors_exit_2(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["agent", "--cpu-millis", "lots"]) == 2
+    assert "--cpu-millis" in capsys.readouterr().err
+    assert main([]) == 2
+
+
+def test_service_checks_cert_role(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d), "--node", "node-1"]) == 0
+    # An agent given a cert of another role must fail before anything starts, naming the file.
+    (d / "agent-node-1.crt").unlink()
+    (d / "agent-node-1.key").unlink()
+    (d / "admin.crt").rename(d / "agent.crt")
+    (d / "admin.key").rename(d / "agent.key")
+    capsys.readouterr()
+    rc = main(["agent", "--name", "node-1", "--certs", str(d), "--data-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "agent.crt has role 'admin'" in err
+    capsys.readouterr()
+    rc = main(["agent", "--name", "node-2", "--certs", str(d), "--data-dir", str(tmp_path)])
+    assert rc == 1

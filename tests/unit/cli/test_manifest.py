@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import pytest
+
+from orka.cli.manifest import parse_manifests
+from orka.errors import Invalid
+from orka.models import RestartPolicy, WorkloadKind
+
+FLAT = """
+name: web
+kind: process
+command: ["python3", "-m", "http.server", "8080"]
+replicas: 3
+resources: {cpu: 500m, memory: 256Mi}
+env: {GREETING: hello, PORT: 8080}
+nodeSelector: {zone: a}
+restartPolicy: OnFailure
+maxPerNode: 1
+"""
+
+WRAPPED = """
+apiVersion: orka/v1
+kind: Workload
+metadata: {name: db}
+spec:
+  kind: CONTAINER
+  image: postgres:16
+  restart_policy: NEVER
+  resources: {cpu: 2, memory: 1Gi}
+"""
+
+
+def test_flat_form() -> None:
+    [spec] = parse_manifests(FLAT, "f.yaml")
+    assert spec.name == "web"
+    assert spec.kind is WorkloadKind.PROCESS
+    assert spec.replicas == 3
+    assert spec.resources.cpu_millis == 500
+    assert spec.resources.memory_bytes == 256 * 2**20
+    assert spec.env == {"GREETING": "hello", "PORT": "8080"}
+    assert spec.node_selector == {"zone": "a"}
+    assert spec.restart_policy is RestartPolicy.ON_FAILURE
+    assert spec.max_per_node == 1
+
+
+def test_wrapper_form() -> None:
+    [spec] = parse_manifests(WRAPPED, "f.yaml")
+    assert spec.name == "db"
+    assert spec.kind is WorkloadKind.CONTAINER
+    assert spec.restart_policy is RestartPolicy.NEVER
+    assert spec.resources.cpu_millis == 2000
+
+
+def test_multi_document() -> None:
+    specs = parse_manifests(f"---\n{FLAT}\n---\n{WRAPPED}\n---\n", "f.yaml")
+    assert [s.name for s in specs] == ["web", "db"]
+
+
+def test_command_string_is_split() -> None:
+    [spec] = parse_manifests("name: a\nkind: process\ncommand: sleep 'a b'\n")
+    assert spec.command == ["sleep", "a b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "name: a\nkind: process\ncommand: [x]\nreplica: 2\n",
+            r"document 1: unknown key 'replica'",
+        ),
+        ("name: a\nkind: banana\ncommand: [x]\n", r"kind: 'banana' is not one of process"),
+        ("name: a\nkind: process\ncommand: [x]\nreplicas: -1\n", r"replicas: .*greater than"),
+        ("name: a\ncommand: [x]\n", r"kind: is required"),
+        ("name: a\nkind: process\n", r"command is required"),
+        ("name: A_B\nkind: process\ncommand: [x]\n", r"name"),
+        ("name: a\nkind: process\ncommand: [x]\nresources: {cpu: lots}\n", r"resources\.cpu"),
+        ("name: a\nkind: process\ncommand: [x]\nresources: {gpu: 1}\n", r"unknown key 'gpu'"),
+        ("- a\n- b\n", r"expected a mapping"),
+        ("kind: Workload\nmetadata: {name: a}\nspecs: {}\n", r"unknown key 'specs'"),
+        ("a: [\n", r"not valid YAML"),
+        ("", r"no workloads found"),
+    ],
+)
+def test_errors_name_the_problem(text: str, expected: str) -> None:
+    with pytest.raises(Invalid, match=expected) as info:
+        parse_manifests(text, "bad.yaml")
+    assert "bad.yaml" in info.value.message
+
+
+def test_error_names_document_index() -> None:
+    text = f"{FLAT}\n---\nname: b\nkind: process\ncommand: [x]\nbogus: 1\n"
+    with pytest.raises(Invalid, match=r"bad\.yaml: document 2: unknown key 'bogus'"):
+        parse_manifests(text, "bad.yaml")
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(Invalid, match="already defined"):
+        parse_manifests(f"{FLAT}\n---\n{FLAT}", "f.yaml")

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from orka.cli import output
+from orka.models import Instance, InstancePhase, Node, Resources, Workload, WorkloadSpec
+
+NOW = 1_000_000.0
+
+
+def workload(name: str, replicas: int = 3, running: int = 0) -> Workload:
+    w = Workload(
+        spec=WorkloadSpec(name=name, kind="PROCESS", command=["x"], replicas=replicas),
+        created_at=NOW - 30,
+    )
+    w.status.running = running
+    return w
+
+
+def test_table_aligns_columns() -> None:
+    text = output.table(("NAME", "X"), [("a", 1), ("longer-name", 22)])
+    lines = text.splitlines()
+    assert lines == ["NAME          X", "a             1", "longer-name   22"]
+    # Every column starts at the same offset on every line.
+    assert {line.index(line.split()[1]) for line in lines} == {14}
+
+
+def test_workloads_table() -> None:
+    text = output.workloads_table([workload("web", 3, 2), workload("a-much-longer-name", 1)], NOW)
+    header, *rows = text.splitlines()
+    assert header.split() == ["NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "AGE"]
+    assert rows[0].split() == ["web", "PROCESS", "3", "0", "2", "30s"]
+    assert header.index("KIND") == rows[0].index("PROCESS") == rows[1].index("PROCESS")
+
+
+def test_instances_table_shows_none_for_unplaced() -> None:
+    inst = Instance(name="web-1", workload="web", message="2 nodes: insufficient cpu")
+    text = output.instances_table([inst], NOW)
+    assert "<none>" in text and "PENDING" in text and "insufficient cpu" in text
+
+
+def test_nodes_table() -> None:
+    node = Node(
+        name="node-1",
+        allocatable=Resources(cpu_millis=4000, memory_bytes=2**33),
+        allocated=Resources(cpu_millis=1500, memory_bytes=2**30),
+        drivers=["process", "fake"],
+        schedulable=False,
+    )
+    row = output.nodes_table([node]).splitlines()[1].split()
+    assert row[:3] == ["node-1", "READY", "false"]
+    assert "1500m/4" in row and "1Gi/8Gi" in row and "process,fake" in row
+
+
+def test_json_and_yaml_dump_models() -> None:
+    items = [workload("web")]
+    as_json = json.loads(output.dump(items, "json"))
+    assert as_json[0]["spec"]["name"] == "web"
+    assert as_json[0]["spec"]["kind"] == "PROCESS"
+    assert yaml.safe_load(output.dump(items[0], "yaml"))["spec"]["replicas"] == 3
+
+
+def test_describe_workload_lists_unschedulable_reasons() -> None:
+    w = workload("big", 2)
+    w.status.unschedulable_reasons = ["3 nodes: insufficient memory", "1 node: cordoned"]
+    text = output.describe_workload(w, [Instance(name="big-1", workload="big")], NOW)
+    lines = text.splitlines()
+    start = lines.index("Unschedulable:")
+    assert lines[start + 1 : start + 3] == [
+        "  3 nodes: insufficient memory",
+        "  1 node: cordoned",
+    ]
+    assert "big-1" in text
+
+
+def test_age() -> None:
+    assert output.age(NOW - 5, NOW) == "5s"
+    assert output.age(NOW - 300, NOW) == "5m"
+    assert output.age(NOW - 3 * 86400, NOW) == "3d"
+    assert output.age(0, NOW) == "<none>"
+    assert output.age(NOW, NOW) == "0s"
+    assert InstancePhase.PENDING.value == "PENDING"
