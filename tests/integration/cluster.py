@@ -8,6 +8,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
+
 from orka.agent.service import Agent, AgentConfig
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
@@ -26,9 +28,14 @@ async def eventually(
     deadline = time.monotonic() + timeout
     last: T | None = None
     while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
+        try:
+            last = await check()
+        except grpc.aio.AioRpcError as err:
+            # A service that is (re)starting answers UNAVAILABLE for a moment.
+            last = err  # type: ignore[assignment]
+        else:
+            if last:
+                return last
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s; last value: {last!r}")
 

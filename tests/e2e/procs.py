@@ -1,0 +1,193 @@
+"""Controller, scheduler and agents as separate OS processes on loopback, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from orka.api import controller_pb2 as pb
+from orka.api import controller_pb2_grpc as pb_grpc
+from orka.rpc.client import secure_channel
+from orka.security.tls import TlsFiles
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Service:
+    def __init__(self, name: str, args: list[str], log: Path) -> None:
+        self.name = name
+        self.args = args
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orka.cli.main", *self.args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "ORKA_LOG_LEVEL": "info"},
+            start_new_session=True,
+        )
+        out.close()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class ProcessCluster:
+    def __init__(self, certs: Path, data: Path) -> None:
+        self.certs = certs
+        self.data = data
+        self.scheduler_port = free_port()
+        self.controller_port = free_port()
+        self.services: dict[str, Service] = {}
+        self.channel = None
+        self.api: pb_grpc.ControllerStub | None = None
+
+    @property
+    def scheduler_addr(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def _service(self, name: str, args: list[str]) -> Service:
+        svc = Service(name, args, self.data / f"{name}.log")
+        self.services[name] = svc
+        svc.start()
+        return svc
+
+    def start_scheduler(self) -> Service:
+        return self._service(
+            "scheduler",
+            [
+                "scheduler",
+                "--listen",
+                self.scheduler_addr,
+                "--certs",
+                str(self.certs),
+                "--data-dir",
+                str(self.data / "scheduler"),
+            ],
+        )
+
+    def start_controller(self) -> Service:
+        return self._service(
+            "controller",
+            [
+                "controller",
+                "--listen",
+                f"127.0.0.1:{self.controller_port}",
+                "--scheduler",
+                self.scheduler_addr,
+                "--certs",
+                str(self.certs),
+                "--data-dir",
+                str(self.data / "controller"),
+            ],
+        )
+
+    def start_agent(self, name: str, *extra: str) -> Service:
+        return self._service(
+            name,
+            [
+                "agent",
+                "--name",
+                name,
+                "--scheduler",
+                self.scheduler_addr,
+                "--certs",
+                str(self.certs),
+                "--data-dir",
+                str(self.data / "agents" / name),
+                "--runtime",
+                "process",
+                *extra,
+            ],
+        )
+
+    async def connect(self) -> pb_grpc.ControllerStub:
+        if self.channel is not None:
+            await self.channel.close()
+        self.channel = secure_channel(
+            f"127.0.0.1:{self.controller_port}", TlsFiles.for_service(self.certs, "admin", "admin")
+        )
+        self.api = pb_grpc.ControllerStub(self.channel)
+        return self.api
+
+    async def nodes(self) -> dict[str, int]:
+        assert self.api is not None
+        resp = await self.api.ListNodes(pb.ListNodesRequest(), timeout=5)
+        return {n.name: n.state for n in resp.nodes}
+
+    async def instances(self, workload: str) -> list[pb.Instance]:
+        assert self.api is not None
+        resp = await self.api.ListInstances(pb.ListInstancesRequest(workload=workload), timeout=5)
+        return list(resp.instances)
+
+    async def running(self, workload: str) -> list[pb.Instance]:
+        return [i for i in await self.instances(workload) if i.phase == pb.Instance.RUNNING]
+
+    def logs(self) -> str:
+        parts = []
+        for svc in self.services.values():
+            with open(svc.log, errors="replace") as f:
+                parts.append(f"==== {svc.name}\n" + "".join(f.readlines()[-40:]))
+        return "\n".join(parts)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+        for svc in self.services.values():
+            svc.kill()
+
+
+def host_copies(workload: str) -> dict[str, int]:
+    """Instance name -> pid of every live workload process on this host (not the wrappers)."""
+    found: dict[str, int] = {}
+    for proc in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or proc.info["name"] != "sleep":
+                continue
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get("ORKA_WORKLOAD") == workload:
+            found[env.get("ORKA_INSTANCE", "?")] = proc.info["pid"]
+    return found
+
+
+def kill_host_copies(workload: str) -> None:
+    for pid in host_copies(workload).values():
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def monotonic() -> float:
+    return time.monotonic()

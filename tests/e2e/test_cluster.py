@@ -1,0 +1,153 @@
+"""End to end: controller, scheduler and three agents as separate OS processes on loopback."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from orka.api import controller_pb2 as pb
+from tests.e2e.procs import ProcessCluster, host_copies, kill_host_copies
+from tests.integration.cluster import eventually
+
+pytestmark = pytest.mark.e2e
+
+WORKLOAD = "e2e-sleep"
+NODES = ["node-1", "node-2", "node-3"]
+
+
+@pytest.fixture
+async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[ProcessCluster]:
+    c = ProcessCluster(certs_dir, tmp_path)
+    c.start_scheduler()
+    c.start_controller()
+    for name in NODES:
+        c.start_agent(name)
+    await c.connect()
+    try:
+        await eventually(lambda: _all_ready(c, NODES), timeout=30)
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        await c.close()
+        kill_host_copies(WORKLOAD)
+
+
+async def _all_ready(c: ProcessCluster, names: list[str]) -> bool:
+    try:
+        nodes = await c.nodes()
+    except Exception:
+        return False
+    return all(nodes.get(n) == pb.Node.READY for n in names)
+
+
+async def _spread(c: ProcessCluster, count: int, exclude: str = "") -> list[pb.Instance] | None:
+    running = await c.running(WORKLOAD)
+    nodes = {i.node for i in running}
+    if len(running) == count and len(nodes) == count and exclude not in nodes:
+        return running
+    return None
+
+
+def _host(count: int) -> dict[str, int] | None:
+    copies = host_copies(WORKLOAD)
+    return copies if len(copies) == count else None
+
+
+async def test_heal_leave_delete(cluster: ProcessCluster) -> None:
+    api = cluster.api
+    assert api is not None
+    await api.CreateWorkload(
+        pb.CreateWorkloadRequest(
+            spec=pb.WorkloadSpec(
+                name=WORKLOAD,
+                kind=pb.WorkloadSpec.PROCESS,
+                command=["sleep", "1000"],
+                replicas=3,
+                resources=pb.Resources(cpu_millis=100, memory_bytes=16 << 20),
+            )
+        )
+    )
+    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    copies = await eventually(lambda: _asyncify(_host(3)))
+    assert set(copies) == {i.name for i in running}
+
+    # SIGKILL one agent: its instance keeps running on the host, but comes back elsewhere.
+    victim = running[0].node
+    cluster.services[victim].signal(signal.SIGKILL)
+    cluster.services[victim].wait()
+    killed_at = time.monotonic()
+    await eventually(lambda: _running_without(cluster, 3, victim), timeout=30)
+    healed_after = time.monotonic() - killed_at
+    print(f"node-loss replacement took {healed_after:.2f}s (node_lost_after 5s)")
+    nodes = await cluster.nodes()
+    assert nodes[victim] == pb.Node.LOST
+
+    # The agent returns under the same name: it re-adopts the orphan, is told to stop it,
+    # and the host ends with exactly `replicas` copies.
+    cluster.start_agent(victim)
+    await eventually(lambda: _all_ready(cluster, NODES), timeout=30)
+    await eventually(lambda: _asyncify(_host(3)), timeout=30)
+    running = await eventually(lambda: _running_without(cluster, 3, ""), timeout=30)
+    assert set(host_copies(WORKLOAD)) == {i.name for i in running}
+
+    # SIGTERM an agent: a leave notice, its instance is replaced, then it exits.
+    leaver = running[0].node
+    cluster.services[leaver].signal(signal.SIGTERM)
+    assert cluster.services[leaver].wait(timeout=60) == 0
+    running = await eventually(lambda: _running_without(cluster, 3, leaver), timeout=30)
+    assert (await cluster.nodes())[leaver] == pb.Node.LEFT
+    await eventually(lambda: _asyncify(_host(3)), timeout=30)
+
+    # Delete: every process of the workload is gone from the host.
+    await api.DeleteWorkload(pb.DeleteWorkloadRequest(name=WORKLOAD))
+    await eventually(lambda: _asyncify(host_copies(WORKLOAD) == {}), timeout=30)
+    await eventually(lambda: _no_workloads(cluster), timeout=30)
+
+
+async def _running_without(c: ProcessCluster, count: int, node: str) -> list[pb.Instance] | None:
+    running = await c.running(WORKLOAD)
+    if len(running) == count and all(i.node != node for i in running):
+        return running
+    return None
+
+
+async def _no_workloads(c: ProcessCluster) -> bool:
+    assert c.api is not None
+    return not (await c.api.ListWorkloads(pb.ListWorkloadsRequest())).workloads
+
+
+async def _asyncify(value: object) -> object:
+    return value
+
+
+async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessCluster) -> None:
+    api = cluster.api
+    assert api is not None
+    await api.CreateWorkload(
+        pb.CreateWorkloadRequest(
+            spec=pb.WorkloadSpec(
+                name=WORKLOAD, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=3
+            )
+        )
+    )
+    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    before = {i.name: i.node for i in running}
+    pids = await eventually(lambda: _asyncify(_host(3)))
+
+    cluster.services["controller"].signal(signal.SIGKILL)
+    cluster.services["controller"].wait()
+    cluster.start_controller()
+    await cluster.connect()
+    after = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    assert {i.name: i.node for i in after} == before
+    assert host_copies(WORKLOAD) == pids  # the same processes: nothing restarted
+
+    assert cluster.api is not None
+    await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name=WORKLOAD))
+    await eventually(lambda: _asyncify(host_copies(WORKLOAD) == {}), timeout=30)
