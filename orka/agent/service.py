@@ -136,23 +136,30 @@ class Agent:
         if self._stopped:
             return
         self._stopped = True
-        if self._leaving and self.connected.is_set():
-            await self._leave()
-        # Whatever is still here (no leave, or leave timed out) is stopped and forgotten.
-        await asyncio.gather(
-            *(i.stop(remove=True, reason="agent stopped") for i in list(self.instances.values())),
-            return_exceptions=True,
-        )
-        self.instances.clear()
-        self._save()
-        await self.state_file.flush()
-        if self._main is not None:
-            self._main.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._main
-        for d in self.drivers.values():
-            await d.close()
-        log.info("agent stopped", node=self.name)
+        try:
+            if self._leaving and self.connected.is_set():
+                await self._leave()
+            # Whatever is still here (no leave, or leave timed out) is stopped and forgotten.
+            await asyncio.gather(
+                *(
+                    i.stop(remove=True, reason="agent stopped")
+                    for i in list(self.instances.values())
+                ),
+                return_exceptions=True,
+            )
+            self.instances.clear()
+            self._save()
+            await self.state_file.flush()
+        finally:
+            # The stream and the drivers go away even when a step above failed.
+            if self._main is not None:
+                self._main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._main
+            for d in self.drivers.values():
+                with contextlib.suppress(Exception):
+                    await d.close()
+            log.info("agent stopped", node=self.name)
 
     async def _leave(self) -> None:
         log.info("leaving: waiting for instances to be replaced", count=len(self.instances))

@@ -101,10 +101,18 @@ class Cluster:
         return [i for i in await self.instances(workload) if i.phase == pb.Instance.RUNNING]
 
     async def stop(self) -> None:
-        for agent in self.agents.values():
-            await agent.stop()
+        """Stop every part even when one of them fails, then report the first failure."""
+        errors: list[BaseException] = []
+        parts = [a.stop for a in self.agents.values()]
         if self.controller is not None:
-            await self.controller.stop()
-        await self.scheduler.stop()
+            parts.append(self.controller.stop)
+        parts.append(self.scheduler.stop)
         if self._channel is not None:
-            await self._channel.close()
+            parts.append(self._channel.close)
+        for stop in parts:
+            try:
+                await stop()
+            except Exception as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]

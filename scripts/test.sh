@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one command that runs the whole test suite, on a fresh Debian 12 machine (as root) or on a
+# developer's machine (apt is skipped when not root or when every package is already present).
+#
+#   ./scripts/test.sh [pytest args...]
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$(pwd)"
+VENV="$ROOT/.venv"
+
+stage() { printf '\n==> %s\n' "$*"; }
+
+# --- System packages the tests need ------------------------------------------------------------
+# Add packages here as drivers gain real tests (etcd-server, containerd, runc, busybox-static,
+# libvirt-daemon-system, libvirt-clients, qemu-system-x86, ...).
+APT_PACKAGES=(
+  python3-venv
+  procps
+)
+# -----------------------------------------------------------------------------------------------
+
+missing_packages() {
+  local pkg
+  for pkg in "${APT_PACKAGES[@]}"; do
+    if ! dpkg -s "$pkg" >/dev/null 2>&1; then
+      echo "$pkg"
+    fi
+  done
+}
+
+stage "system packages"
+if ! command -v dpkg >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then
+  echo "no dpkg/apt-get here; skipping system packages (need: ${APT_PACKAGES[*]})"
+else
+  mapfile -t MISSING < <(missing_packages)
+  if [ "${#MISSING[@]}" -eq 0 ]; then
+    echo "all present: ${APT_PACKAGES[*]}"
+  elif [ "$(id -u)" -ne 0 ]; then
+    echo "not root; skipping apt. Missing: ${MISSING[*]}" >&2
+  else
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update
+    apt-get install -y --no-install-recommends "${MISSING[@]}"
+  fi
+fi
+
+stage "python virtualenv"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "$PYTHON not found on PATH; Orka needs Python >= 3.11" >&2
+    exit 1
+  fi
+  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "$("$PYTHON" --version 2>&1) is too old; Orka needs Python >= 3.11" >&2
+    exit 1
+  fi
+  echo "creating $VENV with $("$PYTHON" --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+else
+  echo "using $VENV ($("$VENV/bin/python" --version 2>&1))"
+fi
+
+stage "pip install -e '.[dev]'"
+"$VENV/bin/python" -m pip install --quiet -e '.[dev]'
+
+stage "ruff check"
+"$VENV/bin/ruff" check .
+
+stage "ruff format --check"
+"$VENV/bin/ruff" format --check .
+
+stage "generated API is up to date"
+"$VENV/bin/python" scripts/gen_api.py --check
+
+stage "pytest $*"
+# The venv first on PATH, so tests find grpcurl and the orka command.
+PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest "$@"
+
+stage "all passed"

