@@ -34,6 +34,8 @@ from orka.cli.defaults import (
 from orka.errors import Invalid, OrkaError
 from orka.models import NodeState
 from orka.rpc.server import split_hostport
+from orka.runtime.base import TaskState
+from orka.runtime.process import ProcessDriver
 from orka.security.issue import CA_CERT, init_certs
 
 READY_TIMEOUT = 60.0
@@ -218,7 +220,8 @@ class Cluster:
                     f"see the logs in {self.logs}"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop_requested.wait(), 0.3)
+                async with asyncio.timeout(0.3):
+                    await self.stop_requested.wait()
 
     async def start(self) -> None:
         await self.spawn(self.scheduler)
@@ -252,10 +255,30 @@ class Cluster:
         if any(c.alive for c in self.agent_children):
             print("orka up: stopping the agents (their instances stop too)...", flush=True)
         await self._stop(self.agent_children, signal.SIGINT, AGENT_STOP_GRACE)
+        await self._reap_orphans()
         if self.controller.alive or self.scheduler.alive:
             print("orka up: stopping the controller and the scheduler...", flush=True)
         await self._stop([self.controller], signal.SIGTERM, SERVICE_STOP_GRACE)
         await self._stop([self.scheduler], signal.SIGTERM, SERVICE_STOP_GRACE)
+
+    async def _reap_orphans(self) -> None:
+        """Stop what a killed agent left running: a stopped local cluster leaves nothing behind.
+
+        Instances outlive an agent crash on purpose (a restarted agent re-adopts them), but
+        `orka up` is ending the whole cluster, so no agent is coming back for them this run.
+        """
+        reaped = 0
+        for name in self.node_names:
+            driver = ProcessDriver(self.data_dir / "agents" / name / "runtime" / "process")
+            try:
+                for task in await driver.list():
+                    if task.state is TaskState.RUNNING:
+                        await driver.remove(task.instance)
+                        reaped += 1
+            finally:
+                await driver.close()
+        if reaped:
+            print(f"orka up: stopped {reaped} instance(s) left by killed agents", flush=True)
 
     def on_signal(self) -> None:
         self.signals += 1

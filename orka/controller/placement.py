@@ -8,6 +8,7 @@ happen (the instance was deleted or bound meanwhile) the offer is released on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -57,6 +58,13 @@ class PlacementQueue:
         """A node joined or resources were freed: retry everything now, not after backoff."""
         self.backoff.clear()
         self._wake.set()
+
+    async def close(self) -> None:
+        for task in list(self._batches):
+            task.cancel()
+        for task in list(self._batches):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     def busy(self, name: str) -> bool:
         return name in self.inflight

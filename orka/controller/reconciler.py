@@ -69,11 +69,15 @@ class Reconciler:
         self._dirty.set()
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            # A timer rather than wait_for: on Python 3.11 wait_for can swallow a cancellation
+            # that races with the event, and the controller would never stop.
+            tick = loop.call_later(1.0, self._dirty.set)
             try:
-                await asyncio.wait_for(self._dirty.wait(), timeout=1.0)
-            except TimeoutError:
-                pass
+                await self._dirty.wait()
+            finally:
+                tick.cancel()
             self._dirty.clear()
             try:
                 await self.reconcile_once()

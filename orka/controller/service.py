@@ -124,6 +124,7 @@ class Controller:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await self.queue.close()
         await self.link.close()
         await self.store.close()
 

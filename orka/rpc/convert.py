@@ -45,9 +45,15 @@ def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
         raise Invalid("spec.kind: is required (PROCESS, CONTAINER or VM)")
     if msg.kind not in (pb.WorkloadSpec.PROCESS, pb.WorkloadSpec.CONTAINER, pb.WorkloadSpec.VM):
         raise Invalid(f"spec.kind: unknown kind {msg.kind}; use PROCESS, CONTAINER or VM")
-    policy = pb.WorkloadSpec.RestartPolicy.Name(msg.restart_policy)
     if msg.restart_policy == pb.WorkloadSpec.RESTART_POLICY_UNSPECIFIED:
         policy = RestartPolicy.ALWAYS.value
+    elif msg.restart_policy in pb.WorkloadSpec.RestartPolicy.values():
+        policy = pb.WorkloadSpec.RestartPolicy.Name(msg.restart_policy)
+    else:
+        raise Invalid(
+            f"spec.restart_policy: unknown policy {msg.restart_policy};"
+            " use ALWAYS, ON_FAILURE or NEVER"
+        )
     data: dict[str, object] = {
         "name": msg.name,
         "kind": pb.WorkloadSpec.Kind.Name(msg.kind),

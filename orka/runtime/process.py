@@ -197,12 +197,14 @@ class ProcessDriver(Driver):
                 return task.info()
             self._signal(task, signal.SIGTERM)
             try:
-                await asyncio.wait_for(task.done.wait(), timeout=max(grace, 0.0))
+                async with asyncio.timeout(max(grace, 0.0)):
+                    await task.done.wait()
             except TimeoutError:
                 task.killed = True
                 self._signal(task, signal.SIGKILL)
                 try:
-                    await asyncio.wait_for(task.done.wait(), timeout=_KILL_TIMEOUT)
+                    async with asyncio.timeout(_KILL_TIMEOUT):
+                        await task.done.wait()
                 except TimeoutError:
                     raise RuntimeFailure(
                         f"process: instance {instance!r} (pid {task.pid}) survived SIGKILL"

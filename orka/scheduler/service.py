@@ -190,7 +190,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         node: NodeRecord | None = None
         try:
             iterator = aiter(messages)
-            first = await asyncio.wait_for(anext(iterator), self.config.register_timeout)
+            async with asyncio.timeout(self.config.register_timeout):
+                first = await anext(iterator)
             if first.WhichOneof("body") != "register":
                 raise Invalid("the first message on the agent stream must be register")
             node = self._register(session, first.register)

@@ -36,7 +36,8 @@ class AgentSession:
         self.waiting[key] = fut
         self.send(msg)
         try:
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                return await fut
         except TimeoutError:
             return False, "timed out"
         finally:
