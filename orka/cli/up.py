@@ -32,6 +32,7 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.errors import Invalid, OrkaError
+from orka.log import configure as configure_logging
 from orka.models import NodeState
 from orka.rpc.server import split_hostport
 from orka.runtime.base import TaskState
@@ -401,6 +402,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise UsageError(e.message) from None
     if split_hostport(args.controller_listen) == split_hostport(args.scheduler_listen):
         raise UsageError("--controller-listen and --scheduler-listen must differ")
+    # The children log to their own files; this process only prints for the person at the
+    # terminal, so library chatter (e.g. reaping orphans) stays below warnings.
+    configure_logging("warning", service="up")
     data_dir = resolve_data_dir(args.data_dir).resolve()
     check_port_free(args.controller_listen, "--controller-listen")
     check_port_free(args.scheduler_listen, "--scheduler-listen")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -151,3 +152,32 @@ async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessC
     assert cluster.api is not None
     await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name=WORKLOAD))
     await eventually(lambda: _asyncify(host_copies(WORKLOAD) == {}), timeout=30)
+
+
+async def test_agent_restart_readopts_without_restarting(cluster: ProcessCluster) -> None:
+    api = cluster.api
+    assert api is not None
+    await api.CreateWorkload(
+        pb.CreateWorkloadRequest(
+            spec=pb.WorkloadSpec(
+                name=WORKLOAD, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=3
+            )
+        )
+    )
+    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    before = {i.name: i.node for i in running}
+    pids = await eventually(lambda: _asyncify(_host(3)))
+
+    # SIGKILL the agent (its processes keep running) and bring it straight back.
+    victim = running[0].node
+    cluster.services[victim].signal(signal.SIGKILL)
+    cluster.services[victim].wait()
+    cluster.start_agent(victim)
+    await eventually(lambda: _all_ready(cluster, NODES), timeout=30)
+    # Wait past node_lost_after: had anything been declared lost, it would be replaced by now.
+    await asyncio.sleep(6)
+    after = await cluster.running(WORKLOAD)
+    assert {i.name: i.node for i in after} == before
+    assert all(i.restarts == 0 for i in after)
+    assert host_copies(WORKLOAD) == pids
+    assert (await cluster.nodes())[victim] == pb.Node.READY

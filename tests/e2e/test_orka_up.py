@@ -1,0 +1,419 @@
+"""End to end: `orka up` and the README tour, run as a user would, each command its own process.
+
+`orka up` runs a scheduler, a controller and two agents as child processes on free loopback
+ports with a temporary data dir; the client commands (`orka apply`, `get`, `describe`) and
+grpcurl are separate processes too. The test walks the tour: apply, an unschedulable workload,
+losing a node with `kill -9`, Ctrl-C (nothing may be left running, not even the instances of the
+killed agent), and a second `orka up` that resumes the same cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.e2e.procs import free_port
+from tests.integration.cluster import eventually
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+GRPCURL = Path(sys.executable).parent / "grpcurl"
+UP_TIMEOUT = 60.0
+STOP_TIMEOUT = 30.0
+COMMAND_TIMEOUT = 30.0
+AGENT_LINE = re.compile(r"^\s+(node-\d+)\s+pid\s+(\d+)\s", re.MULTILINE)
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the user's ORKA_* settings, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORKA_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
+def _belongs(proc: psutil.Process, data_dir: str) -> bool:
+    """A service of this cluster (named in its argv) or a workload process (cwd in its task dir)."""
+    try:
+        if any(data_dir in arg for arg in proc.cmdline()):
+            return True
+        return _under(proc.cwd(), data_dir)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def cluster_processes(data_dir: Path) -> list[psutil.Process]:
+    """Every live process that belongs to the cluster in `data_dir`."""
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        if proc.info["pid"] == me or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if _belongs(proc, str(data_dir)):
+            found.append(proc)
+    return found
+
+
+def workload_processes(workload: str, data_dir: Path, instances: set[str]) -> list[str]:
+    """`pid name instance` of each live process with ORKA_WORKLOAD=`workload` from this cluster.
+
+    The `hello` example runs `sh -c '... sleep 5'`, so both the shell and its `sleep` count. A
+    process is ours when it runs in a task dir under `data_dir` or names one of our instances.
+    """
+    found = []
+    for proc in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            env = proc.environ()
+            if env.get("ORKA_WORKLOAD") != workload:
+                continue
+            ours = env.get("ORKA_INSTANCE") in instances or _under(proc.cwd(), str(data_dir))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if ours:
+            found.append(f"{proc.info['pid']} {proc.info['name']} {env.get('ORKA_INSTANCE')}")
+    return found
+
+
+def kill_cluster(data_dir: Path) -> list[str]:
+    """SIGKILL whatever of the cluster is still running; what was killed, for the report."""
+    killed = []
+    for proc in cluster_processes(data_dir):
+        try:
+            killed.append(f"{proc.pid} {proc.name()} {' '.join(proc.cmdline())[:120]}")
+            proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return killed
+
+
+class Up:
+    """One `orka up` run in its own session, its stdout and stderr in a file."""
+
+    def __init__(self, data_dir: Path, out: Path, controller_port: int, scheduler_port: int):
+        self.data_dir = data_dir
+        self.out = out
+        self.controller_port = controller_port
+        self.scheduler_port = scheduler_port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.out, "wb") as f:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "orka.cli.main",
+                    "up",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--controller-listen",
+                    f"127.0.0.1:{self.controller_port}",
+                    "--scheduler-listen",
+                    f"127.0.0.1:{self.scheduler_port}",
+                    "--agents",
+                    "2",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=_clean_env(),
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    async def wait_up(self, timeout: float = UP_TIMEOUT) -> dict[str, int]:
+        """Until stdout says the cluster is up; the agent pids it printed, by node name."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.output()
+            if "Orka is up" in text and "Ctrl-C stops the cluster" in text:
+                return {name: int(pid) for name, pid in AGENT_LINE.findall(text)}
+            rc = self.proc.poll()
+            assert rc is None, f"orka up exited with {rc} before it was up:\n{text}"
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"orka up did not say it was up within {timeout}s:\n{self.output()}")
+
+    async def interrupt(self, timeout: float = STOP_TIMEOUT) -> tuple[int, float]:
+        """Ctrl-C: SIGINT to `orka up` alone; its exit code and how long it took to exit."""
+        assert self.proc is not None
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)
+        deadline = started + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"orka up did not exit within {timeout}s of SIGINT:\n{self.output()}"
+                )
+            await asyncio.sleep(0.1)
+        return self.proc.returncode, time.monotonic() - started
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+
+class Tour:
+    """The state of one test: the data dir, the ports, every `orka up` run and the client env."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.data_dir = (tmp_path / "orka").resolve()
+        self.controller_port = free_port()
+        self.scheduler_port = free_port()
+        while self.scheduler_port == self.controller_port:
+            self.scheduler_port = free_port()
+        self.runs: list[Up] = []
+        self.seen_instances: set[str] = set()
+        self.env = _clean_env(
+            ORKA_CONTROLLER=f"127.0.0.1:{self.controller_port}",
+            ORKA_DATA_DIR=str(self.data_dir),
+        )
+
+    def up(self) -> Up:
+        run = Up(
+            self.data_dir,
+            self.tmp / f"up-{len(self.runs) + 1}.out",
+            self.controller_port,
+            self.scheduler_port,
+        )
+        self.runs.append(run)
+        run.start()
+        return run
+
+    async def run(self, *argv: str, timeout: float = COMMAND_TIMEOUT) -> tuple[int, str, str]:
+        """One command as its own process; exit code, stdout, stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=ROOT,
+            env=self.env,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError(f"{argv} did not finish within {timeout}s") from None
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+    async def orka(self, *args: str, timeout: float = COMMAND_TIMEOUT) -> str:
+        """`orka ARGS`, which must exit 0; its stdout."""
+        rc, out, err = await self.run(sys.executable, "-m", "orka.cli.main", *args, timeout=timeout)
+        assert rc == 0, f"orka {' '.join(args)} exited {rc}\nstdout:\n{out}\nstderr:\n{err}"
+        return out
+
+    async def json(self, *args: str) -> Any:
+        return json.loads(await self.orka(*args, "-o", "json"))
+
+    async def instances(self, workload: str) -> list[dict[str, Any]]:
+        found = [i for i in await self.json("get", "instances") if i["workload"] == workload]
+        self.seen_instances.update(i["name"] for i in found)
+        return found
+
+    async def running(self, workload: str) -> list[dict[str, Any]]:
+        return [i for i in await self.instances(workload) if i["phase"] == "RUNNING"]
+
+    async def nodes(self) -> dict[str, str]:
+        return {n["name"]: n["state"] for n in await self.json("get", "nodes")}
+
+    def hello_processes(self) -> list[str]:
+        return workload_processes("hello", self.data_dir, self.seen_instances)
+
+    def report(self) -> str:
+        parts = []
+        for i, run in enumerate(self.runs, 1):
+            parts.append(f"==== orka up #{i} stdout\n{run.output()}")
+        logs = self.data_dir / "logs"
+        if logs.is_dir():
+            for log in sorted(logs.glob("*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-30:]
+                parts.append(f"==== {log.name} (last 30 lines)\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+
+async def _soon(check: Any, timeout: float) -> Any:
+    """`eventually` for checks that run the CLI: a failed command is just 'not yet'."""
+
+    failures: list[str] = []
+
+    async def attempt() -> Any:
+        try:
+            return await check()
+        except AssertionError as e:
+            failures.append(str(e))
+            return None
+
+    try:
+        return await eventually(attempt, timeout=timeout, interval=0.3)
+    except AssertionError as e:
+        last = failures[-1] if failures else "none"
+        raise AssertionError(f"{e}\nlast command failure: {last}") from None
+
+
+@pytest.fixture
+def tour(tmp_path: Path) -> Iterator[Tour]:
+    t = Tour(tmp_path)
+    failed = True
+    try:
+        yield t
+        failed = False
+    finally:
+        for run in t.runs:
+            run.kill()
+        leftovers = kill_cluster(t.data_dir)
+        hello = t.hello_processes()
+        for line in hello:
+            try:
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if failed or leftovers or hello:
+            print(t.report())
+            print("teardown killed:", leftovers, hello)
+
+
+async def test_orka_up_tour(tour: Tour) -> None:
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    # 1. `orka up` comes up and prints each agent's pid.
+    up = tour.up()
+    pids = await up.wait_up()
+    timings["up"] = time.monotonic() - t0
+    assert sorted(pids) == ["node-1", "node-2"], up.output()
+    assert all(psutil.pid_exists(p) for p in pids.values()), pids
+
+    # 2. The tour's first commands.
+    t = time.monotonic()
+    out = await tour.orka("apply", "-f", str(EXAMPLES / "hello.yaml"), "--wait", timeout=60)
+    assert "hello" in out
+    running = await tour.running("hello")
+    assert len(running) == 3, running
+    nodes_table = await tour.orka("get", "nodes")
+    rows = {line.split()[0]: line.split()[1] for line in nodes_table.splitlines()[1:] if line}
+    assert rows.get("node-1") == "READY" and rows.get("node-2") == "READY", nodes_table
+    timings["apply hello --wait"] = time.monotonic() - t
+
+    # 3. A workload that does not fit, and why.
+    t = time.monotonic()
+    await tour.orka("apply", "-f", str(EXAMPLES / "too-big.yaml"))
+
+    async def unschedulable() -> str | None:
+        text = await tour.orka("describe", "workload", "too-big")
+        section = text.split("Unschedulable:", 1)
+        if len(section) == 2 and re.search(r"^\s+2 nodes: insufficient cpu", section[1], re.M):
+            return text
+        return None
+
+    await _soon(unschedulable, timeout=20)
+    timings["too-big unschedulable"] = time.monotonic() - t
+
+    # 4. Lose node-1 the hard way; its instances come back on node-2.
+    t = time.monotonic()
+    os.kill(pids["node-1"], signal.SIGKILL)
+
+    async def healed() -> list[dict[str, Any]] | None:
+        running = await tour.running("hello")
+        if len(running) == 3 and {i["node"] for i in running} == {"node-2"}:
+            return running
+        return None
+
+    async def node_lost() -> dict[str, str] | None:
+        nodes = await tour.nodes()
+        return nodes if nodes.get("node-1") == "LOST" else None
+
+    await _soon(healed, timeout=30)
+    nodes = await _soon(node_lost, timeout=10)
+    assert nodes["node-2"] == "READY", nodes
+    timings["kill -9 node-1 -> healed on node-2"] = time.monotonic() - t
+
+    # 5. grpcurl with the certs `orka up` wrote.
+    certs = tour.data_dir / "certs"
+    rc, out, err = await tour.run(
+        str(GRPCURL),
+        "-cacert",
+        str(certs / "ca.crt"),
+        "-cert",
+        str(certs / "admin.crt"),
+        "-key",
+        str(certs / "admin.key"),
+        f"127.0.0.1:{tour.controller_port}",
+        "list",
+    )
+    assert rc == 0, f"grpcurl exited {rc}: {out}\n{err}"
+    assert "orka.v1.Controller" in out.split(), out
+
+    # 6. Ctrl-C: `orka up` exits 0 and leaves nothing running, not even what node-1 left behind.
+    # Instances outlive an agent crash (a restarted agent re-adopts them), so node-1's LOST
+    # instances still run: `orka up` has to stop them itself when it ends the cluster.
+    lost = {i["name"] for i in await tour.instances("hello") if i["node"] == "node-1"}
+    assert lost, "node-1 had hello instances before it was killed"
+    orphans = [p for p in tour.hello_processes() if p.split()[2] in lost]
+    assert orphans, f"expected the orphans of node-1 ({lost}) to be alive before Ctrl-C"
+    rc, took = await up.interrupt()
+    timings["SIGINT #1 -> exit"] = took
+    assert rc == 0, f"orka up exited {rc} on SIGINT:\n{up.output()}"
+    await asyncio.sleep(0.5)  # processes signalled at the very end may still be dying
+    left = [f"{p.pid} {' '.join(p.cmdline())[:160]}" for p in cluster_processes(tour.data_dir)]
+    assert not left, f"processes of the cluster still running after orka up exited: {left}"
+    hello_after = tour.hello_processes()
+    assert not hello_after, f"hello processes still running after orka up exited: {hello_after}"
+
+    # 7. `orka up` again on the same data dir resumes the cluster.
+    t = time.monotonic()
+    up2 = tour.up()
+    pids2 = await up2.wait_up()
+    timings["up again"] = time.monotonic() - t
+    assert sorted(pids2) == ["node-1", "node-2"], up2.output()
+    workloads = {w["spec"]["name"] for w in await tour.json("get", "workloads")}
+    assert {"hello", "too-big"} <= workloads, workloads
+    table = await tour.orka("get", "workloads")
+    assert re.search(r"^hello\s", table, re.M) and re.search(r"^too-big\s", table, re.M), table
+
+    async def three_running() -> list[dict[str, Any]] | None:
+        running = await tour.running("hello")
+        return running if len(running) == 3 else None
+
+    await _soon(three_running, timeout=30)
+    timings["resume -> hello 3 RUNNING"] = time.monotonic() - t
+
+    rc, took = await up2.interrupt()
+    timings["SIGINT #2 -> exit"] = took
+    assert rc == 0, f"orka up exited {rc} on the second SIGINT:\n{up2.output()}"
+    await asyncio.sleep(0.5)
+    assert not cluster_processes(tour.data_dir)
+    assert not tour.hello_processes()
+
+    timings["total"] = time.monotonic() - t0
+    print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
