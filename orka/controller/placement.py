@@ -18,10 +18,21 @@ from orka.api import agent_pb2 as apb
 from orka.controller.link import SchedulerLink
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.models import Instance, InstancePhase
+from orka.models import Instance, InstancePhase, Workload
 from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.placement")
+
+
+def assignment(inst: Instance, w: Workload) -> apb.Assignment:
+    """What a node is told to run for one instance; the same for offers and starts."""
+    return apb.Assignment(
+        instance=inst.name, generation=inst.generation, spec=convert.spec_to_pb(w.spec)
+    )
+
+
+def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
+    return apb.NodeCommand(node=inst.node, start=apb.StartInstance(assignment=assignment(inst, w)))
 
 
 @dataclass
@@ -123,13 +134,7 @@ class PlacementQueue:
         assignments = []
         for inst in batch:
             w = self.repo.workloads[inst.workload]
-            assignments.append(
-                apb.Assignment(
-                    instance=inst.name,
-                    generation=inst.generation,
-                    spec=convert.spec_to_pb(w.spec),
-                )
-            )
+            assignments.append(assignment(inst, w))
         try:
             try:
                 resp = await self.link.place(assignments)
@@ -196,18 +201,7 @@ class PlacementQueue:
             w = self.repo.workloads.get(inst.workload)
             if w is None:
                 continue
-            cmds.append(
-                apb.NodeCommand(
-                    node=inst.node,
-                    start=apb.StartInstance(
-                        assignment=apb.Assignment(
-                            instance=inst.name,
-                            generation=inst.generation,
-                            spec=convert.spec_to_pb(w.spec),
-                        )
-                    ),
-                )
-            )
+            cmds.append(start_command(inst, w))
         failed: dict[str, str] = {}
         try:
             resp = await self.link.command(cmds)

@@ -17,7 +17,7 @@ import structlog
 
 from orka.api import agent_pb2 as apb
 from orka.controller.link import SchedulerLink
-from orka.controller.placement import PlacementQueue
+from orka.controller.placement import PlacementQueue, start_command
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.models import (
@@ -314,18 +314,7 @@ class Reconciler:
                     if w is None:
                         continue
                     self._starts_sent[inst.name] = now
-                    cmds.append(
-                        apb.NodeCommand(
-                            node=inst.node,
-                            start=apb.StartInstance(
-                                assignment=apb.Assignment(
-                                    instance=inst.name,
-                                    generation=inst.generation,
-                                    spec=convert.spec_to_pb(w.spec),
-                                )
-                            ),
-                        )
-                    )
+                    cmds.append(start_command(inst, w))
         for name in list(self._stops_sent):
             if name not in self.repo.instances:
                 del self._stops_sent[name]

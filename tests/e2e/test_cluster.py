@@ -63,18 +63,7 @@ def _host(count: int) -> dict[str, int] | None:
 async def test_heal_leave_delete(cluster: ProcessCluster) -> None:
     api = cluster.api
     assert api is not None
-    await api.CreateWorkload(
-        pb.CreateWorkloadRequest(
-            spec=pb.WorkloadSpec(
-                name=WORKLOAD,
-                kind=pb.WorkloadSpec.PROCESS,
-                command=["sleep", "1000"],
-                replicas=3,
-                resources=pb.Resources(cpu_millis=100, memory_bytes=16 << 20),
-            )
-        )
-    )
-    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    running = await _create_three(cluster)
     copies = await eventually(lambda: _asyncify(_host(3)))
     assert set(copies) == {i.name for i in running}
 
@@ -123,6 +112,20 @@ async def _no_workloads(c: ProcessCluster) -> bool:
     return not (await c.api.ListWorkloads(pb.ListWorkloadsRequest())).workloads
 
 
+async def _create_three(c: ProcessCluster) -> list[pb.Instance]:
+    """Three replicas of `sleep`; returns them once RUNNING on three distinct nodes."""
+    assert c.api is not None
+    spec = pb.WorkloadSpec(
+        name=WORKLOAD,
+        kind=pb.WorkloadSpec.PROCESS,
+        command=["sleep", "1000"],
+        replicas=3,
+        resources=pb.Resources(cpu_millis=100, memory_bytes=16 << 20),
+    )
+    await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))
+    return await eventually(lambda: _spread(c, 3), timeout=30)
+
+
 async def _asyncify(value: object) -> object:
     return value
 
@@ -130,14 +133,7 @@ async def _asyncify(value: object) -> object:
 async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessCluster) -> None:
     api = cluster.api
     assert api is not None
-    await api.CreateWorkload(
-        pb.CreateWorkloadRequest(
-            spec=pb.WorkloadSpec(
-                name=WORKLOAD, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=3
-            )
-        )
-    )
-    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    running = await _create_three(cluster)
     before = {i.name: i.node for i in running}
     pids = await eventually(lambda: _asyncify(_host(3)))
 
@@ -157,14 +153,7 @@ async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessC
 async def test_agent_restart_readopts_without_restarting(cluster: ProcessCluster) -> None:
     api = cluster.api
     assert api is not None
-    await api.CreateWorkload(
-        pb.CreateWorkloadRequest(
-            spec=pb.WorkloadSpec(
-                name=WORKLOAD, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=3
-            )
-        )
-    )
-    running = await eventually(lambda: _spread(cluster, 3), timeout=30)
+    running = await _create_three(cluster)
     before = {i.name: i.node for i in running}
     pids = await eventually(lambda: _asyncify(_host(3)))
 
