@@ -17,6 +17,21 @@ stage() { printf '\n==> %s\n' "$*"; }
 APT_PACKAGES=(
   python3-venv
   procps
+  # The containerd driver's tests: real containerd + runc, busybox for the test image.
+  containerd
+  runc
+  busybox-static
+  # The libvirt driver's tests: real libvirtd + virtlogd, QEMU (TCG when there is no KVM),
+  # libvirt-python's build deps, and busybox for the guest's initramfs.
+  libvirt-daemon-system
+  libvirt-clients
+  qemu-system-x86
+  qemu-utils
+  libvirt-dev
+  pkg-config
+  gcc
+  busybox-static
+  etcd-server
 )
 # -----------------------------------------------------------------------------------------------
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from orka.security.issue import init_certs
+from tests.etcd import ETCD, EtcdCluster
 
 NODES = [f"node-{i}" for i in range(1, 7)]
 
@@ -35,3 +38,18 @@ def _dump_tasks(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGUSR1, _dump_tasks)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One real etcd member for the whole run; tests keep apart by key prefix (`etcd_prefix`)."""
+    if not ETCD.exists():
+        pytest.skip(f"{ETCD} missing (install Debian's etcd-server)")
+    with EtcdCluster(tmp_path_factory.mktemp("etcd"), size=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd_prefix() -> str:
+    """A key prefix of its own for each test on the shared etcd."""
+    return f"/test-{uuid.uuid4().hex[:12]}"

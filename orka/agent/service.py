@@ -9,6 +9,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -43,6 +44,8 @@ class AgentConfig:
     heartbeat_interval: float = 1.0  # until the scheduler says otherwise
     leave_timeout: float = 60.0
     reconnect_max: float = 5.0
+    # Per-driver keyword options for make_driver, e.g. {"containerd": {"socket": "/x.sock"}}.
+    driver_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -97,7 +100,11 @@ class Agent:
     async def start(self) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         for name in self.config.runtimes:
-            driver = make_driver(name, self.config.data_dir / "runtime" / name)
+            driver = make_driver(
+                name,
+                self.config.data_dir / "runtime" / name,
+                **self.config.driver_options.get(name, {}),
+            )
             self.drivers[name] = driver
             health = await driver.health()
             if health.healthy:

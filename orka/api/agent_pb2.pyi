@@ -237,12 +237,14 @@ class CommandRequest(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[NodeCommand, _Mapping]]] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("ok", "error")
+    __slots__ = ("ok", "error", "unconfirmed")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    unconfirmed: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., unconfirmed: _Optional[bool] = ...) -> None: ...
 
 class CommandResponse(_message.Message):
     __slots__ = ("results",)

@@ -1,7 +1,14 @@
-"""The admin client every user-facing command uses: one mutual-TLS channel to the controller."""
+"""The admin client every user-facing command uses: one mutual-TLS channel to the controller.
+
+`--controller` may list several controllers (`a:7443,b:7443`): only the leader answers, and a
+follower's UNAVAILABLE names it ("not the leader; the leader is at HOST:PORT"), so the client
+moves to the named leader, or down the list when a controller cannot be reached at all. Either
+answer means the request was not acted on, so trying it elsewhere is safe.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
@@ -22,6 +29,14 @@ Resp = TypeVar("Resp")
 
 RPC_TIMEOUT = 15.0
 
+_LEADER_AT = re.compile(r"not the leader; the leader is at (\S+)")
+
+
+def leader_named(message: str) -> str | None:
+    """The leader address a follower's UNAVAILABLE names, if it names one."""
+    m = _LEADER_AT.search(message)
+    return m.group(1) if m else None
+
 
 def admin_tls(certs: Path) -> TlsFiles:
     try:
@@ -35,16 +50,26 @@ def admin_tls(certs: Path) -> TlsFiles:
 
 class AdminClient:
     def __init__(self, address: str, certs: Path, timeout: float = RPC_TIMEOUT) -> None:
-        self.address = address
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
+        self.address = self.addresses[0]
         self.certs = certs
         self.timeout = timeout
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.ControllerStub | None = None
 
     async def __aenter__(self) -> AdminClient:
-        self._channel = secure_channel(self.address, admin_tls(self.certs))
-        self._stub = pb_grpc.ControllerStub(self._channel)
+        self._connect(self.address)
         return self
+
+    def _connect(self, address: str) -> None:
+        self.address = address
+        self._channel = secure_channel(address, admin_tls(self.certs))
+        self._stub = pb_grpc.ControllerStub(self._channel)
+
+    async def _switch(self, address: str) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._connect(address)
 
     async def __aexit__(
         self,
@@ -61,12 +86,35 @@ class AdminClient:
             raise RuntimeError("AdminClient used outside `async with`")
         return self._stub
 
-    async def _call(
-        self, method: Callable[..., Awaitable[Resp]], request: Req, timeout: float | None = None
-    ) -> Resp:
+    async def _call(self, name: str, request: Req, timeout: float | None = None) -> Resp:
+        """Call RPC `name` on the leader: follow a follower's redirect, or try the next address
+        when one cannot be reached; every address is tried at most about twice."""
+        tried: list[str] = []
+        last: Unavailable | None = None
+        for _ in range(2 * len(self.addresses) + 1):
+            try:
+                return await self._call_once(name, request, timeout)
+            except Unavailable as e:
+                last = e
+                tried.append(self.address)
+                leader = leader_named(e.message)
+                if leader is not None and tried.count(leader) < 2:
+                    await self._switch(leader)
+                    continue
+                untried = [a for a in self.addresses if a not in tried]
+                if not untried:
+                    break
+                await self._switch(untried[0])
+        assert last is not None
+        raise last
+
+    async def _call_once(self, name: str, request: Req, timeout: float | None) -> Resp:
+        method: Callable[..., Awaitable[Resp]] = getattr(self.stub, name)
         try:
             return await call(method, request, timeout=timeout or self.timeout)
         except Unavailable as e:
+            if leader_named(e.message) is not None or e.message.startswith("not the leader"):
+                raise Unavailable(f"controller {self.address}: {e.message}") from None
             raise Unavailable(
                 f"cannot reach the controller at {self.address}: {e.message}"
             ) from None
@@ -80,26 +128,26 @@ class AdminClient:
 
     async def create_workload(self, spec: WorkloadSpec) -> Workload:
         msg = await self._call(
-            self.stub.CreateWorkload, pb.CreateWorkloadRequest(spec=convert.spec_to_pb(spec))
+            "CreateWorkload", pb.CreateWorkloadRequest(spec=convert.spec_to_pb(spec))
         )
         return convert.workload_from_pb(msg)
 
     async def update_workload(self, spec: WorkloadSpec) -> Workload:
         msg = await self._call(
-            self.stub.UpdateWorkload, pb.UpdateWorkloadRequest(spec=convert.spec_to_pb(spec))
+            "UpdateWorkload", pb.UpdateWorkloadRequest(spec=convert.spec_to_pb(spec))
         )
         return convert.workload_from_pb(msg)
 
     async def get_workload(self, name: str) -> Workload:
-        msg = await self._call(self.stub.GetWorkload, pb.GetWorkloadRequest(name=name))
+        msg = await self._call("GetWorkload", pb.GetWorkloadRequest(name=name))
         return convert.workload_from_pb(msg)
 
     async def list_workloads(self) -> list[Workload]:
-        resp = await self._call(self.stub.ListWorkloads, pb.ListWorkloadsRequest())
+        resp = await self._call("ListWorkloads", pb.ListWorkloadsRequest())
         return [convert.workload_from_pb(w) for w in resp.workloads]
 
     async def delete_workload(self, name: str) -> Workload | None:
-        resp = await self._call(self.stub.DeleteWorkload, pb.DeleteWorkloadRequest(name=name))
+        resp = await self._call("DeleteWorkload", pb.DeleteWorkloadRequest(name=name))
         return convert.workload_from_pb(resp.workload) if resp.HasField("workload") else None
 
     async def list_instances(
@@ -108,33 +156,27 @@ class AdminClient:
         req = pb.ListInstancesRequest(workload=workload, node=node)
         if phase is not None:
             req.phase = convert.phase_to_pb(phase)
-        resp = await self._call(self.stub.ListInstances, req)
+        resp = await self._call("ListInstances", req)
         return [convert.instance_from_pb(i) for i in resp.instances]
 
     async def get_instance(self, name: str) -> Instance:
-        msg = await self._call(self.stub.GetInstance, pb.GetInstanceRequest(name=name))
+        msg = await self._call("GetInstance", pb.GetInstanceRequest(name=name))
         return convert.instance_from_pb(msg)
 
     async def list_nodes(self, timeout: float | None = None) -> list[Node]:
-        resp = await self._call(self.stub.ListNodes, pb.ListNodesRequest(), timeout=timeout)
+        resp = await self._call("ListNodes", pb.ListNodesRequest(), timeout=timeout)
         return [convert.node_from_pb(n) for n in resp.nodes]
 
     async def get_node(self, name: str) -> Node:
-        return convert.node_from_pb(
-            await self._call(self.stub.GetNode, pb.GetNodeRequest(name=name))
-        )
+        return convert.node_from_pb(await self._call("GetNode", pb.GetNodeRequest(name=name)))
 
     async def cordon(self, name: str) -> Node:
-        return convert.node_from_pb(
-            await self._call(self.stub.CordonNode, pb.CordonNodeRequest(name=name))
-        )
+        return convert.node_from_pb(await self._call("CordonNode", pb.CordonNodeRequest(name=name)))
 
     async def uncordon(self, name: str) -> Node:
         return convert.node_from_pb(
-            await self._call(self.stub.UncordonNode, pb.UncordonNodeRequest(name=name))
+            await self._call("UncordonNode", pb.UncordonNodeRequest(name=name))
         )
 
     async def drain(self, name: str) -> Node:
-        return convert.node_from_pb(
-            await self._call(self.stub.DrainNode, pb.DrainNodeRequest(name=name))
-        )
+        return convert.node_from_pb(await self._call("DrainNode", pb.DrainNodeRequest(name=name)))

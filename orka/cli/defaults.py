@@ -92,9 +92,9 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(
         parser,
         "--controller",
-        metavar="HOST:PORT",
+        metavar="HOST:PORT[,...]",
         default=DEFAULT_CONTROLLER,
-        help=f"controller address (default {DEFAULT_CONTROLLER})",
+        help=f"controller address(es); the leader is found (default {DEFAULT_CONTROLLER})",
     )
     add_location_flags(parser)
 
@@ -102,8 +102,10 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
 def client_target(args: argparse.Namespace) -> tuple[str, Path]:
     """The controller address and certs dir a client command talks with."""
     controller = str(args.controller).strip()
-    host, sep, port = controller.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UsageError(f"--controller: {controller!r} is not HOST:PORT")
+    # Several controllers, comma-separated: the client follows whichever one leads.
+    for one in controller.split(","):
+        host, sep, port = one.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise UsageError(f"--controller: {one.strip()!r} is not HOST:PORT")
     data_dir = resolve_data_dir(args.data_dir)
     return controller, resolve_certs(args.certs, data_dir)

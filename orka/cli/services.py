@@ -143,8 +143,32 @@ def cmd_controller(args: argparse.Namespace) -> int:
     certs = resolve_certs(args.certs, data_dir)
     tls = check_tls(certs, "controller", "controller")
     log.configure(level=args.log_level, service="controller")
+    if args.advertise:
+        try:
+            _, port = split_hostport(args.advertise, "--advertise")
+        except Invalid as e:
+            raise UsageError(e.message) from None
+        if port == 0:
+            raise UsageError(f"--advertise: {args.advertise!r} needs a real port, not 0")
+    etcd_tls = {
+        name: Path(value).expanduser() if value else None
+        for name, value in (
+            ("etcd_ca", args.etcd_ca),
+            ("etcd_cert", args.etcd_cert),
+            ("etcd_key", args.etcd_key),
+        )
+    }
+    for name, path in etcd_tls.items():
+        if path is not None and not path.is_file():
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: {path} is not a file")
     config = ControllerConfig(
-        listen=listen, schedulers=schedulers, store_url=args.store or "", data_dir=data_dir
+        listen=listen,
+        schedulers=schedulers,
+        store_url=args.store or "",
+        data_dir=data_dir,
+        advertise=args.advertise or "",
+        **etcd_tls,
     )
 
     async def main() -> None:
@@ -226,6 +250,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_bytes,
         labels=labels,
         leave_timeout=args.leave_timeout,
+        driver_options=(
+            {"containerd": {"socket": args.containerd_socket}} if args.containerd_socket else {}
+        )
+        | ({"libvirt": {"uri": args.libvirt_uri}} if args.libvirt_uri else {}),
     )
 
     async def main() -> None:
@@ -287,6 +315,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="URL",
         help="sqlite:///path or etcd://host:port[,...] (default sqlite in the data dir)",
     )
+    add_flag(
+        p,
+        "--advertise",
+        metavar="HOST:PORT",
+        help="API address followers name to clients when this controller leads "
+        "(default --listen, 0.0.0.0 -> 127.0.0.1)",
+    )
+    add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
+    add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
+    add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")
@@ -318,5 +356,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=60.0,
         metavar="S",
         help="on SIGTERM, wait this long for instances to move (60)",
+    )
+    add_flag(
+        p,
+        "--containerd-socket",
+        metavar="PATH",
+        help="containerd's socket for the containerd driver (/run/containerd/containerd.sock)",
+    )
+    add_flag(
+        p,
+        "--libvirt-uri",
+        metavar="URI",
+        help="libvirt connection for the libvirt driver (default qemu:///system)",
     )
     p.set_defaults(func=cmd_agent)

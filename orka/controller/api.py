@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,6 +24,23 @@ from orka.security.identity import Identity
 
 ADMIN = {"admin"}
 
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+async def _always() -> None:
+    return None
+
+
+def leader_only(fn: F) -> F:
+    """Below @unary: a follower answers UNAVAILABLE naming the leader (see leadership.py)."""
+
+    @functools.wraps(fn)
+    async def handler(self: ControllerApi, *args: Any) -> Any:
+        await self.gate()
+        return await fn(self, *args)
+
+    return handler  # type: ignore[return-value]
+
 
 def _name(value: str, field: str = "name") -> str:
     try:
@@ -32,16 +51,25 @@ def _name(value: str, field: str = "name") -> str:
 
 class ControllerApi(pb_grpc.ControllerServicer):
     def __init__(
-        self, repo: Repo, reconciler: Reconciler, link: SchedulerLink, events: EventHub
+        self,
+        repo: Repo,
+        reconciler: Reconciler,
+        link: SchedulerLink,
+        events: EventHub,
+        gate: Callable[[], Awaitable[None]] = _always,
     ) -> None:
         self.repo = repo
         self.reconciler = reconciler
         self.link = link
         self.events = events
+        # Raises Unavailable on a controller that does not lead; the controller swaps in
+        # the reconciler and link of each new term.
+        self.gate = gate
 
     # ---- workloads ----
 
     @unary(roles=ADMIN)
+    @leader_only
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = convert.spec_from_pb(request.spec)
         workload = Workload(spec=spec)
@@ -56,6 +84,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return convert.workload_to_pb(self.repo.workloads.get(spec.name, workload))
 
     @unary(roles=ADMIN)
+    @leader_only
     async def UpdateWorkload(self, request: pb.UpdateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = convert.spec_from_pb(request.spec)
 
@@ -84,6 +113,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return convert.workload_to_pb(self.repo.workloads[spec.name])
 
     @unary(roles=ADMIN)
+    @leader_only
     async def GetWorkload(self, request: pb.GetWorkloadRequest, who: Identity) -> pb.Workload:
         w = self.repo.workloads.get(_name(request.name))
         if w is None:
@@ -91,6 +121,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return convert.workload_to_pb(w)
 
     @unary(roles=ADMIN)
+    @leader_only
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
     ) -> pb.ListWorkloadsResponse:
@@ -99,6 +130,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         )
 
     @unary(roles=ADMIN)
+    @leader_only
     async def DeleteWorkload(
         self, request: pb.DeleteWorkloadRequest, who: Identity
     ) -> pb.DeleteWorkloadResponse:
@@ -120,6 +152,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
     # ---- instances ----
 
     @unary(roles=ADMIN)
+    @leader_only
     async def ListInstances(
         self, request: pb.ListInstancesRequest, who: Identity
     ) -> pb.ListInstancesResponse:
@@ -139,6 +172,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return pb.ListInstancesResponse(instances=out)
 
     @unary(roles=ADMIN)
+    @leader_only
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
             raise Invalid("name: is required")
@@ -157,12 +191,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return node
 
     @unary(roles=ADMIN)
+    @leader_only
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(
             nodes=[convert.node_to_pb(n) for _, n in sorted(self.repo.nodes.items())]
         )
 
     @unary(roles=ADMIN)
+    @leader_only
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return convert.node_to_pb(self._node(request.name))
 
@@ -186,14 +222,17 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return convert.node_to_pb(self.repo.nodes[name])
 
     @unary(roles=ADMIN)
+    @leader_only
     async def CordonNode(self, request: pb.CordonNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=False, draining=False)
 
     @unary(roles=ADMIN)
+    @leader_only
     async def UncordonNode(self, request: pb.UncordonNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=True, draining=False)
 
     @unary(roles=ADMIN)
+    @leader_only
     async def DrainNode(self, request: pb.DrainNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=False, draining=True)
 
@@ -203,6 +242,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, who: Identity, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.Event]:
+        await self.gate()
         if request.workload:
             _name(request.workload, "workload")
         sub = Subscriber(request.workload)

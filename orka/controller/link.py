@@ -24,10 +24,19 @@ UpdatesHandler = Callable[[Sequence[apb.ClusterUpdate]], Awaitable[None]]
 class SchedulerLink:
     """Talks to the first scheduler that answers; fails over down the list."""
 
-    def __init__(self, targets: list[str], tls: TlsFiles, on_updates: UpdatesHandler) -> None:
+    def __init__(
+        self,
+        targets: list[str],
+        tls: TlsFiles,
+        on_updates: UpdatesHandler,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
         self.targets = targets
         self.tls = tls
         self.on_updates = on_updates
+        # Called each time the feed (re)connects: placement waiting out a backoff because the
+        # scheduler was away should resume now, not when its backoff happens to end.
+        self.on_connect = on_connect
         self._index = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: apb_grpc.SchedulerStub | None = None
@@ -70,6 +79,8 @@ class SchedulerLink:
                         self.connected.set()
                         first = False
                         attempt = 0
+                        if self.on_connect is not None:
+                            self.on_connect()
                     await self.on_updates(batch.updates)
             except asyncio.CancelledError:
                 raise

@@ -205,11 +205,15 @@ class PlacementQueue:
         failed: dict[str, str] = {}
         try:
             resp = await self.link.command(cmds)
-            for cmd, result in zip(cmds, resp.results, strict=True):
-                if not result.ok:
-                    failed[cmd.start.assignment.instance] = result.error
         except OrkaError as err:
-            failed = {c.start.assignment.instance: err.message for c in cmds}
+            # The start may or may not have reached the node. Unbinding now could run the
+            # instance twice; it stays SCHEDULED, the reconciler sends the start again, and a
+            # node that never runs it reports so (or is lost), which frees the instance.
+            log.warning("start not confirmed; will retry", count=len(cmds), error=err.message)
+            return
+        for cmd, result in zip(cmds, resp.results, strict=True):
+            if not result.ok and not result.unconfirmed:
+                failed[cmd.start.assignment.instance] = result.error
         if failed:
             await self._unbind(failed)
 

@@ -63,7 +63,8 @@ class Reconciler:
         self._stops_sent: dict[str, float] = {}
         self._starts_sent: dict[str, float] = {}
         self._cleanup_sent: dict[tuple[str, str], float] = {}
-        self._synced: set[str] = set()
+        # Removal commands for finished instances whose records a plan deletes.
+        self._removals: list[apb.NodeCommand] = []
 
     def kick(self) -> None:
         self._dirty.set()
@@ -88,13 +89,28 @@ class Reconciler:
                 await asyncio.sleep(0.5)
 
     async def reconcile_once(self) -> None:
+        self._removals = []
         await self.repo.mutate(self.plan)
+        if self._removals:
+            await self._command(self._removals)
         await self._send_commands()
         for inst in self.repo.instances.values():
             if inst.phase is InstancePhase.PENDING and not inst.desired_stop:
                 self.queue.add(inst.name)
 
     # ---- planning ----
+
+    def _forget(self, inst: Instance) -> Change:
+        """Delete the record; a finished task the node still keeps (logs, container) goes too."""
+        node = self._node(inst.node) if inst.node else None
+        if inst.terminal and node is not None and node.state is NodeState.READY:
+            self._removals.append(
+                apb.NodeCommand(
+                    node=inst.node,
+                    stop=apb.StopInstance(instance=inst.name, remove=True, reason="forgotten"),
+                )
+            )
+        return Change("instances", inst.name, None)
 
     def plan(self) -> list[Change]:
         changes: list[Change] = []
@@ -110,7 +126,7 @@ class Reconciler:
         for inst in list(self.repo.instances.values()):
             if inst.workload not in self.repo.workloads:
                 if inst.terminal or not inst.node:
-                    changes.append(Change("instances", inst.name, None))
+                    changes.append(self._forget(inst))
                 elif not inst.desired_stop:
                     changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
         return changes
@@ -126,7 +142,7 @@ class Reconciler:
             gone = inst.node and (node is None or node.state in (NodeState.LOST, NodeState.LEFT))
             unplaced = inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
             if inst.terminal or unplaced or gone:
-                changes.append(Change("instances", inst.name, None))
+                changes.append(self._forget(inst))
                 continue
             remaining += 1
             if not inst.desired_stop:
@@ -230,19 +246,21 @@ class Reconciler:
         current = {**insts, **updated}
 
         # 5. Stopped-on-request and never-placed ones are removed; history is trimmed.
+        # Completed replicas stand for their replica: trimming them would start them again.
+        done_names = {i.name for i in done}
         finished = sorted(
-            (i for i in current.values() if i.terminal),
+            (i for i in current.values() if i.terminal and i.name not in done_names),
             key=lambda i: i.finished_at or i.updated_at,
         )
         for inst in current.values():
             if inst.desired_stop and (
                 inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
             ):
-                changes.append(Change("instances", inst.name, None))
+                changes.append(self._forget(inst))
         for inst in finished[: max(0, len(finished) - KEEP_FINISHED)]:
             if inst.phase is InstancePhase.LOST and inst.node and self._node_unsettled(inst):
                 continue  # keep until the node confirms it stopped, or is gone for good
-            changes.append(Change("instances", inst.name, None))
+            changes.append(self._forget(inst))
 
         # 6. Status.
         status = self._status(w, current.values())
@@ -261,7 +279,8 @@ class Reconciler:
     def _status(self, w: Workload, insts: Sequence[Instance] | object) -> WorkloadStatus:
         placed = running = 0
         reasons: list[str] = []
-        for i in insts:  # type: ignore[attr-defined]
+        # Oldest first, so the reasons keep a stable order from one pass to the next.
+        for i in sorted(insts, key=lambda i: (i.created_at, i.name)):  # type: ignore[arg-type]
             if i.terminal or i.desired_stop or i.replaced_by:
                 continue
             if i.node:

@@ -2,7 +2,16 @@
 
 All writes go through `mutate`, which runs the caller's planning function and the commit under
 one lock, so a plan always starts from the latest state and its compare-and-swap cannot lose
-to this process; it can only lose to another writer on the same store, which is then an error.
+to this process; it can only lose to another writer on the same store (a controller that led
+before us, or leads after us). Such a loss means the cache is stale: it is reloaded from the
+store before the error is raised, so the next plan starts from the truth instead of failing the
+same compare again and again.
+
+A commit is split into transactions of at most `MAX_TXN_OPS` ops, etcd's default per-txn limit,
+so the controller works against an etcd run with default flags. Each op is still a CAS on its
+own key, which is what keeps an instance from being bound twice; what a split gives up is only
+all-or-nothing across chunks, and every plan is written to converge when re-run from a partly
+applied state (the reconciler plans again from whatever landed).
 """
 
 from __future__ import annotations
@@ -16,10 +25,14 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from orka.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from orka.models import Instance, Node, Workload
 from orka.store.base import Create, Delete, Op, Store, Update
 
 Kind = Literal["workloads", "instances", "nodes"]
+
+# etcd's default --max-txn-ops; larger commits are split into several transactions.
+MAX_TXN_OPS = 128
 Listener = Callable[[str, "Change"], None]
 
 
@@ -42,19 +55,42 @@ class Repo:
         self._lock = asyncio.Lock()
         self.listeners: list[Callable[[Change, BaseModel | None], None]] = []
         self.writes = 0
+        self.reloads = 0
+        # Only a leading controller writes; a follower's repo refuses before touching the store.
+        self.writable = True
+        self.max_txn_ops = MAX_TXN_OPS
 
     async def load(self) -> None:
+        """Replace every cache with the store's content (a new term, or a lost CAS)."""
+        async with self._lock:
+            await self._load()
+
+    async def _load(self) -> None:
+        workloads: dict[str, Workload] = {}
+        instances: dict[str, Instance] = {}
+        nodes: dict[str, Node] = {}
+        by_workload: dict[str, set[str]] = defaultdict(set)
+        revisions: dict[tuple[str, str], int] = {}
         for item in await self.store.list("workloads"):
-            self.workloads[item.name] = Workload.model_validate(item.value)
-            self._revisions[("workloads", item.name)] = item.revision
+            workloads[item.name] = Workload.model_validate(item.value)
+            revisions[("workloads", item.name)] = item.revision
         for item in await self.store.list("instances"):
             inst = Instance.model_validate(item.value)
-            self.instances[item.name] = inst
-            self.by_workload[inst.workload].add(item.name)
-            self._revisions[("instances", item.name)] = item.revision
+            instances[item.name] = inst
+            by_workload[inst.workload].add(item.name)
+            revisions[("instances", item.name)] = item.revision
         for item in await self.store.list("nodes"):
-            self.nodes[item.name] = Node.model_validate(item.value)
-            self._revisions[("nodes", item.name)] = item.revision
+            nodes[item.name] = Node.model_validate(item.value)
+            revisions[("nodes", item.name)] = item.revision
+        # Swapped in whole, not cleared and refilled: a caller iterating the old tables across
+        # an await keeps a consistent (if old) view instead of a "changed size" error.
+        self.workloads, self.instances, self.nodes = workloads, instances, nodes
+        self.by_workload, self._revisions = by_workload, revisions
+
+    def reset(self) -> None:
+        """Drop every cache: a follower must not answer from, or plan on, what it once led."""
+        self.workloads, self.instances, self.nodes = {}, {}, {}
+        self.by_workload, self._revisions = defaultdict(set), {}
 
     def instances_of(self, workload: str) -> list[Instance]:
         return [
@@ -66,6 +102,8 @@ class Repo:
 
     async def mutate(self, plan: Callable[[], list[Change]]) -> list[Change]:
         async with self._lock:
+            if not self.writable:
+                raise Unavailable("not the leader: this controller does not write")
             changes = plan()
             if changes:
                 await self._commit(changes)
@@ -93,10 +131,22 @@ class Repo:
                 ops.append(Create(kind, name, c.value.model_dump(mode="json")))
             else:
                 ops.append(Update(kind, name, c.value.model_dump(mode="json"), rev))
-        if not ops:
-            return
-        revisions = await self.store.commit(ops)
-        self.writes += 1
+        for lo in range(0, len(ops), self.max_txn_ops):
+            chunk = ops[lo : lo + self.max_txn_ops]
+            try:
+                revisions = await self.store.commit(chunk)
+            except (Conflict, AlreadyExists, NotFound):
+                # Another writer got there first: our cache is stale. Chunks already applied
+                # are in the cache and the store alike; reload so the caller re-plans on truth.
+                self.reloads += 1
+                await self._load()
+                raise
+            self.writes += 1
+            self._applied(chunk, revisions, merged)
+
+    def _applied(
+        self, ops: list[Op], revisions: list[int], merged: dict[tuple[str, str], Change]
+    ) -> None:
         for op, rev in zip(ops, revisions, strict=True):
             key = (op.kind, op.name)
             c = merged[key]

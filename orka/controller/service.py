@@ -1,4 +1,10 @@
-"""The controller process: store, reconciler, placement queue, scheduler link, public API."""
+"""The controller process: store, reconciler, placement queue, scheduler link, public API.
+
+Several controllers may share one etcd store; they elect a leader (leadership.py). The API
+server runs on every controller; the store's cache, the reconciler, the placement queue and
+the scheduler feed exist only on the leader, built afresh for each term it leads. On SQLite or
+memory the election always wins at once, so a lone controller behaves as it always did.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,20 @@ from pathlib import Path
 
 import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2
 
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import ControllerApi
 from orka.controller.events import EventHub
+from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementConfig, PlacementQueue
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Repo
-from orka.errors import Invalid
+from orka.errors import Invalid, Unavailable
 from orka.rpc.server import start_server
 from orka.security.tls import TlsFiles
+from orka.store.election import Election, election_for
 from orka.store.factory import open_store
 
 log = structlog.get_logger("orka.controller")
@@ -34,6 +43,14 @@ class ControllerConfig:
     store_url: str = ""
     data_dir: Path = field(default_factory=lambda: Path.home() / ".orka")
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    # The API address other controllers name to clients when this one leads; empty: derived
+    # from `listen` (wildcard host -> 127.0.0.1, port 0 -> the bound port).
+    advertise: str = ""
+    etcd_ca: Path | None = None
+    etcd_cert: Path | None = None
+    etcd_key: Path | None = None
+    # The leader's lease; a dead leader is replaced within about this many seconds.
+    election_ttl: int = 5
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -44,27 +61,118 @@ class Controller:
     def __init__(self, config: ControllerConfig, tls: TlsFiles) -> None:
         self.config = config
         self.tls = tls
-        self.store = open_store(config.store_url, config.data_dir)
+        self.store = open_store(
+            config.store_url,
+            config.data_dir,
+            etcd_ca=config.etcd_ca,
+            etcd_cert=config.etcd_cert,
+            etcd_key=config.etcd_key,
+        )
         self.repo = Repo(self.store)
+        self.repo.writable = False  # until elected
         self.events = EventHub()
         self.repo.listeners.append(self.events.on_change)
-        self.link = SchedulerLink(config.schedulers, tls, self._on_updates)
-        self.queue = PlacementQueue(self.repo, self.link, config.placement)
-        self.reconciler = Reconciler(self.repo, self.link, self.queue)
-        self.api = ControllerApi(self.repo, self.reconciler, self.link, self.events)
+        self._build()
+        self.api = ControllerApi(self.repo, self.reconciler, self.link, self.events, self._gate)
+        self.election: Election | None = None
+        self.leadership: Leadership | None = None
+        self._health: health.aio.HealthServicer | None = None
         self._server: grpc.aio.Server | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []  # the current term's leader-only tasks
+        self._leadership_task: asyncio.Task[None] | None = None
+        self._fresh = True  # the components built in __init__ have not led a term yet
         self._stopped = asyncio.Event()
         self._failed: BaseException | None = None
         self._stopping: asyncio.Future[None] | None = None
         self.port = 0
 
+    def _build(self) -> None:
+        """Fresh leader-only parts: a new term must not inherit the last one's queue, backoffs
+        or command timers, which describe a cache that has since been reloaded."""
+        self.link = SchedulerLink(
+            self.config.schedulers, self.tls, self._on_updates, on_connect=self._feed_connected
+        )
+        self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
+        self.reconciler = Reconciler(self.repo, self.link, self.queue)
+
     async def _on_updates(self, updates: object) -> None:
         await self.reconciler.on_updates(updates)  # type: ignore[arg-type]
+        # An agent (re-)registering is a node joining as far as placement is concerned: after
+        # a scheduler restart its node record is unchanged, so the reconciler would not say so.
+        if any(u.WhichOneof("body") == "sync" for u in updates):  # type: ignore[attr-defined]
+            self.queue.cluster_changed()
+
+    def _feed_connected(self) -> None:
+        self.queue.cluster_changed()
+        self.reconciler.kick()
+
+    async def _gate(self) -> None:
+        if self.leadership is None:
+            raise Unavailable("the controller is starting")
+        await self.leadership.require()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership is not None and self.leadership.is_leader
 
     async def start(self) -> int:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         await self.store.open()
+        self._server, self.port, self._health = await start_server(
+            self.config.listen,
+            self.tls,
+            [lambda s: pb_grpc.add_ControllerServicer_to_server(self.api, s)],
+            [SERVICE_NAME],
+        )
+        # Not serving the API until elected and loaded; the gate answers UNAVAILABLE meanwhile.
+        await self._set_serving(False)
+        advertise = self.config.advertise or default_advertise(self.config.listen, self.port)
+        self.election = election_for(
+            self.store,
+            ELECTION,
+            advertise,
+            ttl=self.config.election_ttl,
+            info={"address": advertise},
+        )
+        self.leadership = Leadership(self.election, self._lead, self._step_down)
+        task = asyncio.create_task(self.leadership.run(), name="leadership")
+        task.add_done_callback(self._child_done)
+        self._leadership_task = task
+        # Return knowing our role, if it is known soon: leading (a lone controller always is),
+        # or following a live leader. A race lost to a peer just leaves us campaigning.
+        settled = asyncio.create_task(self.leadership.settled.wait())
+        done, _ = await asyncio.wait(
+            {settled, task},
+            timeout=2 * self.config.election_ttl,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        settled.cancel()
+        if task in done and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+        log.info(
+            "controller listening",
+            port=self.port,
+            advertise=advertise,
+            leader=self.is_leader,
+            schedulers=self.config.schedulers,
+        )
+        return self.port
+
+    async def _set_serving(self, serving: bool) -> None:
+        if self._health is not None:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if serving
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self._health.set(SERVICE_NAME, status)
+
+    async def _lead(self) -> None:
+        """A term begins: resume from the store, then start the leader-only parts."""
+        if not self._fresh:
+            self._build()
+            self.api.reconciler, self.api.link = self.reconciler, self.link
+        self._fresh = False
         await self.repo.load()
         log.info(
             "store loaded",
@@ -72,6 +180,7 @@ class Controller:
             instances=len(self.repo.instances),
             nodes=len(self.repo.nodes),
         )
+        self.repo.writable = True
         self.link.start()
         for coro, name in (
             (self.reconciler.run(), "reconciler"),
@@ -80,14 +189,23 @@ class Controller:
             task = asyncio.create_task(coro, name=name)
             task.add_done_callback(self._child_done)
             self._tasks.append(task)
-        self._server, self.port, _ = await start_server(
-            self.config.listen,
-            self.tls,
-            [lambda s: pb_grpc.add_ControllerServicer_to_server(self.api, s)],
-            [SERVICE_NAME],
-        )
-        log.info("controller listening", port=self.port, schedulers=self.config.schedulers)
-        return self.port
+        await self._set_serving(True)
+
+    async def _step_down(self) -> None:
+        """A term ends (lease lost, or shutdown): stop writing at once, then stop the rest."""
+        self.repo.writable = False
+        await self._set_serving(False)
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.queue.close()
+        await self.link.close()
+        # Watchers reconnect to whoever leads next; the cache is not ours to answer from.
+        self.events.close()
+        self.repo.reset()
 
     def _child_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or self._stopped.is_set():
@@ -119,13 +237,16 @@ class Controller:
         self.events.close()
         if self._server is not None:
             await self._server.stop(grace=1.0)
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        if self._leadership_task is not None:
+            # Its cancellation runs _step_down (leader parts stopped) before it ends.
+            self._leadership_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        await self.queue.close()
-        await self.link.close()
+                await self._leadership_task
+        else:
+            await self._step_down()
+        if self.leadership is not None:
+            # Resign so a standby takes over now rather than when our lease expires.
+            await self.leadership.close()
         await self.store.close()
 
     async def __aenter__(self) -> Controller:

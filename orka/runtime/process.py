@@ -62,6 +62,8 @@ SHELL = "/bin/sh"
 # $1 is the exit-code file, the rest is the command. See the module docstring for why it traps.
 _WRAPPER = 'f=$1; shift\ntrap : TERM INT\n"$@"\nc=$?\necho "$c" > "$f"\nexit "$c"\n'
 _WRAPPER_NAME = "orka-task"
+_SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+_TRAP_WAIT = 2.0
 SIGKILL_EXIT_CODE = 128 + signal.SIGKILL
 # How long a process group may take to disappear after SIGKILL before we call it stuck.
 _KILL_TIMEOUT = 5.0
@@ -162,6 +164,9 @@ class ProcessDriver(Driver):
                 # The child holds its own copies of the descriptors.
                 os.close(out)
                 os.close(err)
+            # Until the wrapper has installed its trap, a SIGTERM would kill the wrapper instead
+            # of the command and lose the exit code; a stop right after start must not race it.
+            await _await_trap(proc)
             task = _Task(
                 instance=instance,
                 workload=run.workload,
@@ -512,3 +517,23 @@ def _measure(task: _Task) -> Usage:
     task.samples = seen
     # psutil reports percent of one CPU; 100 % of a CPU is 1000 millicores.
     return Usage(cpu_millis=int(cpu_percent * 10), memory_bytes=rss)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & _SIGTERM_BIT)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+async def _await_trap(proc: asyncio.subprocess.Process) -> None:
+    """Wait (briefly, a few ms in practice) until the wrapper shell catches SIGTERM."""
+    deadline = time.monotonic() + _TRAP_WAIT
+    while proc.returncode is None and time.monotonic() < deadline:
+        if _catches_sigterm(proc.pid):
+            return
+        await asyncio.sleep(0.002)

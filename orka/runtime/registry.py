@@ -7,11 +7,15 @@ from typing import Any
 
 from orka.errors import Invalid
 from orka.runtime.base import Driver
+from orka.runtime.containerd import ContainerdDriver
 from orka.runtime.fake import FakeDriver
+from orka.runtime.libvirt import LibvirtDriver
 from orka.runtime.process import ProcessDriver
 
 DRIVERS: dict[str, type[Driver]] = {
     "process": ProcessDriver,
+    "containerd": ContainerdDriver,
+    "libvirt": LibvirtDriver,
     "fake": FakeDriver,
 }
 

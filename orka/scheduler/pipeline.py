@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 from orka.errors import Invalid
 from orka.scheduler.filters import FILTERS, Filter
+from orka.scheduler.index import EPSILON, SnapshotIndex, walk_binpack, walk_spread
 from orka.scheduler.scorers import SCORERS, Scorer
 from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
 
@@ -60,12 +61,43 @@ def format_reasons(rejections: Mapping[str, int]) -> str:
     )
 
 
-@dataclass(frozen=True, slots=True)
 class Ranking:
-    # Node names, best first; at most `limit` of them when rank() was given one.
-    candidates: tuple[str, ...]
-    # Reason -> number of nodes the filters rejected for it.
-    rejections: Mapping[str, int] = field(default_factory=dict)
+    """Candidates best first, and why the other nodes were left out.
+
+    The reason counts matter only when nothing fits (they become the Unschedulable message),
+    so the fast path computes them on first access rather than filtering every node.
+    """
+
+    __slots__ = ("_lazy", "_rejections", "candidates")
+
+    def __init__(
+        self,
+        candidates: tuple[str, ...],
+        rejections: Mapping[str, int] | None = None,
+        *,
+        lazy: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        # Node names, best first; at most `limit` of them when rank() was given one.
+        self.candidates = candidates
+        self._rejections = rejections if rejections is not None or lazy else {}
+        self._lazy = lazy
+
+    @property
+    def rejections(self) -> Mapping[str, int]:
+        """Reason -> number of nodes the filters rejected for it."""
+        if self._rejections is None:
+            assert self._lazy is not None
+            self._rejections = self._lazy()
+            self._lazy = None
+        return self._rejections
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Ranking):
+            return NotImplemented
+        return self.candidates == other.candidates and self.rejections == other.rejections
+
+    def __repr__(self) -> str:
+        return f"Ranking(candidates={self.candidates!r}, rejections={dict(self.rejections)!r})"
 
     def reasons_text(self) -> str:
         """Why nodes were left out; "no nodes" when the cluster had none at all."""
@@ -84,11 +116,88 @@ class Pipeline:
             if weight > 0
         )
         self._filters: tuple[Filter, ...] = FILTERS
+        # The index-driven path knows the shape of the built-in scorers; one scorer only, as
+        # min-max normalisation of a single raw score never changes its order.
+        self._fast: str | None = None
+        if len(self._scorers) == 1 and self._scorers[0][0].name in ("spread", "binpack"):
+            self._fast = self._scorers[0][0].name
+        self._driver_check = next((f.check for f in self._filters if f.name == "driver"), None)
 
     def rank(self, req: PlacementRequest, snapshot: Snapshot, limit: int | None = None) -> Ranking:
         if limit is not None and limit < 0:
             raise Invalid(f"limit must be >= 0, got {limit}")
         checks = [f.check for f in self._filters if f.applies(req)]
+        if limit is not None and self._fast is not None:
+            index = _index_of(snapshot)
+            if index is not None:
+                fast = self._rank_fast(req, snapshot, index, limit, checks)
+                if fast is not None:
+                    return fast
+        return self._rank_full(req, snapshot, limit, checks)
+
+    def _rank_fast(
+        self,
+        req: PlacementRequest,
+        snapshot: Snapshot,
+        index: SnapshotIndex,
+        limit: int,
+        checks: list[Callable[[PlacementRequest, NodeView], str | None]],
+    ) -> Ranking | None:
+        """The best `limit` nodes from the index; None when it cannot prove they are the best."""
+
+        def lazy() -> Mapping[str, int]:
+            return _rejections(req, snapshot, checks)
+
+        if limit == 0:
+            return Ranking((), lazy=lazy)
+        cpu, mem, workload = req.cpu_millis, req.memory_bytes, req.workload
+        spread = self._fast == "spread"
+        driver_check = self._driver_check
+        parts = []
+        for b in index.buckets:
+            # Every node of a bucket has the same drivers: one check speaks for all of them.
+            if driver_check is not None and driver_check(req, b.nodes[0]) is not None:
+                continue
+            parts.append((b, cpu / b.cpu_alloc + mem / b.mem_alloc))
+        walk = walk_spread if spread else walk_binpack
+        stream: Iterator[tuple[float, NodeView]] = heapq.merge(
+            *[walk(b, e) for b, e in parts], key=_first
+        )
+        found: list[NodeView] = []
+        bound = math.inf
+        for key, node in stream:
+            if key > bound:
+                break
+            if spread and node.workload_counts.get(workload):
+                # Scored at least 2 below any empty feasible node: it can only rank if fewer
+                # than `limit` of those exist, and then the exhaustive path runs anyway.
+                continue
+            for check in checks:
+                if check(req, node) is not None:
+                    break
+            else:
+                found.append(node)
+                if len(found) == limit:
+                    bound = key + EPSILON
+        if len(found) < limit:
+            return None
+        for node in index.odd:
+            for check in checks:
+                if check(req, node) is not None:
+                    break
+            else:
+                found.append(node)
+        score = self._scorers[0][0].score
+        best = heapq.nsmallest(limit, [(-score(req, n), n.name) for n in found])
+        return Ranking(tuple(name for _, name in best), lazy=lazy)
+
+    def _rank_full(
+        self,
+        req: PlacementRequest,
+        snapshot: Snapshot,
+        limit: int | None,
+        checks: list[Callable[[PlacementRequest, NodeView], str | None]],
+    ) -> Ranking:
 
         rejections: dict[str, int] = {}
         feasible: list[NodeView] = []
@@ -126,3 +235,36 @@ class Pipeline:
             scale = _NORMALISED_MAX * weight / (high - low)
             totals = [t + (r - low) * scale for t, r in zip(totals, raw, strict=True)]
         return totals
+
+
+def _first(item: tuple[float, NodeView]) -> float:
+    return item[0]
+
+
+def _rejections(
+    req: PlacementRequest,
+    snapshot: Snapshot,
+    checks: list[Callable[[PlacementRequest, NodeView], str | None]],
+) -> dict[str, int]:
+    rejections: dict[str, int] = {}
+    for node in snapshot.nodes:
+        for check in checks:
+            reason = check(req, node)
+            if reason is not None:
+                rejections[reason] = rejections.get(reason, 0) + 1
+                break
+    return rejections
+
+
+def _index_of(snapshot: Snapshot) -> SnapshotIndex | None:
+    """The snapshot's index, built on its second decision: one decision is cheaper without."""
+    index = snapshot.index
+    if isinstance(index, SnapshotIndex):
+        return index
+    uses = snapshot.uses + 1
+    object.__setattr__(snapshot, "uses", uses)
+    if uses < 2:
+        return None
+    index = SnapshotIndex.build(snapshot)
+    object.__setattr__(snapshot, "index", index)
+    return index

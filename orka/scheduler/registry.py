@@ -19,6 +19,7 @@ from orka.models import (
     NodeState,
     Resources,
 )
+from orka.scheduler.index import SnapshotIndex, updated
 from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
 
 if TYPE_CHECKING:
@@ -124,6 +125,11 @@ class Registry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
         self._snapshot: Snapshot | None = None
+        # Views of unchanged nodes are reused, so a reservation rebuilds one view, not all.
+        self._views: dict[str, NodeView] = {}
+        # Nodes changed since the last snapshot; None when everything must be rebuilt.
+        self._dirty: set[str] | None = set()
+        self._last: Snapshot | None = None
 
     def __iter__(self) -> Iterator[NodeRecord]:
         return iter(self.nodes.values())
@@ -131,20 +137,52 @@ class Registry:
     def get(self, name: str) -> NodeRecord | None:
         return self.nodes.get(name)
 
-    def changed(self) -> None:
+    def changed(self, node: NodeRecord | None = None) -> None:
+        """Something changed: one node's record when `node` is given, else anything."""
         self._snapshot = None
+        if node is None or self._dirty is None:
+            self._dirty = None
+        else:
+            self._dirty.add(node.name)
 
     def snapshot(self) -> Snapshot:
-        if self._snapshot is None:
-            self._snapshot = Snapshot(tuple(n.view() for n in self.nodes.values()))
-        return self._snapshot
+        if self._snapshot is not None:
+            return self._snapshot
+        previous = self._last
+        dirty = self._dirty
+        if dirty is None:
+            self._views = {name: n.view() for name, n in self.nodes.items()}
+        else:
+            added = False
+            for name in dirty:
+                rec = self.nodes.get(name)
+                if rec is None:
+                    self._views.pop(name, None)
+                else:
+                    added = added or name not in self._views
+                    self._views[name] = rec.view()
+            if added:
+                # Snapshot order is registration order, whatever order the dirty set has.
+                self._views = {name: self._views[name] for name in self.nodes}
+        snap = Snapshot(tuple(self._views.values()))
+        # Carry the pipeline's index over when only a few nodes changed (copy-on-write).
+        if dirty is not None and previous is not None and isinstance(previous.index, SnapshotIndex):
+            old = [previous.by_name[n] for n in dirty if n in previous.by_name]
+            new = [self._views[n] for n in dirty if n in self._views]
+            object.__setattr__(snap, "index", updated(previous.index, old, new))
+        elif previous is not None and previous.uses > 0:
+            # Decisions are being made: index once, then carry it over change by change.
+            object.__setattr__(snap, "index", SnapshotIndex.build(snap))
+        self._dirty = set()
+        self._snapshot = self._last = snap
+        return snap
 
     def upsert(self, name: str) -> NodeRecord:
         rec = self.nodes.get(name)
         if rec is None:
             rec = NodeRecord(name=name)
             self.nodes[name] = rec
-        self.changed()
+        self.changed(rec)
         return rec
 
     def try_reserve(
@@ -175,12 +213,12 @@ class Registry:
                 expires_at=time.monotonic() + hold_seconds,
             ),
         )
-        self.changed()
+        self.changed(node)
         return None
 
     def release(self, node: NodeRecord, instance: str) -> None:
         if node.drop_hold(instance):
-            self.changed()
+            self.changed(node)
 
     def apply_report(self, node: NodeRecord, report: InstanceReport, resources: Resources) -> bool:
         """Record what an agent said; returns True when it differs from what it said before."""
@@ -195,7 +233,7 @@ class Registry:
                     report.name,
                     Hold(report.workload, resources.cpu_millis, resources.memory_bytes),
                 )
-                self.changed()
+                self.changed(node)
         if old is None:
             return True
         return (

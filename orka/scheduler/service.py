@@ -29,6 +29,8 @@ from orka.security.tls import TlsFiles
 log = structlog.get_logger("orka.scheduler")
 
 SERVICE_NAME = "orka.v1.Scheduler"
+# Candidates ranked per placement before falling back to ranking every feasible node.
+RANK_FIRST = 8
 
 
 @dataclass
@@ -152,7 +154,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         was_lost = node.state in (NodeState.LOST, NodeState.LEFT)
         node.state = state
         node.message = message
-        self.registry.changed()
+        self.registry.changed(node)
         self._publish_node(node)
         if was_lost and state is NodeState.READY:
             # The controller may have replaced what this node runs while it was away.
@@ -168,7 +170,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[apb.SchedulerMessage]:
         session = AgentSession(who.name)
-        reader = asyncio.create_task(self._read_agent(request_iterator, session, context))
+        reader = asyncio.create_task(self._read_agent(request_iterator, session))
         try:
             while True:
                 msg = await session.outbox.get()
@@ -180,12 +182,12 @@ class Scheduler(apb_grpc.SchedulerServicer):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
             self._disconnected(session)
+        if session.error:
+            # Raised from the handler itself (not the reader task) so the agent gets the code.
+            raise Invalid(session.error)
 
     async def _read_agent(
-        self,
-        messages: AsyncIterator[apb.AgentMessage],
-        session: AgentSession,
-        context: grpc.aio.ServicerContext,
+        self, messages: AsyncIterator[apb.AgentMessage], session: AgentSession
     ) -> None:
         node: NodeRecord | None = None
         try:
@@ -201,8 +203,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             pass
         except Invalid as err:
             log.warning("agent sent bad input", node=session.node, error=err.message)
-            with contextlib.suppress(Exception):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.message)
+            session.error = err.message
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -361,45 +362,54 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def _place_one(
         self, assignment: apb.Assignment, req: PlacementRequest
     ) -> apb.PlaceResult:
-        ranking = self.pipeline.rank(req, self.registry.snapshot())
-        rejections = dict(ranking.rejections)
         refusals: dict[str, str] = {}
-
-        def refuse(node: str, reason: str) -> None:
-            refusals[node] = reason
-            rejections[reason] = rejections.get(reason, 0) + 1
-
-        for name in ranking.candidates:
-            node = self.registry.get(name)
-            if node is None:
-                refuse(name, "gone")
-                continue
-            reason = self.registry.try_reserve(node, req, self.config.hold_seconds)
-            if reason is not None:
-                refuse(name, reason)
-                continue
-            session = node.session
-            assert session is not None  # try_reserve checked it
-            offer_id = next_id("o")
-            msg = apb.SchedulerMessage(
-                offer=apb.Offer(
-                    offer_id=offer_id,
-                    assignment=assignment,
-                    hold_seconds=self.config.hold_seconds,
-                )
-            )
-            ok, why = await session.request(msg, offer_id, self.config.offer_timeout)
-            if ok:
-                return apb.PlaceResult(instance=req.instance, node=name, refusals=refusals)
-            self.registry.release(node, req.instance)
-            if why == "timed out":
-                why = "offer timed out"
-                session.send(
-                    apb.SchedulerMessage(
-                        release=apb.ReleaseOffer(command_id=next_id("r"), instance=req.instance)
+        tried: set[str] = set()
+        # The best few are almost always enough; all of them only when every one refused.
+        limit: int | None = RANK_FIRST
+        while True:
+            ranking = self.pipeline.rank(req, self.registry.snapshot(), limit=limit)
+            for name in ranking.candidates:
+                if name in tried:
+                    continue
+                tried.add(name)
+                node = self.registry.get(name)
+                if node is None:
+                    refusals[name] = "gone"
+                    continue
+                reason = self.registry.try_reserve(node, req, self.config.hold_seconds)
+                if reason is not None:
+                    refusals[name] = reason
+                    continue
+                session = node.session
+                assert session is not None  # try_reserve checked it
+                offer_id = next_id("o")
+                msg = apb.SchedulerMessage(
+                    offer=apb.Offer(
+                        offer_id=offer_id,
+                        assignment=assignment,
+                        hold_seconds=self.config.hold_seconds,
                     )
                 )
-            refuse(name, f"refused: {why}" if not why.startswith("offer") else why)
+                reply = await session.request(msg, offer_id, self.config.offer_timeout)
+                ok, why = reply.ok, reply.reason
+                if ok:
+                    return apb.PlaceResult(instance=req.instance, node=name, refusals=refusals)
+                self.registry.release(node, req.instance)
+                if why == "timed out":
+                    why = "offer timed out"
+                    session.send(
+                        apb.SchedulerMessage(
+                            release=apb.ReleaseOffer(command_id=next_id("r"), instance=req.instance)
+                        )
+                    )
+                refusals[name] = f"refused: {why}" if not why.startswith("offer") else why
+            if limit is None or len(ranking.candidates) < limit:
+                break
+            limit = None
+        # Reason counts are only computed now that nothing took the instance.
+        rejections = dict(ranking.rejections)
+        for reason in refusals.values():
+            rejections[reason] = rejections.get(reason, 0) + 1
         return apb.PlaceResult(
             instance=req.instance, reasons=format_reasons(rejections), refusals=refusals
         )
@@ -414,7 +424,9 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def _command(self, cmd: apb.NodeCommand) -> apb.CommandResult:
         node = self.registry.get(cmd.node)
         if node is None or node.session is None:
-            return apb.CommandResult(ok=False, error=f"node {cmd.node} is not connected")
+            return apb.CommandResult(
+                ok=False, error=f"node {cmd.node} is not connected", unconfirmed=True
+            )
         which = cmd.WhichOneof("command")
         msg: Any
         if which == "start":
@@ -432,14 +444,15 @@ class Scheduler(apb_grpc.SchedulerServicer):
             msg.release.command_id = key
         else:
             return apb.CommandResult(ok=False, error="empty command")
-        ok, err = await node.session.request(msg, key, self.config.command_timeout)
+        reply = await node.session.request(msg, key, self.config.command_timeout)
+        ok, err = reply.ok, reply.reason
         if which == "start":
             hold = node.holds.get(cmd.start.assignment.instance)
             if ok and hold is not None:
                 hold.expires_at = None  # bound now: the hold lasts until the instance ends
             elif not ok:
                 self.registry.release(node, cmd.start.assignment.instance)
-        return apb.CommandResult(ok=ok, error=err)
+        return apb.CommandResult(ok=ok, error=err, unconfirmed=not reply.answered)
 
     @unary(roles={"controller"})
     async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:

@@ -63,6 +63,10 @@ class NodeView:
 class Snapshot:
     nodes: tuple[NodeView, ...]
     by_name: Mapping[str, NodeView] = field(init=False, repr=False, compare=False)
+    # Derived data the pipeline builds or the registry carries over from the previous
+    # snapshot (orka.scheduler.index); a cache, never part of what the snapshot says.
+    index: object = field(default=None, init=False, repr=False, compare=False)
+    uses: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)

@@ -1,6 +1,7 @@
 """The controller's source of truth: JSON documents with etcd-like revisions."""
 
-from orka.store.base import Create, Delete, Item, Op, Put, Store, Update
+from orka.store.base import Create, Delete, Item, Op, Put, Store, Unsupported, Update, WatchEvent
+from orka.store.etcd import EtcdStore
 from orka.store.factory import open_store
 from orka.store.memory import MemoryStore
 from orka.store.sqlite import SqliteStore
@@ -8,12 +9,15 @@ from orka.store.sqlite import SqliteStore
 __all__ = [
     "Create",
     "Delete",
+    "EtcdStore",
     "Item",
     "MemoryStore",
     "Op",
     "Put",
     "SqliteStore",
     "Store",
+    "Unsupported",
     "Update",
+    "WatchEvent",
     "open_store",
 ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -34,11 +34,16 @@ class Item:
 
 @dataclass(frozen=True)
 class Create:
-    """Write a new key; AlreadyExists if it is there."""
+    """Write a new key; AlreadyExists if it is there.
+
+    `lease` (0: none) ties the key to a lease from `Store.grant_lease`: the key is deleted when
+    the lease expires or is revoked. Only stores with `supports_leases` accept it.
+    """
 
     kind: str
     name: str
     value: dict[str, Any]
+    lease: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,14 +68,41 @@ class Delete:
 
 @dataclass(frozen=True)
 class Put:
-    """Create or overwrite, unconditionally."""
+    """Create or overwrite, unconditionally; `lease` as for Create."""
 
     kind: str
     name: str
     value: dict[str, Any]
+    lease: int = 0
 
 
 Op = Create | Update | Delete | Put
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One change seen by `Store.watch`: a write (value set) or a delete (value None).
+
+    `revision` is the revision of the commit that made the change; events arrive in revision
+    order, and the writes of one commit arrive together with the same revision.
+    """
+
+    kind: str
+    name: str
+    revision: int
+    value: dict[str, Any] | None
+
+    @property
+    def deleted(self) -> bool:
+        return self.value is None
+
+
+class Unsupported(NotImplementedError):
+    """An optional store capability (watch, leases) that this backend does not have.
+
+    Not an OrkaError: asking for it is a programming error, to be avoided by checking
+    `Store.supports_watch` / `Store.supports_leases` first, never a client-facing condition.
+    """
 
 
 def ref(kind: str, name: str) -> str:
@@ -119,8 +151,12 @@ class PreparedOp:
     encoded: str | None
 
 
-def prepare_batch(ops: Sequence[Op]) -> list[PreparedOp]:
-    """Validate a whole batch before touching any state, so a malformed batch never half-runs."""
+def prepare_batch(ops: Sequence[Op], *, leases: bool = False) -> list[PreparedOp]:
+    """Validate a whole batch before touching any state, so a malformed batch never half-runs.
+
+    `leases`: whether the backend can honour `lease` on Create/Put; if not, a leased op is
+    refused rather than silently written as a key that never expires.
+    """
     prepared: list[PreparedOp] = []
     seen: set[tuple[str, str]] = set()
     for op in ops:
@@ -136,6 +172,11 @@ def prepare_batch(ops: Sequence[Op]) -> list[PreparedOp]:
             isinstance(expected, bool) or not isinstance(expected, int) or expected < 0
         ):
             raise Invalid(f"{ref(*key)}: expected_revision must be a non-negative integer")
+        lease = getattr(op, "lease", 0)
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease < 0:
+            raise Invalid(f"{ref(*key)}: lease must be a non-negative integer")
+        if lease and not leases:
+            raise Unsupported(f"{ref(*key)}: this store has no leases")
         encoded = None if isinstance(op, Delete) else encode_value(op.kind, op.name, op.value)
         prepared.append(PreparedOp(op, encoded))
     return prepared
@@ -161,7 +202,15 @@ class Store(ABC):
 
     Backends implement open/close/get/list/commit/revision; the single-op helpers are built on
     commit() here so every backend gets identical semantics for them.
+
+    Watch and leases are optional capabilities (etcd has them; the single-node stores do not
+    need them, since there is nobody to elect or notify). A backend that has them sets
+    `supports_watch` / `supports_leases` and overrides the methods below; the defaults raise
+    Unsupported.
     """
+
+    supports_watch: bool = False
+    supports_leases: bool = False
 
     @abstractmethod
     async def open(self) -> None:
@@ -190,6 +239,30 @@ class Store(ABC):
     @abstractmethod
     async def revision(self) -> int:
         """The current global revision (0 for an empty, never-written store)."""
+
+    def watch(
+        self, kind: str, prefix: str = "", start_revision: int = 0
+    ) -> AsyncIterator[WatchEvent]:
+        """Changes to keys of `kind` whose name starts with `prefix`, in revision order.
+
+        `start_revision` 0 means "changes after now", now being when iteration starts (the
+        first `anext`); otherwise every change with a revision
+        >= start_revision (Conflict if the store has compacted that history away). The iterator
+        runs until the caller stops consuming it (aclose / break).
+        """
+        raise Unsupported(f"{type(self).__name__} has no watch")
+
+    async def grant_lease(self, ttl: int) -> int:
+        """A new lease of `ttl` seconds; returns its id (non-zero)."""
+        raise Unsupported(f"{type(self).__name__} has no leases")
+
+    async def keepalive_lease(self, lease_id: int) -> int:
+        """Refresh a lease; returns its TTL in seconds. NotFound if it has expired."""
+        raise Unsupported(f"{type(self).__name__} has no leases")
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """End a lease now, deleting its keys. Idempotent: a gone lease is not an error."""
+        raise Unsupported(f"{type(self).__name__} has no leases")
 
     async def create(self, kind: str, name: str, value: dict[str, Any]) -> int:
         (revision,) = await self.commit([Create(kind, name, value)])

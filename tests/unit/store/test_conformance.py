@@ -1,4 +1,9 @@
-"""Behaviour every Store backend must share; a new backend joins by adding a factory below."""
+"""Behaviour every Store backend must share; a new backend joins by adding a factory below.
+
+Revisions are asserted relative to the store's revision when the test starts (`r0`), so the
+same tests run on a shared etcd (tests/integration/test_store_etcd.py overrides `make_store`),
+where other tests have already moved the global revision.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import pytest
 
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
 from orka.store import Create, Delete, Item, MemoryStore, Put, SqliteStore, Store, Update
+from orka.store.base import Unsupported
 
 BACKENDS: dict[str, Callable[[Path], Store]] = {
     "memory": lambda _tmp: MemoryStore(),
@@ -18,9 +24,20 @@ BACKENDS: dict[str, Callable[[Path], Store]] = {
 }
 
 
+# Tests that only make sense for the local backends; the etcd module does not import them.
+LOCAL_ONLY = {"test_fresh_store_starts_at_revision_zero"}
+
+
 @pytest.fixture(params=sorted(BACKENDS))
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    async with BACKENDS[request.param](tmp_path) as s:
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    """Builds an unopened store of the backend under test; every call sees the same data."""
+    factory = BACKENDS[request.param]
+    return lambda: factory(tmp_path)
+
+
+@pytest.fixture
+async def store(make_store: Callable[[], Store]) -> AsyncIterator[Store]:
+    async with make_store() as s:
         yield s
 
 
@@ -33,17 +50,27 @@ def doc(**fields: Any) -> dict[str, Any]:
     return dict(fields)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+async def test_fresh_store_starts_at_revision_zero(backend: str, tmp_path: Path) -> None:
+    async with BACKENDS[backend](tmp_path) as s:
+        assert await s.revision() == 0
+        assert await s.create("workload", "web", {}) == 1
+
+
 async def test_empty_store(store: Store) -> None:
-    assert await store.revision() == 0
+    r0 = await store.revision()
     assert await store.get("workload", "web") is None
     assert await store.list("workload") == []
+    # Reads do not move the clock.
+    assert await store.revision() == r0
 
 
 async def test_create_then_get(store: Store) -> None:
+    r0 = await store.revision()
     rev = await store.create("workload", "web", doc(replicas=3, env={"A": "1"}))
-    assert rev == 1
+    assert rev == r0 + 1
     assert await store.get("workload", "web") == Item(
-        "workload", "web", 1, {"replicas": 3, "env": {"A": "1"}}
+        "workload", "web", r0 + 1, {"replicas": 3, "env": {"A": "1"}}
     )
     # Same name under another kind is a different key.
     assert await store.get("instance", "web") is None
@@ -86,12 +113,12 @@ async def test_list_prefix_edge_code_points(store: Store) -> None:
 
 
 async def test_create_existing_raises_already_exists(store: Store) -> None:
-    await store.create("workload", "web", doc(v=1))
+    rev = await store.create("workload", "web", doc(v=1))
     with pytest.raises(AlreadyExists, match="workload 'web'"):
         await store.create("workload", "web", doc(v=2))
     item = await store.get("workload", "web")
-    assert item == Item("workload", "web", 1, {"v": 1})
-    assert await store.revision() == 1
+    assert item == Item("workload", "web", rev, {"v": 1})
+    assert await store.revision() == rev
 
 
 async def test_update_with_current_revision_succeeds(store: Store) -> None:
@@ -119,10 +146,23 @@ async def test_unconditional_update(store: Store) -> None:
 
 
 async def test_update_missing_raises_not_found(store: Store) -> None:
-    for expected in (None, 1):
+    r0 = await store.revision()
+    for expected in (None, 0, 1, r0):
         with pytest.raises(NotFound, match="workload 'ghost'"):
             await store.update("workload", "ghost", doc(), expected_revision=expected)
-    assert await store.revision() == 0
+        with pytest.raises(NotFound, match="workload 'ghost'"):
+            await store.delete("workload", "ghost", expected_revision=expected)
+    assert await store.revision() == r0
+    assert await store.get("workload", "ghost") is None
+
+
+async def test_expected_revision_zero_never_matches_an_existing_key(store: Store) -> None:
+    rev = await store.create("workload", "web", doc(v=1))
+    with pytest.raises(Conflict, match="workload 'web'"):
+        await store.update("workload", "web", doc(v=2), expected_revision=0)
+    with pytest.raises(Conflict, match="workload 'web'"):
+        await store.delete("workload", "web", expected_revision=0)
+    assert await store.get("workload", "web") == Item("workload", "web", rev, {"v": 1})
 
 
 async def test_put_upserts(store: Store) -> None:
@@ -145,12 +185,13 @@ async def test_put_upserts(store: Store) -> None:
 async def test_batch_is_all_or_nothing(
     store: Store, failing_op: Create | Update | Delete, error: type[Exception]
 ) -> None:
+    r0 = await store.revision()
     await store.create("workload", "exists", doc(v=1))
     await store.create("instance", "keep", doc(v=1))
     before = await snapshot(store, "workload", "instance")
     batch = [
         Create("workload", "new", doc()),
-        Update("instance", "keep", doc(v=2), expected_revision=2),
+        Update("instance", "keep", doc(v=2), expected_revision=r0 + 2),
         failing_op,
         Put("instance", "after", doc()),
     ]
@@ -158,7 +199,7 @@ async def test_batch_is_all_or_nothing(
         await store.commit(batch)
     assert await snapshot(store, "workload", "instance") == before
     # The store is still usable after a failed batch.
-    assert await store.commit(batch[:2]) == [3, 3]
+    assert await store.commit(batch[:2]) == [r0 + 3, r0 + 3]
 
 
 async def test_first_failing_op_is_reported(store: Store) -> None:
@@ -191,34 +232,54 @@ async def test_delete(store: Store) -> None:
 
 
 async def test_revisions_are_global_monotonic_and_shared_within_a_commit(store: Store) -> None:
+    r0 = await store.revision()
     revs = await store.commit(
         [Create("workload", "a", doc()), Put("node", "n", doc()), Create("instance", "i", doc())]
     )
-    assert revs == [1, 1, 1]
-    assert await store.revision() == 1
+    assert revs == [r0 + 1] * 3
+    assert await store.revision() == r0 + 1
     assert {i.revision for k in ("workload", "node", "instance") for i in await store.list(k)} == {
-        1
+        r0 + 1
     }
 
     revs = await store.commit(
-        [Update("workload", "a", doc(v=2), expected_revision=1), Delete("node", "n")]
+        [Update("workload", "a", doc(v=2), expected_revision=r0 + 1), Delete("node", "n")]
     )
-    assert revs == [2, 0]
-    assert await store.revision() == 2
+    assert revs == [r0 + 2, 0]
+    assert await store.revision() == r0 + 2
     # Untouched keys keep the revision they were last written at.
     instance = await store.get("instance", "i")
-    assert instance is not None and instance.revision == 1
+    assert instance is not None and instance.revision == r0 + 1
 
     # A delete-only commit still moves the clock, like etcd.
     await store.delete("instance", "i")
-    assert await store.revision() == 3
+    assert await store.revision() == r0 + 3
 
     # Failed and empty commits do not.
     with pytest.raises(NotFound):
         await store.delete("instance", "i")
     assert await store.commit([]) == []
-    assert await store.revision() == 3
-    assert await store.put("node", "n", doc()) == 4
+    assert await store.revision() == r0 + 3
+    assert await store.put("node", "n", doc()) == r0 + 4
+
+
+async def test_large_batch_is_one_commit(store: Store) -> None:
+    r0 = await store.revision()
+    revs = await store.commit([Create("instance", f"i-{n:03}", doc(n=n)) for n in range(100)])
+    assert revs == [r0 + 1] * 100
+    items = await store.list("instance")
+    assert [i.name for i in items] == [f"i-{n:03}" for n in range(100)]
+    # One stale op among 100 rejects all of them.
+    ops: list[Create | Update] = [
+        Update("instance", f"i-{n:03}", doc(n=-n), expected_revision=r0 + 1)
+        for n in range(100)
+        if n != 50
+    ]
+    ops.append(Create("instance", "i-050", doc()))
+    with pytest.raises(AlreadyExists, match="instance 'i-050'"):
+        await store.commit(ops)
+    assert await store.list("instance") == items
+    assert await store.revision() == r0 + 1
 
 
 async def test_fifty_stale_cas_updaters_exactly_one_wins(store: Store) -> None:
@@ -246,7 +307,7 @@ async def test_fifty_stale_cas_updaters_exactly_one_wins(store: Store) -> None:
 
 
 async def test_fifty_retrying_cas_incrementers_lose_no_update(store: Store) -> None:
-    await store.create("counter", "c", doc(n=0, writers=[]))
+    rev0 = await store.create("counter", "c", doc(n=0, writers=[]))
 
     async def incrementer(i: int) -> int:
         conflicts = 0
@@ -267,7 +328,7 @@ async def test_fifty_retrying_cas_incrementers_lose_no_update(store: Store) -> N
     assert final.value["n"] == 50
     assert sorted(final.value["writers"]) == list(range(50))
     # One create plus exactly one successful update per incrementer.
-    assert final.revision == await store.revision() == 51
+    assert final.revision == await store.revision() == rev0 + 50
     assert sum(conflicts) > 0
 
 
@@ -290,15 +351,30 @@ async def test_fifty_retrying_cas_incrementers_lose_no_update(store: Store) -> N
 async def test_invalid_ops_are_rejected_before_anything_runs(
     store: Store, op: Create | Update | Delete | Put, match: str
 ) -> None:
+    r0 = await store.revision()
     with pytest.raises(Invalid, match=match):
         await store.commit([Put("workload", "ok", {}), op])
-    assert await store.revision() == 0
+    assert await store.revision() == r0
 
 
 async def test_same_key_twice_in_one_commit_is_invalid(store: Store) -> None:
+    r0 = await store.revision()
     with pytest.raises(Invalid, match="more than once"):
         await store.commit([Create("workload", "a", {}), Update("workload", "a", {}, None)])
-    assert await store.revision() == 0
+    assert await store.revision() == r0
+
+
+async def test_optional_capabilities_fail_clearly_when_absent(store: Store) -> None:
+    if store.supports_leases:
+        pytest.skip("this backend has leases (tested with its own tests)")
+    r0 = await store.revision()
+    with pytest.raises(Unsupported, match="no leases"):
+        await store.grant_lease(5)
+    with pytest.raises(Unsupported, match="no leases"):
+        await store.commit([Create("workload", "a", {}, lease=7)])
+    with pytest.raises(Unsupported, match="no watch"):
+        store.watch("workload")
+    assert await store.revision() == r0
 
 
 async def test_read_arguments_are_validated(store: Store) -> None:
@@ -319,12 +395,15 @@ async def test_arbitrary_names_round_trip(store: Store) -> None:
     assert [i.name for i in await store.list("node")] == sorted(names)
 
 
-async def test_close_is_idempotent_and_reopen_works(tmp_path: Path) -> None:
-    for factory in BACKENDS.values():
-        s = factory(tmp_path)
-        await s.open()
-        await s.open()
-        await s.close()
-        await s.close()
-        with pytest.raises(RuntimeError, match="not open"):
-            await s.get("workload", "x")
+async def test_close_is_idempotent_and_reopen_works(make_store: Callable[[], Store]) -> None:
+    s = make_store()
+    await s.open()
+    await s.open()
+    await s.close()
+    await s.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        await s.get("workload", "x")
+    with pytest.raises(RuntimeError, match="not open"):
+        await s.commit([Put("workload", "x", {})])
+    async with s:
+        assert await s.get("workload", "x") is None

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from orka.errors import Invalid
-from orka.store import MemoryStore, SqliteStore, open_store
+from orka.store import EtcdStore, MemoryStore, SqliteStore, open_store
 
 DATA = Path("/var/lib/orka")
 
@@ -28,6 +28,38 @@ def test_sqlite_urls(url: str, db_path: Path) -> None:
     assert store.path == db_path
 
 
+@pytest.mark.parametrize(
+    ("url", "endpoints", "prefix"),
+    [
+        ("etcd://127.0.0.1:2379", ["127.0.0.1:2379"], "/orka"),
+        ("ETCD://a:2379, b:2380 ,c:1", ["a:2379", "b:2380", "c:1"], "/orka"),
+        ("etcd://[::1]:2379/", ["[::1]:2379"], "/orka"),
+        ("etcd://a:1/tenant-a/orka/", ["a:1"], "/tenant-a/orka"),
+    ],
+)
+def test_etcd_urls(url: str, endpoints: list[str], prefix: str) -> None:
+    store = open_store(url, DATA)
+    assert isinstance(store, EtcdStore)
+    assert store.endpoints == endpoints
+    assert store.prefix == prefix
+    assert not store.tls.enabled
+
+
+def test_etcd_tls_from_url_and_flags() -> None:
+    store = open_store("etcd://a:1?ca=/u/ca.crt&cert=/u/c.crt&key=/u/c.key&timeout=2.5", DATA)
+    assert isinstance(store, EtcdStore)
+    assert (store.tls.ca, store.tls.cert, store.tls.key) == (
+        Path("/u/ca.crt"),
+        Path("/u/c.crt"),
+        Path("/u/c.key"),
+    )
+    assert store.timeout == 2.5
+    # Flags win over the url.
+    store = open_store("etcd://a:1?ca=/u/ca.crt", DATA, etcd_ca=Path("/f/ca.crt"))
+    assert isinstance(store, EtcdStore)
+    assert store.tls.ca == Path("/f/ca.crt") and store.tls.enabled
+
+
 def test_memory_url() -> None:
     assert isinstance(open_store("memory://", DATA), MemoryStore)
 
@@ -35,8 +67,14 @@ def test_memory_url() -> None:
 @pytest.mark.parametrize(
     ("url", "match"),
     [
-        ("etcd://127.0.0.1:2379", "etcd store is not available in this build"),
-        ("etcd://a:2379,b:2379", "etcd store is not available in this build"),
+        ("etcd://", "no etcd endpoint"),
+        ("etcd://a:2379,b", "'b' is not HOST:PORT"),
+        ("etcd://a:99999", "is not HOST:PORT"),
+        ("etcd://a:2379?tls=1", "unknown option"),
+        ("etcd://a:2379?ca=rel/ca.crt", "absolute path"),
+        ("etcd://a:2379?cert=/c.crt", "cert and key must be given together"),
+        ("etcd://a:2379?timeout=0", "timeout"),
+        ("etcd://a:2379#x", "fragment"),
         ("postgres://db/orka", r"unsupported scheme.*sqlite:///.*memory://.*etcd://"),
         ("/abs/path.db", "unsupported scheme"),
         ("orka.db", "unsupported scheme"),

@@ -1,0 +1,230 @@
+"""Leader election on the store, for several controllers sharing one etcd.
+
+Built on the Store's optional capabilities (leases, watch, a leased Create) rather than on
+aetcd directly, so it has one implementation for any store that has them, and the controller
+never sees etcd. The leader holds the key `leader/<name>` (etcd: `/orka/leader/<name>`),
+created in a CAS transaction under a lease of `ttl` seconds that it refreshes every ttl/3:
+
+* campaign: grant a lease, then `Create(leader/<name>, lease)`; on AlreadyExists watch the key
+  until it is deleted (resign, or the holder's lease expired) and try again;
+* a leader that cannot refresh its lease for a whole TTL, or finds it expired, sets `lost` and
+  must stop acting as leader: by then another candidate may already hold the key;
+* resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease.
+
+Stores without leases (SQLite, memory) are single-node: there is nobody to compete with, so
+`election_for` gives them a LocalElection that always wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import structlog
+
+from orka.errors import AlreadyExists, Conflict, NotFound, OrkaError
+from orka.store.base import Create, Delete, Store
+
+log = structlog.get_logger("orka.store.election")
+
+KIND = "leader"
+
+
+class Election(ABC):
+    """One candidate for leadership of `name`; `identity` is how others see it (an address)."""
+
+    def __init__(self, name: str, identity: str, info: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self.identity = identity
+        self.info = dict(info or {})
+        self.is_leader = False
+        # Set when leadership ends without resign(): the holder must stop acting at once.
+        self.lost = asyncio.Event()
+        self.lease_id: int | None = None
+
+    @abstractmethod
+    async def campaign(self) -> None:
+        """Return once this candidate leads (blocks while another one does)."""
+
+    @abstractmethod
+    async def leader_info(self) -> dict[str, Any] | None:
+        """The current leader's record ({"id": identity, **info}), or None if nobody leads."""
+
+    async def leader(self) -> str | None:
+        record = await self.leader_info()
+        return None if record is None else str(record.get("id"))
+
+    @abstractmethod
+    async def resign(self) -> None:
+        """Give leadership up (or stop campaigning) cleanly. Idempotent."""
+
+    async def abandon(self) -> None:
+        """Stop refreshing without cleaning up, as a crashed process would (for tests)."""
+        await self.resign()
+
+    def record(self) -> dict[str, Any]:
+        return {**self.info, "id": self.identity}
+
+
+class LocalElection(Election):
+    """A single-node store's election: the only candidate always wins."""
+
+    async def campaign(self) -> None:
+        self.is_leader = True
+        self.lost.clear()
+
+    async def leader_info(self) -> dict[str, Any] | None:
+        return self.record() if self.is_leader else None
+
+    async def resign(self) -> None:
+        self.is_leader = False
+
+
+class LeaseElection(Election):
+    def __init__(
+        self,
+        store: Store,
+        name: str,
+        identity: str,
+        ttl: int = 5,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(name, identity, info)
+        if ttl < 1:
+            raise ValueError("election ttl must be at least 1 second")
+        self.store = store
+        self.ttl = ttl
+        self._revision: int | None = None
+        self._keepalive: asyncio.Task[None] | None = None
+
+    async def campaign(self) -> None:
+        if self.is_leader:
+            return
+        self.lost.clear()
+        lease = await self.store.grant_lease(self.ttl)
+        self.lease_id = lease
+        self._keepalive = asyncio.create_task(self._keep(lease), name=f"lease-{self.name}")
+        try:
+            while True:
+                try:
+                    (self._revision,) = await self.store.commit(
+                        [Create(KIND, self.name, {**self.record(), "lease": lease}, lease=lease)]
+                    )
+                except AlreadyExists:
+                    pass
+                else:
+                    self.is_leader = True
+                    log.info("elected leader", election=self.name, identity=self.identity)
+                    return
+                current = await self.store.get(KIND, self.name)
+                if current is None:
+                    continue  # it went between our Create and our read: try again at once
+                log.info(
+                    "following leader",
+                    election=self.name,
+                    identity=self.identity,
+                    leader=current.value.get("id"),
+                )
+                await self._wait_until_deleted(current.revision)
+        except BaseException:
+            await self._release(delete=False)
+            raise
+
+    async def _wait_until_deleted(self, revision: int) -> None:
+        """Until the leader key written at `revision` is gone; fails if our own lease is lost
+        meanwhile (a candidate without a live lease would win a key that expires at once)."""
+        assert self._keepalive is not None
+
+        async def deleted() -> None:
+            events = self.store.watch(KIND, self.name, start_revision=revision + 1)
+            try:
+                async for event in events:
+                    if event.name == self.name and event.deleted:
+                        return
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+
+        watcher = asyncio.create_task(deleted())
+        try:
+            await asyncio.wait({watcher, self._keepalive}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+            raise watcher.exception()  # type: ignore[misc]
+        if self._keepalive.done():
+            raise OrkaError(f"election {self.name}: lost our lease while campaigning")
+
+    async def _keep(self, lease: int) -> None:
+        """Refresh the lease every ttl/3; give leadership up when it cannot be kept."""
+        valid_until = time.monotonic() + self.ttl
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                ttl = await self.store.keepalive_lease(lease)
+            except NotFound:
+                reason = "lease expired"
+            except OrkaError as err:
+                # etcd unreachable for now: keep trying while the lease may still be alive.
+                if time.monotonic() < valid_until:
+                    log.warning("lease refresh failed", election=self.name, error=err.message)
+                    continue
+                reason = f"lease not refreshed for {self.ttl}s: {err.message}"
+            else:
+                valid_until = time.monotonic() + ttl
+                continue
+            if self.is_leader:
+                log.warning("leadership lost", election=self.name, reason=reason)
+            self.is_leader = False
+            self.lost.set()
+            return
+
+    async def leader_info(self) -> dict[str, Any] | None:
+        item = await self.store.get(KIND, self.name)
+        return None if item is None else item.value
+
+    async def resign(self) -> None:
+        await self._release(delete=True)
+
+    async def abandon(self) -> None:
+        task, self._keepalive = self._keepalive, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.is_leader = False
+        self.lease_id = None
+
+    async def _release(self, delete: bool) -> None:
+        was_leader, revision, lease = self.is_leader, self._revision, self.lease_id
+        self.is_leader = False
+        self._revision = self.lease_id = None
+        task, self._keepalive = self._keepalive, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if delete and was_leader and revision is not None:
+            # CAS on our revision: if the key is already someone else's, leave it alone.
+            with contextlib.suppress(NotFound, Conflict):
+                await self.store.commit([Delete(KIND, self.name, expected_revision=revision)])
+        if lease is not None:
+            # Revoking also deletes the key if we still held it; harmless if it is gone.
+            with contextlib.suppress(OrkaError):
+                await self.store.revoke_lease(lease)
+        if was_leader:
+            log.info("resigned leadership", election=self.name, identity=self.identity)
+
+
+def election_for(
+    store: Store, name: str, identity: str, ttl: int = 5, info: dict[str, Any] | None = None
+) -> Election:
+    """The election fitting `store`: a lease-based one where the store has leases and watch,
+    otherwise (a single-node store) one that always wins."""
+    if store.supports_leases and store.supports_watch:
+        return LeaseElection(store, name, identity, ttl, info)
+    return LocalElection(name, identity, info)

@@ -1,0 +1,128 @@
+"""Bad input on the scheduler's APIs: a clear error, the right code, and no state touched."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.api import controller_pb2 as pb
+from orka.rpc.client import secure_channel
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
+
+
+@pytest.fixture
+async def scheduler(certs_dir: Path) -> AsyncIterator[Scheduler]:
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", register_timeout=2.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+    )
+    await s.start()
+    yield s
+    await s.stop()
+
+
+def stub(
+    s: Scheduler, certs: Path, role: str, name: str
+) -> tuple[grpc.aio.Channel, apb_grpc.SchedulerStub]:
+    channel = secure_channel(f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, role, name))
+    return channel, apb_grpc.SchedulerStub(channel)
+
+
+def register(cpu: int = 1000) -> apb.AgentMessage:
+    return apb.AgentMessage(
+        register=apb.Register(
+            node=apb.NodeInfo(
+                capacity=pb.Resources(cpu_millis=cpu, memory_bytes=1 << 30),
+                allocatable=pb.Resources(cpu_millis=cpu, memory_bytes=1 << 30),
+                drivers=["fake"],
+            )
+        )
+    )
+
+
+async def stream_error(
+    s: Scheduler, certs: Path, *messages: apb.AgentMessage
+) -> grpc.aio.AioRpcError:
+    channel, api = stub(s, certs, "agent", "node-1")
+    async with channel:
+        call = api.Connect()
+        for m in messages:
+            await call.write(m)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    await call.code()
+                    break
+        return info.value
+
+
+@pytest.mark.parametrize(
+    ("messages", "needle"),
+    [
+        (
+            [apb.AgentMessage(heartbeat=apb.Heartbeat())],
+            "first message on the agent stream must be register",
+        ),
+        ([register(cpu=-5)], "node.capacity must not be negative"),
+        (
+            [register(), apb.AgentMessage(event=apb.InstanceStatus(name="x"))],
+            "instance status x: phase: is required",
+        ),
+        (
+            [register(), apb.AgentMessage(event=apb.InstanceStatus(phase=pb.Instance.RUNNING))],
+            "name is required",
+        ),
+        ([register(), register()], "register may only be sent once"),
+        ([register(), apb.AgentMessage()], "empty agent message"),
+    ],
+)
+async def test_bad_agent_messages_are_refused(
+    scheduler: Scheduler, certs_dir: Path, messages: list[apb.AgentMessage], needle: str
+) -> None:
+    err = await stream_error(scheduler, certs_dir, *messages)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (err.details() or "")
+    node = scheduler.registry.get("node-1")
+    if node is not None:  # registered before the bad message: nothing else was recorded
+        assert node.reports == {} and node.holds == {}
+
+
+async def test_agent_stream_needs_an_agent_certificate(
+    scheduler: Scheduler, certs_dir: Path
+) -> None:
+    channel, api = stub(scheduler, certs_dir, "admin", "admin")
+    async with channel:
+        call = api.Connect()
+        await call.write(register())
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+            await call.code()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert scheduler.registry.get("admin") is None
+
+
+async def test_controller_apis_refuse_agents(scheduler: Scheduler, certs_dir: Path) -> None:
+    channel, api = stub(scheduler, certs_dir, "agent", "node-1")
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await api.Place(apb.PlaceRequest())
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "role agent may not call this API" in (info.value.details() or "")
+
+
+async def test_node_name_comes_from_the_certificate(scheduler: Scheduler, certs_dir: Path) -> None:
+    channel, api = stub(scheduler, certs_dir, "agent", "node-2")
+    async with channel:
+        call = api.Connect()
+        await call.write(register())
+        reply = await call.read()
+        assert reply.registered.node == "node-2"
+        assert scheduler.registry.get("node-2") is not None
+        call.cancel()

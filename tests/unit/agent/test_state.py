@@ -1,0 +1,95 @@
+"""The agent's local state file: atomic writes, and a bad file never stops the agent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orka.agent.state import AgentState, InstanceRecord, StateFile
+from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
+
+
+def record(name: str = "web-1", phase: InstancePhase = InstancePhase.RUNNING) -> InstanceRecord:
+    return InstanceRecord(
+        name=name,
+        workload="web",
+        generation=2,
+        spec=WorkloadSpec(name="web", kind=WorkloadKind.PROCESS, command=["sleep", "9"]),
+        phase=phase,
+        restarts=1,
+        started_at=10.0,
+    )
+
+
+def state(node: str = "n1", *names: str) -> AgentState:
+    return AgentState(node=node, instances={n: record(n) for n in names})
+
+
+async def test_save_flush_load_round_trip(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "sub" / "state.json")
+    s = state("n1", "web-1", "web-2")
+    sf.save(s)
+    await sf.flush()
+    assert sf.path.exists()
+    assert not sf.path.with_suffix(".tmp").exists()
+    assert StateFile(sf.path).load("n1") == s
+
+
+async def test_last_save_wins(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "state.json")
+    for names in (("a",), ("a", "b"), ("c",)):
+        sf.save(state("n1", *names))
+    await sf.flush()
+    assert set(sf.load("n1").instances) == {"c"}
+
+
+async def test_flush_without_save_writes_nothing(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "state.json")
+    await sf.flush()
+    assert not sf.path.exists()
+    assert sf.load("n1") == AgentState(node="n1")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "",
+        "{not json",
+        "[]",
+        '{"instances": {}}',
+        json.dumps({"node": "n1", "instances": {"x": {"name": "x"}}}),
+        json.dumps(
+            {
+                "node": "n1",
+                "instances": {"x": {**record().model_dump(mode="json"), "phase": "DANCING"}},
+            }
+        ),
+    ],
+)
+def test_corrupt_file_gives_empty_state(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(content)
+    assert StateFile(path).load("n1") == AgentState(node="n1")
+
+
+def test_binary_garbage_gives_empty_state(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    assert StateFile(path).load("n1") == AgentState(node="n1")
+
+
+def test_missing_file_gives_empty_state(tmp_path: Path) -> None:
+    assert StateFile(tmp_path / "nope.json").load("n7") == AgentState(node="n7")
+
+
+async def test_file_of_another_node_is_ignored(tmp_path: Path) -> None:
+    sf = StateFile(tmp_path / "state.json")
+    sf.save(state("other", "web-1"))
+    await sf.flush()
+    loaded = sf.load("n1")
+    assert loaded.node == "n1"
+    assert loaded.instances == {}
+    # The file itself is left alone; its owner can still read it.
+    assert set(sf.load("other").instances) == {"web-1"}

@@ -1,0 +1,665 @@
+"""The reconciler's planning pass and its handling of what the scheduler reports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
+from orka.controller.placement import PlacementQueue, _Backoff
+from orka.controller.reconciler import KEEP_FINISHED, Reconciler, _apply_report
+from orka.controller.repo import Change, Repo
+from orka.models import (
+    Instance,
+    InstancePhase,
+    InstanceReport,
+    Node,
+    NodeState,
+    RestartPolicy,
+    Workload,
+    WorkloadKind,
+    WorkloadSpec,
+)
+from orka.store.memory import MemoryStore
+
+P = InstancePhase
+
+
+@dataclass
+class DummyLink:
+    """Records what the reconciler asks of the scheduler; every command succeeds."""
+
+    commands: list[apb.NodeCommand] = field(default_factory=list)
+    set_nodes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        self.commands.extend(cmds)
+        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
+
+    async def set_node(self, name: str, **kw: Any) -> None:
+        self.set_nodes.append((name, kw))
+
+    async def place(self, items: list[apb.Assignment]) -> apb.PlaceResponse:
+        raise AssertionError("unit tests never place")
+
+
+@dataclass
+class Env:
+    repo: Repo
+    link: DummyLink
+    queue: PlacementQueue
+    rec: Reconciler
+
+    async def put(self, *objs: Workload | Instance | Node) -> None:
+        def plan() -> list[Change]:
+            changes = []
+            for o in objs:
+                kind = (
+                    "workloads"
+                    if isinstance(o, Workload)
+                    else "instances"
+                    if isinstance(o, Instance)
+                    else "nodes"
+                )
+                changes.append(Change(kind, o.name, o))  # type: ignore[arg-type]
+            return changes
+
+        await self.repo.mutate(plan)
+
+    async def plan(self) -> list[Change]:
+        return await self.repo.mutate(self.rec.plan)
+
+    def of(self, workload: str = "web") -> list[Instance]:
+        return sorted(self.repo.instances_of(workload), key=lambda i: (i.created_at, i.name))
+
+    def inst(self, name: str) -> Instance:
+        return self.repo.instances[name]
+
+    async def set_inst(self, name: str, **update: Any) -> None:
+        await self.put(self.inst(name).model_copy(update=update))
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    store = MemoryStore()
+    await store.open()
+    repo = Repo(store)
+    link = DummyLink()
+    queue = PlacementQueue(repo, link)  # type: ignore[arg-type]
+    yield Env(repo, link, queue, Reconciler(repo, link, queue))  # type: ignore[arg-type]
+    await store.close()
+
+
+def workload(
+    name: str = "web",
+    replicas: int = 3,
+    policy: RestartPolicy = RestartPolicy.ALWAYS,
+    **kw: Any,
+) -> Workload:
+    spec = WorkloadSpec(
+        name=name,
+        kind=WorkloadKind.PROCESS,
+        command=["sleep", "100"],
+        replicas=replicas,
+        restart_policy=policy,
+    )
+    return Workload(spec=spec, **kw)
+
+
+_seq = iter(range(1, 1_000_000))
+
+
+def inst(
+    name: str, phase: InstancePhase = P.RUNNING, node: str | None = None, **kw: Any
+) -> Instance:
+    if node is None:
+        node = "" if phase is P.PENDING else "n1"
+    kw.setdefault("workload", "web")
+    kw.setdefault("created_at", float(next(_seq)))
+    if phase in (P.SUCCEEDED, P.FAILED, P.STOPPED, P.LOST):
+        kw.setdefault("finished_at", kw["created_at"])
+    return Instance(name=name, phase=phase, node=node, **kw)
+
+
+def node(name: str = "n1", **kw: Any) -> Node:
+    return Node(name=name, **kw)
+
+
+def active(insts: Iterable[Instance]) -> list[Instance]:
+    return [i for i in insts if not i.terminal and not i.desired_stop and not i.replaced_by]
+
+
+# ---- planning: replicas ----
+
+
+async def test_new_workload_gets_one_pending_instance_per_replica(env: Env) -> None:
+    await env.put(workload(replicas=3, generation=4))
+    await env.plan()
+    insts = env.of()
+    assert len(insts) == 3
+    assert {i.phase for i in insts} == {P.PENDING}
+    assert {i.generation for i in insts} == {4}
+    assert all(i.name.startswith("web-") and i.node == "" for i in insts)
+    assert env.repo.workloads["web"].status.desired == 3
+    # A second pass has nothing left to do.
+    assert await env.plan() == []
+
+
+async def test_reconcile_once_queues_pending_instances(env: Env) -> None:
+    await env.put(workload(replicas=2))
+    await env.rec.reconcile_once()
+    assert set(env.queue.pending) == {i.name for i in env.of()}
+    assert env.link.commands == []
+
+
+@pytest.mark.parametrize(
+    ("phases", "replicas", "kept"),
+    [
+        # Newest first among equals; PENDING before anything bound.
+        ([P.RUNNING, P.RUNNING, P.RUNNING], 1, [0]),
+        ([P.RUNNING, P.RUNNING, P.PENDING], 1, [0]),
+        ([P.PENDING, P.RUNNING, P.RUNNING], 1, [1]),
+        ([P.RUNNING, P.STARTING, P.SCHEDULED], 1, [0]),
+        ([P.SCHEDULED, P.RUNNING, P.STARTING], 2, [1, 2]),
+        ([P.PENDING, P.PENDING, P.RUNNING], 2, [0, 2]),
+        ([P.RUNNING, P.RUNNING, P.RUNNING], 0, []),
+    ],
+)
+async def test_scale_down_stops_extras_preferring_pending(
+    env: Env, phases: list[InstancePhase], replicas: int, kept: list[int]
+) -> None:
+    insts = [inst(f"web-{i}", ph) for i, ph in enumerate(phases)]
+    await env.put(workload(replicas=replicas), *insts)
+    await env.plan()
+    survivors = active(env.of())
+    assert sorted(i.name for i in survivors) == [f"web-{k}" for k in kept]
+    for i, original in enumerate(insts):
+        if i in kept:
+            continue
+        if original.phase is P.PENDING:
+            # Never placed: removed outright.
+            assert original.name not in env.repo.instances
+        else:
+            stopped = env.inst(original.name)
+            assert stopped.desired_stop
+            assert stopped.message == "scaled down"
+            assert stopped.phase is original.phase  # only reported phases change it
+
+
+async def test_scale_down_sends_stop_once(env: Env) -> None:
+    await env.put(node("n1"), workload(replicas=0), inst("web-0"))
+    await env.rec.reconcile_once()
+    await env.rec.reconcile_once()
+    stops = [c for c in env.link.commands if c.WhichOneof("command") == "stop"]
+    assert len(stops) == 1
+    assert (stops[0].node, stops[0].stop.instance, stops[0].stop.remove) == ("n1", "web-0", True)
+    assert stops[0].stop.reason == "scaled down"
+
+
+async def test_pending_stop_in_flight_is_not_deleted(env: Env) -> None:
+    await env.put(workload(replicas=0), inst("web-0", P.PENDING))
+    env.queue.inflight.add("web-0")
+    await env.plan()
+    assert env.inst("web-0").desired_stop
+    env.queue.inflight.discard("web-0")
+    await env.plan()
+    assert "web-0" not in env.repo.instances
+
+
+# ---- planning: node loss ----
+
+
+@pytest.mark.parametrize("state", [NodeState.LOST, NodeState.LEFT])
+async def test_instances_on_gone_node_become_lost_and_are_replaced(
+    env: Env, state: NodeState
+) -> None:
+    await env.put(
+        node("n1", state=state),
+        node("n2"),
+        workload(replicas=2),
+        inst("web-a", P.RUNNING, "n1"),
+        inst("web-b", P.SCHEDULED, "n1"),
+        inst("web-c", P.RUNNING, "n2"),
+    )
+    await env.plan()
+    for name in ("web-a", "web-b"):
+        lost = env.inst(name)
+        assert lost.phase is P.LOST
+        assert lost.reason == "NodeLost"
+        assert state.value in lost.message
+        assert lost.finished_at is not None
+    assert env.inst("web-c").phase is P.RUNNING
+    new = [i for i in env.of() if i.name not in {"web-a", "web-b", "web-c"}]
+    assert [i.phase for i in new] == [P.PENDING]  # 2 replicas: web-c plus one new
+
+
+async def test_not_ready_node_keeps_its_instances(env: Env) -> None:
+    await env.put(node("n1", state=NodeState.NOT_READY), workload(replicas=1), inst("web-a"))
+    assert [c.name for c in await env.plan() if c.kind == "instances"] == []
+    assert env.inst("web-a").phase is P.RUNNING
+
+
+# ---- planning: drain ----
+
+
+async def test_draining_node_instance_replaced_before_it_stops(env: Env) -> None:
+    await env.put(node("n1", draining=True), node("n2"), workload(replicas=1), inst("web-a"))
+    await env.plan()
+    old = env.inst("web-a")
+    assert old.replaced_by
+    assert not old.desired_stop
+    succ = env.inst(old.replaced_by)
+    assert succ.phase is P.PENDING
+    # Still no second replacement, and the old one keeps running while the new one starts.
+    await env.plan()
+    await env.set_inst(succ.name, phase=P.STARTING, node="n2")
+    await env.plan()
+    assert len(env.of()) == 2
+    assert not env.inst("web-a").desired_stop
+    await env.set_inst(succ.name, phase=P.RUNNING)
+    await env.plan()
+    old = env.inst("web-a")
+    assert old.desired_stop
+    assert old.message == f"replaced by {succ.name}"
+    assert len(env.of()) == 2
+
+
+async def test_failed_replacement_lets_predecessor_be_replaced_again(env: Env) -> None:
+    await env.put(node("n1", draining=True), workload(replicas=1), inst("web-a"))
+    await env.plan()
+    first = env.inst("web-a").replaced_by
+    await env.set_inst(first, phase=P.FAILED, node="n2", finished_at=time.time())
+    await env.plan()  # clears replaced_by
+    await env.plan()  # and surges a new successor
+    second = env.inst("web-a").replaced_by
+    assert second and second != first
+    assert not env.inst("web-a").desired_stop
+
+
+# ---- planning: rolling update ----
+
+
+async def test_generation_bump_replaces_one_instance_at_a_time(env: Env) -> None:
+    olds = [inst(f"web-{i}", P.RUNNING, "n1", generation=1) for i in range(3)]
+    await env.put(node("n1"), workload(replicas=3, generation=2), *olds)
+    for _ in range(20):
+        changes = await env.plan()
+        insts = env.of()
+        replacing = [i for i in insts if i.replaced_by and not i.desired_stop]
+        assert len(replacing) <= 1
+        # Surge: three instances serve (or are about to) at every step.
+        serving = [i for i in insts if not i.terminal and not i.desired_stop]
+        assert len(serving) >= 3
+        # Play the cluster: new ones start, stopped ones stop.
+        played = False
+        for i in insts:
+            if i.phase is P.PENDING:
+                await env.set_inst(i.name, phase=P.RUNNING, node="n1")
+                played = True
+            elif i.desired_stop and not i.terminal:
+                await env.set_inst(i.name, phase=P.STOPPED, finished_at=time.time())
+                played = True
+        if not changes and not played:
+            break
+    else:
+        pytest.fail("rolling update never settled")
+    final = active(env.of())
+    assert len(final) == 3
+    assert {i.generation for i in final} == {2}
+    assert not {i.name for i in final} & {o.name for o in olds}
+    assert all(env.inst(o.name).phase is P.STOPPED for o in olds)
+
+
+async def test_generation_bump_on_pending_instance_updates_in_place(env: Env) -> None:
+    await env.put(workload(replicas=1, generation=3), inst("web-a", P.PENDING, generation=1))
+    await env.plan()
+    assert [(i.name, i.generation, i.replaced_by) for i in env.of()] == [("web-a", 3, "")]
+
+
+async def test_first_rolling_step_picks_oldest(env: Env) -> None:
+    olds = [inst(f"web-{i}", P.RUNNING, "n1", generation=1) for i in range(3)]
+    await env.put(node("n1"), workload(replicas=3, generation=2), *olds)
+    await env.plan()
+    assert [i.name for i in env.of() if i.replaced_by] == ["web-0"]
+
+
+# ---- planning: delete ----
+
+
+async def test_delete_removes_unbound_and_stops_bound(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        node("gone", state=NodeState.LOST),
+        workload(replicas=4, deleting=True),
+        inst("web-pending", P.PENDING),
+        inst("web-failed", P.FAILED),
+        inst("web-running", P.RUNNING, "n1"),
+        inst("web-orphan", P.RUNNING, "gone"),
+    )
+    await env.plan()
+    assert set(env.repo.instances) == {"web-running"}
+    running = env.inst("web-running")
+    assert running.desired_stop
+    assert running.message == "workload deleted"
+    assert "web" in env.repo.workloads
+    # Nothing more happens until the node reports it stopped.
+    assert await env.plan() == []
+    await env.set_inst("web-running", phase=P.STOPPED)
+    await env.plan()
+    assert env.repo.instances == {}
+    assert "web" not in env.repo.workloads
+
+
+async def test_delete_with_only_unbound_instances_finishes_in_one_pass(env: Env) -> None:
+    await env.put(workload(deleting=True), inst("web-a", P.PENDING), inst("web-b", P.SUCCEEDED))
+    await env.plan()
+    assert env.repo.instances == {}
+    assert env.repo.workloads == {}
+
+
+async def test_delete_keeps_pending_instance_in_flight(env: Env) -> None:
+    await env.put(workload(deleting=True), inst("web-a", P.PENDING))
+    env.queue.inflight.add("web-a")
+    await env.plan()
+    assert env.inst("web-a").desired_stop
+    assert "web" in env.repo.workloads
+
+
+async def test_orphan_instances_are_healed(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        inst("x-a", P.RUNNING, "n1", workload="x"),
+        inst("x-b", P.PENDING, workload="x"),
+        inst("x-c", P.FAILED, "n1", workload="x"),
+    )
+    await env.plan()
+    assert set(env.repo.instances) == {"x-a"}
+    assert env.inst("x-a").desired_stop
+
+
+# ---- planning: restart policy ----
+
+
+@pytest.mark.parametrize(
+    ("policy", "phase", "replaced"),
+    [
+        (RestartPolicy.NEVER, P.FAILED, False),
+        (RestartPolicy.NEVER, P.SUCCEEDED, False),
+        (RestartPolicy.NEVER, P.LOST, True),
+        (RestartPolicy.NEVER, P.STOPPED, True),
+        (RestartPolicy.ON_FAILURE, P.SUCCEEDED, False),
+        (RestartPolicy.ON_FAILURE, P.FAILED, True),
+        # A SUCCEEDED instance counts as done whatever the policy (ALWAYS restarts in place).
+        (RestartPolicy.ALWAYS, P.SUCCEEDED, False),
+        (RestartPolicy.ALWAYS, P.FAILED, True),
+        (RestartPolicy.ALWAYS, P.LOST, True),
+    ],
+)
+async def test_restart_policy_decides_replacement(
+    env: Env, policy: RestartPolicy, phase: InstancePhase, replaced: bool
+) -> None:
+    await env.put(node("n1"), workload(replicas=1, policy=policy), inst("web-a", phase))
+    await env.plan()
+    new = [i for i in env.of() if i.name != "web-a"]
+    assert len(new) == (1 if replaced else 0)
+    assert env.inst("web-a").phase is phase
+
+
+async def test_desired_stop_succeeded_is_not_done(env: Env) -> None:
+    await env.put(workload(replicas=1), inst("web-a", P.SUCCEEDED, desired_stop=True))
+    await env.plan()
+    assert len([i for i in env.of() if i.phase is P.PENDING]) == 1
+
+
+# ---- planning: history ----
+
+
+async def test_finished_history_is_trimmed_oldest_first(env: Env) -> None:
+    failed = [
+        inst(f"web-f{i}", P.FAILED, finished_at=float(i + 1)) for i in range(KEEP_FINISHED + 3)
+    ]
+    await env.put(node("n1"), workload(replicas=1), inst("web-run"), *failed)
+    await env.plan()
+    kept = {i.name for i in env.of() if i.terminal}
+    assert kept == {f"web-f{i}" for i in range(3, KEEP_FINISHED + 3)}
+    assert "web-run" in env.repo.instances
+
+
+async def test_lost_instance_on_ready_node_is_not_trimmed(env: Env) -> None:
+    lost = inst("web-lost", P.LOST, "n1", finished_at=0.5)
+    gone = inst("web-gone", P.LOST, "n9", finished_at=0.6)  # node record gone for good
+    failed = [
+        inst(f"web-f{i}", P.FAILED, finished_at=float(i)) for i in range(1, KEEP_FINISHED + 1)
+    ]
+    await env.put(node("n1"), workload(replicas=1), inst("web-run"), lost, gone, *failed)
+    await env.plan()
+    assert "web-lost" in env.repo.instances
+    assert "web-gone" not in env.repo.instances
+
+
+async def test_completed_replicas_are_not_recreated_after_trim(env: Env) -> None:
+    done = [inst(f"web-{i}", P.SUCCEEDED, finished_at=float(i)) for i in range(KEEP_FINISHED + 1)]
+    await env.put(node("n1"), workload(replicas=KEEP_FINISHED + 1), *done)
+    await env.plan()
+    await env.plan()
+    assert [i for i in env.of() if i.phase is P.PENDING] == []
+
+
+# ---- status ----
+
+
+@pytest.mark.parametrize(
+    ("insts", "expected"),
+    [
+        ([], (3, 0, 0, [], "")),
+        (
+            [inst("a", P.RUNNING), inst("b", P.STARTING), inst("c", P.PENDING, message="no fit")],
+            (3, 2, 1, ["no fit"], "1 replica(s) not placed"),
+        ),
+        (
+            [
+                inst("a", P.PENDING, message="3 nodes: insufficient cpu"),
+                inst("b", P.PENDING, message="3 nodes: insufficient cpu"),
+                inst("c", P.PENDING, message="1 node: cordoned"),
+            ],
+            (3, 0, 0, ["3 nodes: insufficient cpu", "1 node: cordoned"], "3 replica(s) not placed"),
+        ),
+        (
+            [inst("a"), inst("b"), inst("c"), inst("d", P.RUNNING, desired_stop=True)],
+            (3, 3, 3, [], ""),
+        ),
+        (
+            [inst("a"), inst("b"), inst("c", P.SCHEDULED), inst("e", P.FAILED)],
+            (3, 3, 2, [], ""),
+        ),
+    ],
+)
+async def test_workload_status_counts(
+    env: Env, insts: list[Instance], expected: tuple[int, int, int, list[str], str]
+) -> None:
+    await env.put(node("n1"), workload(replicas=3), *insts)
+    await env.plan()
+    s = env.repo.workloads["web"].status
+    desired, placed, running, reasons, message = expected
+    assert (s.desired, s.placed, s.running, s.message) == (desired, placed, running, message)
+    # Deduplicated; the order follows the repo's per-workload set, so it is not pinned.
+    assert sorted(s.unschedulable_reasons) == sorted(reasons)
+
+
+# ---- on_updates ----
+
+
+def status_pb(name: str, phase: int = pb.Instance.RUNNING, **kw: Any) -> apb.InstanceStatus:
+    return apb.InstanceStatus(name=name, workload="web", phase=phase, **kw)
+
+
+def report_update(node_name: str, status: apb.InstanceStatus) -> apb.ClusterUpdate:
+    return apb.ClusterUpdate(instance=apb.InstanceUpdate(node=node_name, status=status))
+
+
+def sync_update(node_name: str, *statuses: apb.InstanceStatus) -> apb.ClusterUpdate:
+    return apb.ClusterUpdate(sync=apb.NodeSync(node=node_name, instances=statuses))
+
+
+def node_update(name: str, **kw: Any) -> apb.ClusterUpdate:
+    kw.setdefault("state", pb.Node.READY)
+    return apb.ClusterUpdate(node=pb.Node(name=name, **kw))
+
+
+async def test_report_of_running_updates_phase(env: Env) -> None:
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    await env.rec.on_updates([report_update("n1", status_pb("web-a", started_at=5.0))])
+    a = env.inst("web-a")
+    assert a.phase is P.RUNNING
+    assert a.started_at == 5.0
+    assert env.rec._dirty.is_set()
+    assert env.link.commands == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "reason"),
+    [
+        (inst("web-a", P.RUNNING, "n1"), "not bound to this node"),
+        (None, "not bound to this node"),
+        (inst("web-a", P.LOST, "n2"), "replaced after node loss"),
+    ],
+)
+async def test_report_for_instance_not_bound_there_stops_it(
+    env: Env, stored: Instance | None, reason: str
+) -> None:
+    await env.put(node("n1"), node("n2"), workload(replicas=1), *([stored] if stored else []))
+    await env.rec.on_updates([report_update("n2", status_pb("web-a"))])
+    assert len(env.link.commands) == 1
+    cmd = env.link.commands[0]
+    assert cmd.node == "n2"
+    assert (cmd.stop.instance, cmd.stop.remove, cmd.stop.reason) == ("web-a", True, reason)
+    if stored is not None:
+        assert env.inst("web-a") == stored  # the stored record is untouched
+    # A repeat within the resend window sends nothing new.
+    await env.rec.on_updates([report_update("n2", status_pb("web-a"))])
+    assert len(env.link.commands) == 1
+
+
+async def test_sync_missing_running_instance_marks_it_lost(env: Env) -> None:
+    now = time.time()
+    await env.put(
+        node("n1"),
+        workload(replicas=4),
+        inst("web-a", P.RUNNING, "n1"),
+        inst("web-b", P.RUNNING, "n1"),
+        inst("web-c", P.SCHEDULED, "n1", scheduled_at=now),  # just bound: in grace
+        inst("web-d", P.SCHEDULED, "n1", scheduled_at=now - 60),
+        inst("web-e", P.RUNNING, "n2"),  # another node's: not this sync's business
+    )
+    await env.rec.on_updates([sync_update("n1", status_pb("web-a"))])
+    assert env.inst("web-a").phase is P.RUNNING
+    for name in ("web-b", "web-d"):
+        lost = env.inst(name)
+        assert lost.phase is P.LOST
+        assert lost.reason == "NotOnNode"
+    assert env.inst("web-c").phase is P.SCHEDULED
+    assert env.inst("web-e").phase is P.RUNNING
+
+
+async def test_admin_cordon_survives_scheduler_forgetting_it(env: Env) -> None:
+    await env.put(node("n1", schedulable=False))
+    await env.rec.on_updates([node_update("n1", schedulable=True)])
+    assert env.repo.nodes["n1"].schedulable is False
+    assert env.link.set_nodes == [("n1", {"schedulable": False, "draining": None})]
+
+
+async def test_drain_survives_scheduler_forgetting_it(env: Env) -> None:
+    await env.put(node("n1", schedulable=False, draining=True))
+    await env.rec.on_updates([node_update("n1", schedulable=True, draining=False)])
+    stored = env.repo.nodes["n1"]
+    assert (stored.schedulable, stored.draining) == (False, True)
+    assert env.link.set_nodes[-1] == ("n1", {"schedulable": False, "draining": True})
+
+
+async def test_new_ready_node_is_stored_and_retries_placement(env: Env) -> None:
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.rec.on_updates([node_update("n3", schedulable=True, labels={"zone": "a"})])
+    assert env.repo.nodes["n3"].labels == {"zone": "a"}
+    assert env.queue.backoff == {}
+    assert env.link.set_nodes == []
+
+
+async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
+    await env.put(node("n1"))
+    writes = env.repo.writes
+    await env.rec.on_updates([node_update("n1", schedulable=True, last_heartbeat=9.0)])
+    assert env.repo.writes == writes
+    assert env.repo.nodes["n1"].last_heartbeat == 9.0  # soft field refreshed in memory
+
+
+async def test_bad_update_is_skipped_not_fatal(env: Env) -> None:
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    await env.rec.on_updates(
+        [
+            report_update("n1", status_pb("", pb.Instance.RUNNING)),
+            report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
+            report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
+        ]
+    )
+    assert env.inst("web-a").phase is P.RUNNING
+
+
+# ---- _apply_report ----
+
+
+def rep(phase: InstancePhase = P.RUNNING, **kw: Any) -> InstanceReport:
+    return InstanceReport(name="web-a", workload="web", node="n1", phase=phase, **kw)
+
+
+@pytest.mark.parametrize(
+    ("stored", "report", "expected"),
+    [
+        (inst("web-a", P.STARTING), rep(P.SCHEDULED), None),
+        (inst("web-a", P.RUNNING), rep(P.SCHEDULED), None),
+        (inst("web-a", P.FAILED, exit_code=1), rep(P.RUNNING), None),
+        (inst("web-a", P.LOST), rep(P.STARTING), None),
+        (inst("web-a", P.RUNNING), rep(P.RUNNING), None),
+        (inst("web-a", P.STARTING), rep(P.RUNNING), {"phase": P.RUNNING}),
+        (
+            inst("web-a", P.RUNNING),
+            rep(P.FAILED, exit_code=2, reason="Crashed", finished_at=9.0),
+            {"phase": P.FAILED, "exit_code": 2, "reason": "Crashed", "finished_at": 9.0},
+        ),
+        (inst("web-a", P.RUNNING), rep(P.RUNNING, restarts=4), {"restarts": 4}),
+        (inst("web-a", P.RUNNING), rep(P.RUNNING, message="hi"), {"message": "hi"}),
+        # The controller's stop reason is kept when the agent says nothing.
+        (inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"), rep(P.RUNNING), None),
+        (
+            inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"),
+            rep(P.STOPPED),
+            {"phase": P.STOPPED},
+        ),
+        # A terminal report on a terminal instance still lands (e.g. LOST then STOPPED).
+        (inst("web-a", P.LOST), rep(P.STOPPED), {"phase": P.STOPPED}),
+    ],
+)
+def test_apply_report(
+    stored: Instance, report: InstanceReport, expected: dict[str, Any] | None
+) -> None:
+    if "finished_at" not in (expected or {}):
+        # Builders stamp terminal instances; keep times out of cases that are not about them.
+        stored = stored.model_copy(update={"finished_at": report.finished_at})
+    out = _apply_report(stored, report, now=1234.0)
+    if expected is None:
+        assert out is None
+        return
+    assert out is not None
+    assert out.updated_at == 1234.0
+    changed = {
+        k
+        for k in Instance.model_fields
+        if getattr(out, k) != getattr(stored, k) and k != "updated_at"
+    }
+    assert changed == set(expected)
+    for k, v in expected.items():
+        assert getattr(out, k) == v

@@ -1,0 +1,278 @@
+"""Protobuf <-> domain conversion: validation errors become Invalid naming `spec.<field>`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
+from orka.errors import Invalid
+from orka.models import (
+    Instance,
+    InstancePhase,
+    InstanceReport,
+    Node,
+    NodeState,
+    Resources,
+    RestartPolicy,
+    VmSpec,
+    Workload,
+    WorkloadKind,
+    WorkloadSpec,
+    WorkloadStatus,
+)
+from orka.rpc import convert
+
+
+def spec_pb(**overrides: Any) -> pb.WorkloadSpec:
+    fields: dict[str, Any] = {
+        "name": "web",
+        "kind": pb.WorkloadSpec.PROCESS,
+        "command": ["sleep", "10"],
+        "replicas": 2,
+    }
+    fields.update(overrides)
+    return pb.WorkloadSpec(**fields)
+
+
+def spec(**overrides: Any) -> WorkloadSpec:
+    fields: dict[str, Any] = {"name": "web", "kind": WorkloadKind.PROCESS, "command": ["x"]}
+    fields.update(overrides)
+    return WorkloadSpec(**fields)
+
+
+def test_kind_unspecified_is_invalid() -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(kind=pb.WorkloadSpec.KIND_UNSPECIFIED))
+    assert info.value.message.startswith("spec.kind")
+
+
+def test_unknown_kind_is_invalid() -> None:
+    with pytest.raises(Invalid, match=r"^spec\.kind: "):
+        convert.spec_from_pb(spec_pb(kind=42))
+
+
+def test_unknown_restart_policy_is_invalid() -> None:
+    # Regression: an unknown enum value used to escape as a bare ValueError.
+    with pytest.raises(Invalid, match=r"^spec\.restart_policy: unknown policy 42"):
+        convert.spec_from_pb(spec_pb(restart_policy=42))
+
+
+@pytest.mark.parametrize(
+    ("value", "policy"),
+    [
+        (pb.WorkloadSpec.RESTART_POLICY_UNSPECIFIED, RestartPolicy.ALWAYS),
+        (pb.WorkloadSpec.ALWAYS, RestartPolicy.ALWAYS),
+        (pb.WorkloadSpec.ON_FAILURE, RestartPolicy.ON_FAILURE),
+        (pb.WorkloadSpec.NEVER, RestartPolicy.NEVER),
+    ],
+)
+def test_restart_policy_mapping(value: int, policy: RestartPolicy) -> None:
+    assert convert.spec_from_pb(spec_pb(restart_policy=value)).restart_policy is policy
+
+
+def test_defaults_from_empty_fields() -> None:
+    s = convert.spec_from_pb(spec_pb())
+    assert s.stop_grace_seconds == 10.0  # unset optional keeps the model default
+    assert s.vm is None
+    assert s.resources == Resources()
+    assert s.kind is WorkloadKind.PROCESS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fragment"),
+    [
+        ({"name": ""}, "spec.name", "required"),
+        ({"name": "Web"}, "spec.name", "lowercase"),
+        ({"name": "x" * 64}, "spec.name", "1-63"),
+        ({"replicas": -1}, "spec.replicas", "greater than or equal to 0"),
+        ({"replicas": 1001}, "spec.replicas", "less than or equal to 1000"),
+        ({"resources": pb.Resources(cpu_millis=-1)}, "spec.resources.cpu_millis", "greater"),
+        ({"resources": pb.Resources(memory_bytes=-1)}, "spec.resources.memory_bytes", "greater"),
+        ({"env": {"A=B": "1"}}, "spec.env", "'='"),
+        ({"node_selector": {"bad key": "1"}}, "spec.node_selector", "label key"),
+        ({"stop_grace_seconds": -1.0}, "spec.stop_grace_seconds", "greater"),
+        ({"stop_grace_seconds": 4000.0}, "spec.stop_grace_seconds", "less"),
+        ({"max_per_node": -2}, "spec.max_per_node", "greater"),
+        ({"command": []}, "spec", "command is required for a PROCESS"),
+        ({"kind": pb.WorkloadSpec.CONTAINER}, "spec", "image is required"),
+        ({"kind": pb.WorkloadSpec.VM, "vm": pb.VmSpec(initrd="/i")}, "spec", "vm.kernel"),
+    ],
+)
+def test_validation_error_becomes_invalid_naming_field(
+    overrides: dict[str, Any], field: str, fragment: str
+) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(**overrides))
+    message = info.value.message
+    assert message.startswith(f"{field}: ")
+    assert fragment in message
+    assert "Value error," not in message
+
+
+def test_several_errors_are_all_named() -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(name="BAD", replicas=-1))
+    parts = info.value.message.split("; ")
+    assert [p.split(":")[0] for p in parts] == ["spec.name", "spec.replicas"]
+
+
+SPECS = [
+    spec(),
+    spec(
+        image="img",
+        command=["a", "b"],
+        env={"A": "1", "B": ""},
+        replicas=7,
+        resources=Resources(cpu_millis=250, memory_bytes=1 << 20),
+        node_selector={"zone": "eu"},
+        restart_policy=RestartPolicy.NEVER,
+        working_dir="/srv",
+        max_per_node=2,
+        stop_grace_seconds=2.5,
+    ),
+    spec(kind=WorkloadKind.CONTAINER, command=[], image="nginx:1", replicas=0),
+    spec(
+        kind=WorkloadKind.VM,
+        command=[],
+        vm=VmSpec(kernel="/k", initrd="/i", cmdline="console=ttyS0"),
+        restart_policy=RestartPolicy.ON_FAILURE,
+    ),
+    spec(kind=WorkloadKind.VM, command=[], image="/disk.qcow2", stop_grace_seconds=0),
+]
+
+
+@pytest.mark.parametrize("s", SPECS)
+def test_spec_round_trip(s: WorkloadSpec) -> None:
+    msg = convert.spec_to_pb(s)
+    assert convert.spec_from_pb(msg) == s
+    # And the wire form is stable too.
+    assert convert.spec_to_pb(convert.spec_from_pb(msg)) == msg
+
+
+def test_workload_round_trip() -> None:
+    w = Workload(
+        spec=SPECS[1],
+        generation=3,
+        deleting=True,
+        created_at=100.5,
+        updated_at=200.25,
+        status=WorkloadStatus(
+            desired=7, placed=5, running=4, unschedulable_reasons=["r1", "r2"], message="m"
+        ),
+    )
+    assert convert.workload_from_pb(convert.workload_to_pb(w)) == w
+
+
+INSTANCES = [
+    Instance(name="web-1", workload="web", created_at=1.0, updated_at=2.0),
+    Instance(
+        name="web-2",
+        workload="web",
+        generation=4,
+        node="n1",
+        phase=InstancePhase.FAILED,
+        reason="Crashed",
+        message="exit 0",
+        exit_code=0,  # zero must survive (optional field)
+        restarts=3,
+        created_at=1.0,
+        updated_at=5.0,
+        scheduled_at=2.0,
+        started_at=3.0,
+        finished_at=4.0,
+    ),
+    Instance(name="web-3", workload="web", phase=InstancePhase.LOST, exit_code=-9, created_at=1.0),
+]
+
+
+@pytest.mark.parametrize("inst", INSTANCES)
+def test_instance_round_trip(inst: Instance) -> None:
+    back = convert.instance_from_pb(convert.instance_to_pb(inst))
+    assert back == inst
+    assert back.exit_code == inst.exit_code
+    assert back.phase is inst.phase
+
+
+def test_instance_controller_only_fields_are_not_on_the_wire() -> None:
+    inst = INSTANCES[1].model_copy(update={"desired_stop": True, "replaced_by": "web-9"})
+    back = convert.instance_from_pb(convert.instance_to_pb(inst))
+    assert (back.desired_stop, back.replaced_by) == (False, "")
+
+
+def test_instance_phase_unspecified_is_invalid() -> None:
+    with pytest.raises(Invalid, match="phase"):
+        convert.instance_from_pb(pb.Instance(name="x", workload="w"))
+
+
+@pytest.mark.parametrize("state", list(NodeState))
+def test_node_round_trip(state: NodeState) -> None:
+    n = Node(
+        name="n1",
+        state=state,
+        schedulable=False,
+        draining=True,
+        capacity=Resources(cpu_millis=4000, memory_bytes=8),
+        allocatable=Resources(cpu_millis=3900, memory_bytes=7),
+        allocated=Resources(cpu_millis=100, memory_bytes=1),
+        usage=Resources(cpu_millis=50, memory_bytes=2),
+        labels={"zone": "a"},
+        drivers=["fake", "process"],
+        instances=3,
+        last_heartbeat=123.5,
+        message="hello",
+    )
+    back = convert.node_from_pb(convert.node_to_pb(n))
+    # joined_at is controller bookkeeping, not on the wire.
+    assert back.model_dump(exclude={"joined_at"}) == n.model_dump(exclude={"joined_at"})
+
+
+def test_node_state_unspecified_means_ready() -> None:
+    assert convert.node_from_pb(pb.Node(name="n")).state is NodeState.READY
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        InstanceReport(name="a", workload="w", node="n1", phase=InstancePhase.RUNNING),
+        InstanceReport(
+            name="b",
+            workload="w",
+            node="n1",
+            phase=InstancePhase.SUCCEEDED,
+            reason="Completed",
+            message="ok",
+            exit_code=0,
+            restarts=2,
+            started_at=1.0,
+            finished_at=2.0,
+        ),
+    ],
+)
+def test_report_round_trip(report: InstanceReport) -> None:
+    msg = convert.report_to_pb(report, Resources(cpu_millis=5, memory_bytes=6))
+    assert msg.resources.cpu_millis == 5
+    assert convert.report_from_pb(msg, "n1") == report
+
+
+@pytest.mark.parametrize(
+    ("msg", "fragment"),
+    [
+        (apb.InstanceStatus(phase=pb.Instance.RUNNING), "name is required"),
+        (apb.InstanceStatus(name="a"), "phase: is required"),
+        (apb.InstanceStatus(name="a", phase=99), "unknown phase"),
+    ],
+)
+def test_report_from_pb_rejects_bad_input(msg: apb.InstanceStatus, fragment: str) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.report_from_pb(msg, "n1")
+    assert fragment in info.value.message
+
+
+def test_report_from_pb_takes_node_from_caller() -> None:
+    r = convert.report_from_pb(apb.InstanceStatus(name="a", phase=pb.Instance.LOST), "trusted")
+    assert r.node == "trusted"
+    assert r.exit_code is None
+    assert r.started_at is None

@@ -1,0 +1,157 @@
+"""The libvirt driver's pure parts: sizing, domain XML, metadata and disk format detection.
+
+The driver against a real libvirtd is in tests/integration/test_libvirt.py.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from orka.errors import RuntimeFailure
+from orka.models import Resources, VmSpec, WorkloadKind, WorkloadSpec
+from orka.runtime.base import RunSpec
+from orka.runtime.libvirt import (
+    DEFAULT_MEMORY,
+    MIB,
+    MIN_MEMORY,
+    DomainConfig,
+    LibvirtDriver,
+    build_domain_xml,
+    disk_format,
+    memory_for,
+    parse_task_metadata,
+    vcpus_for,
+)
+
+
+@pytest.mark.parametrize(
+    ("millis", "vcpus"), [(0, 1), (1, 1), (500, 1), (1000, 1), (1001, 2), (2500, 3), (4000, 4)]
+)
+def test_vcpus_round_up_to_whole_cpus(millis: int, vcpus: int) -> None:
+    assert vcpus_for(millis) == vcpus
+
+
+@pytest.mark.parametrize(
+    ("requested", "given"),
+    [(0, DEFAULT_MEMORY), (1, MIN_MEMORY), (MIN_MEMORY, MIN_MEMORY), (512 * MIB, 512 * MIB)],
+)
+def test_memory_has_a_default_and_a_floor(requested: int, given: int) -> None:
+    assert memory_for(requested) == given
+
+
+def config(**overrides: object) -> DomainConfig:
+    base: dict[str, object] = {
+        "name": "orka-web-1",
+        "instance": "web-1",
+        "workload": "web",
+        "owner": "/var/lib/orka/agent/runtime/libvirt",
+        "started_at": 1700000000.25,
+        "domain_type": "qemu",
+        "vcpus": 2,
+        "memory_bytes": 128 * MIB,
+        "console_log": Path("/data/instances/web-1/console.log"),
+    }
+    base.update(overrides)
+    return DomainConfig(**base)  # type: ignore[arg-type]
+
+
+def test_direct_kernel_boot_xml() -> None:
+    xml = build_domain_xml(
+        config(kernel=Path("/k/vmlinuz"), initrd=Path("/k/initrd"), cmdline="console=ttyS0")
+    )
+    root = ET.fromstring(xml)
+    assert root.get("type") == "qemu"
+    assert root.findtext("name") == "orka-web-1"
+    assert root.findtext("vcpu") == "2"
+    assert root.find("memory").get("unit") == "KiB"  # type: ignore[union-attr]
+    assert root.findtext("memory") == str(128 * 1024)
+    os_type = root.find("os/type")
+    assert os_type is not None and os_type.text == "hvm"
+    assert (os_type.get("arch"), os_type.get("machine")) == ("x86_64", "pc")
+    assert root.findtext("os/kernel") == "/k/vmlinuz"
+    assert root.findtext("os/initrd") == "/k/initrd"
+    assert root.findtext("os/cmdline") == "console=ttyS0"
+    assert root.find("os/boot") is None
+    assert root.find("devices/disk") is None
+    assert root.find("features/acpi") is not None
+    assert root.find("devices/serial/source").get("path") == (  # type: ignore[union-attr]
+        "/data/instances/web-1/console.log"
+    )
+    assert root.findtext("on_reboot") == "destroy"
+
+
+def test_disk_boot_xml() -> None:
+    root = ET.fromstring(build_domain_xml(config(disk=Path("/img/a.qcow2"), disk_format="qcow2")))
+    assert root.find("os/kernel") is None
+    assert root.find("os/boot").get("dev") == "hd"  # type: ignore[union-attr]
+    disk = root.find("devices/disk")
+    assert disk is not None
+    assert disk.find("driver").get("type") == "qcow2"  # type: ignore[union-attr]
+    assert disk.find("source").get("file") == "/img/a.qcow2"  # type: ignore[union-attr]
+    assert disk.find("target").get("bus") == "virtio"  # type: ignore[union-attr]
+
+
+def test_metadata_round_trips_and_foreign_domains_are_ignored() -> None:
+    meta = parse_task_metadata(build_domain_xml(config(kernel=Path("/k"))))
+    assert meta == {
+        "instance": "web-1",
+        "workload": "web",
+        "owner": "/var/lib/orka/agent/runtime/libvirt",
+        "started_at": "1700000000.25",
+    }
+    assert parse_task_metadata("<domain type='kvm'><name>someone-else</name></domain>") is None
+    assert parse_task_metadata("not xml") is None
+
+
+def test_disk_format_by_magic(tmp_path: Path) -> None:
+    qcow = tmp_path / "disk.img"
+    qcow.write_bytes(b"QFI\xfb" + b"\0" * 60)
+    raw = tmp_path / "disk.qcow2"  # the extension does not fool it
+    raw.write_bytes(b"\0" * 64)
+    assert disk_format(qcow) == "qcow2"
+    assert disk_format(raw) == "raw"
+
+
+def spec(**overrides: object) -> WorkloadSpec:
+    base: dict[str, object] = {
+        "name": "vm",
+        "kind": WorkloadKind.VM,
+        "resources": Resources(cpu_millis=1500, memory_bytes=256 * MIB),
+    }
+    base.update(overrides)
+    return WorkloadSpec(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"image": "/nope/disk.qcow2"}, "image /nope/disk.qcow2 not found"),
+        ({"vm": VmSpec(kernel="/nope/vmlinuz")}, "vm.kernel /nope/vmlinuz not found"),
+        ({"image": "relative.img"}, "must be an absolute path"),
+    ],
+)
+async def test_missing_files_fail_before_libvirt_is_asked(
+    tmp_path: Path, overrides: dict[str, object], message: str
+) -> None:
+    # No libvirtd behind this URI: the start must fail on the file check, not on connecting.
+    driver = LibvirtDriver(tmp_path, uri=f"qemu+unix:///system?socket={tmp_path}/none")
+    try:
+        with pytest.raises(RuntimeFailure, match=message):
+            await driver.start(RunSpec(instance="vm-1", workload="vm", spec=spec(**overrides)))
+    finally:
+        await driver.close()
+
+
+async def test_missing_initrd_is_named(tmp_path: Path) -> None:
+    kernel = tmp_path / "vmlinuz"
+    kernel.write_bytes(b"k")
+    vm = VmSpec(kernel=str(kernel), initrd=str(tmp_path / "initrd"))
+    driver = LibvirtDriver(tmp_path, uri=f"qemu+unix:///system?socket={tmp_path}/none")
+    try:
+        with pytest.raises(RuntimeFailure, match=f"vm.initrd {tmp_path}/initrd not found"):
+            await driver.start(RunSpec(instance="vm-1", workload="vm", spec=spec(vm=vm)))
+    finally:
+        await driver.close()

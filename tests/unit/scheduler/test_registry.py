@@ -1,0 +1,333 @@
+"""Reservation accounting in the scheduler's node registry."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from orka.models import InstancePhase, InstanceReport, NodeState, Resources
+from orka.scheduler.registry import Hold, NodeRecord, Registry
+from tests.unit.scheduler.builders import GIB, request
+
+SESSION = object()  # try_reserve only checks that a session is attached
+
+
+def registry_with(**overrides: Any) -> tuple[Registry, NodeRecord]:
+    reg = Registry()
+    rec = reg.upsert(overrides.pop("name", "n1"))
+    rec.allocatable = Resources(cpu_millis=4000, memory_bytes=8 * GIB)
+    rec.capacity = rec.allocatable
+    rec.session = SESSION  # type: ignore[assignment]
+    for key, value in overrides.items():
+        setattr(rec, key, value)
+    return reg, rec
+
+
+def report(name: str = "web-0", phase: InstancePhase = InstancePhase.RUNNING, **kw: Any):
+    return InstanceReport(name=name, workload=kw.pop("workload", "web"), phase=phase, **kw)
+
+
+RES = Resources(cpu_millis=500, memory_bytes=GIB)
+
+
+# ---- NodeRecord holds ----
+
+
+def test_add_hold_replaces_same_instance_instead_of_doubling() -> None:
+    rec = NodeRecord(name="n1")
+    rec.add_hold("a", Hold("web", 500, 100))
+    rec.add_hold("a", Hold("web", 700, 300))
+    assert (rec.cpu_used, rec.mem_used) == (700, 300)
+    assert len(rec.holds) == 1
+
+
+@pytest.mark.parametrize(
+    ("holds", "drop", "expected_dropped", "expected_used"),
+    [
+        ([("a", 500, 100), ("b", 200, 50)], "a", True, (200, 50)),
+        ([("a", 500, 100)], "missing", False, (500, 100)),
+        ([("a", 500, 100), ("b", 200, 50)], "b", True, (500, 100)),
+        ([], "a", False, (0, 0)),
+    ],
+)
+def test_drop_hold_keeps_usage_exact(
+    holds: list[tuple[str, int, int]],
+    drop: str,
+    expected_dropped: bool,
+    expected_used: tuple[int, int],
+) -> None:
+    rec = NodeRecord(name="n1")
+    for name, cpu, mem in holds:
+        rec.add_hold(name, Hold("web", cpu, mem))
+    assert rec.drop_hold(drop) is expected_dropped
+    assert (rec.cpu_used, rec.mem_used) == expected_used
+    # Dropping twice never goes negative.
+    rec.drop_hold(drop)
+    assert (rec.cpu_used, rec.mem_used) == expected_used
+
+
+def test_used_always_equals_sum_of_holds_after_mixed_operations() -> None:
+    rec = NodeRecord(name="n1")
+    ops = [("add", "a", 100), ("add", "b", 200), ("add", "a", 50), ("drop", "b", 0),
+           ("add", "c", 400), ("drop", "zz", 0), ("add", "b", 10), ("drop", "a", 0)]  # fmt: skip
+    for op, name, cpu in ops:
+        if op == "add":
+            rec.add_hold(name, Hold("web", cpu, cpu * 2))
+        else:
+            rec.drop_hold(name)
+        assert rec.cpu_used == sum(h.cpu_millis for h in rec.holds.values())
+        assert rec.mem_used == sum(h.memory_bytes for h in rec.holds.values())
+    assert set(rec.holds) == {"b", "c"}
+    assert rec.cpu_used == 410
+
+
+# ---- try_reserve ----
+
+
+@pytest.mark.parametrize(
+    ("node", "req", "reason"),
+    [
+        ({"session": None}, {}, "not ready"),
+        ({"state": NodeState.NOT_READY}, {}, "not ready"),
+        ({"state": NodeState.LOST}, {}, "not ready"),
+        ({"state": NodeState.LEFT}, {}, "not ready"),
+        ({"schedulable": False}, {}, "cordoned"),
+        ({"draining": True}, {}, "cordoned"),
+        ({}, {"cpu_millis": 4001}, "insufficient cpu"),
+        ({}, {"memory_bytes": 8 * GIB + 1}, "insufficient memory"),
+        ({}, {"cpu_millis": 4000, "memory_bytes": 8 * GIB}, None),
+        ({}, {"max_per_node": 1}, None),
+    ],
+)
+def test_try_reserve_reasons(node: dict[str, Any], req: dict[str, Any], reason: str | None) -> None:
+    reg, rec = registry_with(**node)
+    r = request(**req)
+    assert reg.try_reserve(rec, r, hold_seconds=5) == reason
+    if reason is None:
+        assert set(rec.holds) == {r.instance}
+        assert rec.holds[r.instance].expires_at is not None
+        assert (rec.cpu_used, rec.mem_used) == (r.cpu_millis, r.memory_bytes)
+    else:
+        assert rec.holds == {}
+        assert (rec.cpu_used, rec.mem_used) == (0, 0)
+
+
+def test_try_reserve_spread_counts_reservations_of_same_workload() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", max_per_node=2), 5) is None
+    assert reg.try_reserve(rec, request(instance="web-1", max_per_node=2), 5) is None
+    refused = reg.try_reserve(rec, request(instance="web-2", max_per_node=2), 5)
+    assert refused == "spread: 2 replicas already on node"
+    # Another workload is not limited by web's replicas.
+    assert reg.try_reserve(rec, request(instance="db-0", workload="db", max_per_node=2), 5) is None
+    assert set(rec.holds) == {"web-0", "web-1", "db-0"}
+
+
+def test_try_reserve_counts_existing_usage() -> None:
+    reg, rec = registry_with()
+    rec.add_hold("other", Hold("x", 3800, 0))
+    assert reg.try_reserve(rec, request(cpu_millis=201), 5) == "insufficient cpu"
+    assert reg.try_reserve(rec, request(cpu_millis=200), 5) is None
+    assert rec.free() == (0, 8 * GIB - GIB)
+
+
+@pytest.mark.parametrize(
+    ("cpu", "mem", "expected"),
+    [(500, GIB, 8), (300, GIB, 8), (1000, 1, 4), (1, 3 * GIB, 2), (4001, 1, 0)],
+)
+def test_reserve_until_refused_never_exceeds_allocatable(cpu: int, mem: int, expected: int) -> None:
+    reg, rec = registry_with()
+    accepted = 0
+    for i in range(100):
+        reason = reg.try_reserve(
+            rec, request(instance=f"i-{i}", cpu_millis=cpu, memory_bytes=mem), 5
+        )
+        if reason is not None:
+            assert reason in ("insufficient cpu", "insufficient memory")
+            break
+        accepted += 1
+    assert accepted == expected
+    assert rec.cpu_used <= rec.allocatable.cpu_millis
+    assert rec.mem_used <= rec.allocatable.memory_bytes
+    assert rec.cpu_used == accepted * cpu
+    assert rec.mem_used == accepted * mem
+
+
+def test_release_frees_and_invalidates_snapshot() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="a"), 5) is None
+    before = reg.snapshot()
+    assert before.by_name["n1"].cpu_used == 500
+    reg.release(rec, "a")
+    after = reg.snapshot()
+    assert after is not before
+    assert after.by_name["n1"].cpu_used == 0
+    assert rec.holds == {}
+    # Releasing something unknown changes nothing, so the snapshot stays cached.
+    reg.release(rec, "a")
+    assert reg.snapshot() is after
+
+
+# ---- expiry ----
+
+
+def test_expire_reservations_drops_only_expired_unbound_holds() -> None:
+    reg = Registry()
+    now = time.monotonic()
+    a = reg.upsert("a")
+    b = reg.upsert("b")
+    a.add_hold("expired", Hold("web", 100, 10, expires_at=now - 1))
+    a.add_hold("fresh", Hold("web", 200, 20, expires_at=now + 60))
+    a.add_hold("bound", Hold("web", 400, 40, expires_at=None))
+    b.add_hold("expired-b", Hold("db", 1000, 100, expires_at=now - 0.5))
+    snap = reg.snapshot()
+    expired = reg.expire_reservations(now)
+    assert sorted(expired) == [("a", "expired"), ("b", "expired-b")]
+    assert set(a.holds) == {"fresh", "bound"}
+    assert (a.cpu_used, a.mem_used) == (600, 60)
+    assert (b.cpu_used, b.mem_used) == (0, 0)
+    assert reg.snapshot() is not snap
+
+
+def test_expire_reservations_without_expiry_keeps_snapshot() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(), hold_seconds=60) is None
+    snap = reg.snapshot()
+    assert reg.expire_reservations(time.monotonic()) == []
+    assert reg.snapshot() is snap
+    assert len(rec.holds) == 1
+
+
+# ---- reports ----
+
+
+def test_apply_report_turns_reservation_into_bound_hold() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0"), 5) is None
+    assert rec.holds["web-0"].expires_at is not None
+    assert reg.apply_report(rec, report(phase=InstancePhase.STARTING), RES) is True
+    assert rec.holds["web-0"].expires_at is None
+    assert (rec.cpu_used, rec.mem_used) == (500, GIB)
+    # A bound hold never expires.
+    assert reg.expire_reservations(time.monotonic() + 1e6) == []
+
+
+def test_apply_report_of_unknown_instance_creates_bound_hold() -> None:
+    reg, rec = registry_with()
+    snap = reg.snapshot()
+    assert reg.apply_report(rec, report(name="x", workload="db"), RES) is True
+    assert rec.holds["x"] == Hold("db", 500, GIB, expires_at=None)
+    view = reg.snapshot().by_name["n1"]
+    assert reg.snapshot() is not snap
+    assert view.workload_counts == {"db": 1}
+    assert view.cpu_used == 500
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [InstancePhase.SUCCEEDED, InstancePhase.FAILED, InstancePhase.STOPPED, InstancePhase.LOST],
+)
+def test_terminal_report_releases_hold(phase: InstancePhase) -> None:
+    reg, rec = registry_with()
+    reg.apply_report(rec, report(), RES)
+    assert rec.cpu_used == 500
+    assert reg.apply_report(rec, report(phase=phase), RES) is True
+    assert rec.holds == {}
+    assert (rec.cpu_used, rec.mem_used) == (0, 0)
+    assert reg.snapshot().by_name["n1"].workload_counts == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [
+        ({}, False),
+        ({"phase": InstancePhase.STOPPING}, True),
+        ({"restarts": 1}, True),
+        ({"exit_code": 3}, True),
+        ({"reason": "Crashed"}, True),
+        ({"message": "boom"}, True),
+        ({"started_at": 123.0}, False),  # times alone are not news
+    ],
+)
+def test_apply_report_returns_true_only_when_report_differs(
+    change: dict[str, Any], differs: bool
+) -> None:
+    reg, rec = registry_with()
+    assert reg.apply_report(rec, report(), RES) is True
+    assert reg.apply_report(rec, report(**change), RES) is differs
+    # The newest report is what is remembered.
+    assert rec.reports["web-0"] == report(**change)
+    # Repeated non-terminal reports never double the hold.
+    assert (rec.cpu_used, rec.mem_used) == (500, GIB)
+
+
+def test_forget_drops_report_and_hold() -> None:
+    reg, rec = registry_with()
+    reg.apply_report(rec, report(), RES)
+    reg.forget(rec, "web-0")
+    assert rec.reports == {}
+    assert rec.holds == {}
+    assert rec.cpu_used == 0
+
+
+# ---- snapshot ----
+
+
+def test_snapshot_is_cached_until_changed() -> None:
+    reg, rec = registry_with()
+    first = reg.snapshot()
+    assert reg.snapshot() is first
+    rec.labels = {"zone": "a"}  # direct mutation is invisible until changed()
+    assert reg.snapshot() is first
+    assert dict(first.by_name["n1"].labels) == {}
+    reg.changed()
+    second = reg.snapshot()
+    assert second is not first
+    assert dict(second.by_name["n1"].labels) == {"zone": "a"}
+
+
+def test_snapshot_reflects_holds_and_cordon() -> None:
+    reg, rec = registry_with()
+    other = reg.upsert("n2")
+    other.draining = True
+    for i in range(3):
+        assert reg.try_reserve(rec, request(instance=f"web-{i}"), 5) is None
+    assert reg.try_reserve(rec, request(instance="db-0", workload="db", cpu_millis=100), 5) is None
+    snap = reg.snapshot()
+    view = snap.by_name["n1"]
+    assert dict(view.workload_counts) == {"web": 3, "db": 1}
+    assert view.total_instances == 4
+    assert (view.cpu_used, view.mem_used) == (1600, 4 * GIB)
+    assert view.cpu_free == 2400
+    assert snap.by_name["n2"].schedulable is False
+    assert [n.name for n in snap.nodes] == ["n1", "n2"]
+
+
+def test_upsert_returns_existing_record() -> None:
+    reg, rec = registry_with()
+    rec.add_hold("a", Hold("web", 1, 1))
+    assert reg.upsert("n1") is rec
+    assert reg.get("n1") is rec
+    assert reg.get("nope") is None
+    assert list(reg) == [rec]
+
+
+def test_to_model_reports_allocated_from_holds() -> None:
+    _, rec = registry_with(drivers=frozenset({"process", "fake"}))
+    rec.add_hold("a", Hold("web", 300, 30))
+    rec.add_hold("b", Hold("web", 200, 20))
+    node = rec.to_model()
+    assert node.allocated == Resources(cpu_millis=500, memory_bytes=50)
+    assert node.instances == 2
+    assert node.drivers == ["fake", "process"]
+
+
+async def test_try_reserve_with_real_agent_session() -> None:
+    from orka.scheduler.session import AgentSession
+
+    reg, rec = registry_with(session=AgentSession("n1"))
+    assert reg.try_reserve(rec, request(), 5) is None
+    rec.session = None
+    assert reg.try_reserve(rec, request(instance="web-1"), 5) == "not ready"

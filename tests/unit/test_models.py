@@ -1,0 +1,127 @@
+"""WorkloadSpec validation: every bad field is refused, and the error names it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from orka.models import MAX_REPLICAS, Instance, InstancePhase, Resources, WorkloadSpec
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": "web", "kind": "PROCESS", "command": ["sleep", "1"]}
+    data.update(overrides)
+    return data
+
+
+VALID = [
+    spec(),
+    spec(name="a"),
+    spec(name="a" * 63),
+    spec(name="web-1-x"),
+    spec(replicas=0),
+    spec(replicas=MAX_REPLICAS),
+    spec(kind="CONTAINER", command=[], image="nginx"),
+    spec(kind="VM", command=[], image="/img/disk.qcow2"),
+    spec(kind="VM", command=[], vm={"kernel": "/boot/vmlinuz"}),
+    spec(env={"PATH": "/bin", "A_B": ""}),
+    spec(node_selector={"zone": "a", "orka.io/role": "gpu", "k8s.io/x-y_z": "1"}),
+    spec(stop_grace_seconds=0),
+    spec(stop_grace_seconds=3600),
+    spec(resources={"cpu_millis": 0, "memory_bytes": 0}),
+]
+
+
+@pytest.mark.parametrize("data", VALID)
+def test_valid_specs_are_accepted(data: dict[str, Any]) -> None:
+    s = WorkloadSpec.model_validate(data)
+    assert s.name == data["name"]
+    # A spec survives a JSON round trip (how the store keeps it).
+    assert WorkloadSpec.model_validate_json(s.model_dump_json()) == s
+
+
+INVALID = [
+    ("missing name", {k: v for k, v in spec().items() if k != "name"}, "name", "required"),
+    ("empty name", spec(name=""), "name", "name is required"),
+    ("uppercase name", spec(name="Web"), "name", "lowercase"),
+    ("too long", spec(name="a" * 64), "name", "1-63"),
+    ("leading dash", spec(name="-web"), "name", "lowercase"),
+    ("trailing dash", spec(name="web-"), "name", "lowercase"),
+    ("underscore", spec(name="my_web"), "name", "lowercase"),
+    ("dot", spec(name="my.web"), "name", "lowercase"),
+    ("missing kind", {"name": "web", "command": ["x"]}, "kind", "required"),
+    ("bad kind", spec(kind="POD"), "kind", "PROCESS"),
+    ("negative replicas", spec(replicas=-1), "replicas", "greater than or equal to 0"),
+    ("too many replicas", spec(replicas=MAX_REPLICAS + 1), "replicas", "less than or equal"),
+    ("negative cpu", spec(resources={"cpu_millis": -1}), "resources.cpu_millis", ">= 0"),
+    ("negative memory", spec(resources={"memory_bytes": -5}), "resources.memory_bytes", ">= 0"),
+    ("process without command", spec(command=[]), "", "command is required"),
+    ("container without image", spec(kind="CONTAINER"), "", "image is required"),
+    ("vm without image", spec(kind="VM"), "", "image or vm.kernel"),
+    ("vm with empty kernel", spec(kind="VM", vm={"initrd": "/x"}), "", "image or vm.kernel"),
+    ("empty env key", spec(env={"": "x"}), "env", "non-empty"),
+    ("env key with =", spec(env={"A=B": "x"}), "env", "without '='"),
+    ("env key with NUL", spec(env={"A\0": "x"}), "env", "NUL"),
+    ("selector key with space", spec(node_selector={"a b": "x"}), "node_selector", "label key"),
+    ("empty selector key", spec(node_selector={"": "x"}), "node_selector", "label key"),
+    ("selector key leading dot", spec(node_selector={".a": "x"}), "node_selector", "label key"),
+    ("selector key too long", spec(node_selector={"a" * 254: "x"}), "node_selector", "label"),
+    ("negative grace", spec(stop_grace_seconds=-0.1), "stop_grace_seconds", "greater than"),
+    ("grace too long", spec(stop_grace_seconds=3601), "stop_grace_seconds", "less than"),
+    ("negative max_per_node", spec(max_per_node=-1), "max_per_node", "greater than"),
+    ("unknown field", spec(color="red"), "color", "not permitted"),
+    ("bad restart policy", spec(restart_policy="SOMETIMES"), "restart_policy", "ALWAYS"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "loc", "fragment"),
+    [pytest.param(d, loc, frag, id=case) for case, d, loc, frag in INVALID],
+)
+def test_invalid_specs_name_the_field(data: dict[str, Any], loc: str, fragment: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        WorkloadSpec.model_validate(data)
+    errors = info.value.errors()
+    assert len(errors) == 1
+    assert ".".join(str(p) for p in errors[0]["loc"]) == loc
+    assert fragment.replace(">= 0", "greater than or equal to 0") in errors[0]["msg"]
+
+
+def test_spec_is_frozen() -> None:
+    s = WorkloadSpec.model_validate(spec())
+    with pytest.raises(ValidationError):
+        s.replicas = 3  # type: ignore[misc]
+
+
+def test_driver_follows_kind() -> None:
+    drivers = {
+        k: WorkloadSpec.model_validate(spec(kind=k, image="i")).driver
+        for k in ("PROCESS", "CONTAINER", "VM")
+    }
+    assert drivers == {"PROCESS": "process", "CONTAINER": "containerd", "VM": "libvirt"}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "fits"),
+    [
+        ((1, 1), (1, 1), True),
+        ((2, 1), (1, 5), False),
+        ((1, 2), (5, 1), False),
+        ((0, 0), (0, 0), True),
+    ],
+)
+def test_resources_fits_in(a: tuple[int, int], b: tuple[int, int], fits: bool) -> None:
+    ra = Resources(cpu_millis=a[0], memory_bytes=a[1])
+    rb = Resources(cpu_millis=b[0], memory_bytes=b[1])
+    assert ra.fits_in(rb) is fits
+    assert (ra + rb) - rb == ra
+
+
+@pytest.mark.parametrize(
+    ("phase", "terminal"),
+    [(p, p.value in {"SUCCEEDED", "FAILED", "STOPPED", "LOST"}) for p in InstancePhase],
+)
+def test_instance_terminal(phase: InstancePhase, terminal: bool) -> None:
+    assert Instance(name="i", workload="w", phase=phase).terminal is terminal
