@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from orka.security.issue import init_certs
+from tests.containerd_env import Containerd, ContainerdDaemon
 from tests.etcd import ETCD, EtcdCluster
+from tests.libvirt_env import MISSING as LIBVIRT_MISSING
+from tests.libvirt_env import RUN, Guest, LibvirtDaemons, make_guest
 
 NODES = [f"node-{i}" for i in range(1, 7)]
 
@@ -53,3 +58,41 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
 def etcd_prefix() -> str:
     """A key prefix of its own for each test on the shared etcd."""
     return f"/test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Containerd]:
+    """One real containerd of our own for the whole run (tests/containerd_env.py); each test
+    leaves its namespace empty (`Containerd.clean_namespace`)."""
+    if shutil.which("containerd") is None or shutil.which("runc") is None:
+        pytest.skip("containerd and runc are not installed (apt-get install containerd runc)")
+    daemon = ContainerdDaemon(tmp_path_factory.mktemp("containerd"))
+    try:
+        yield daemon.start()
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def libvirt_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtDaemons]:
+    """libvirtd + virtlogd (reused when one answers already; tests/libvirt_env.py)."""
+    if LIBVIRT_MISSING:
+        pytest.skip(f"missing {', '.join(LIBVIRT_MISSING)}")
+    daemons = LibvirtDaemons(log_dir=tmp_path_factory.mktemp("libvirt-logs"), token=RUN)
+    try:
+        daemons.start()
+        yield daemons
+    finally:
+        daemons.stop()
+
+
+@pytest.fixture(scope="session")
+def guest() -> Iterator[Guest]:
+    """A Debian cloud kernel and a busybox initramfs where QEMU's own user can read them."""
+    if LIBVIRT_MISSING:
+        pytest.skip(f"missing {', '.join(LIBVIRT_MISSING)}")
+    directory = Path(tempfile.mkdtemp(prefix=f"orka-vm-{RUN}-"))
+    try:
+        yield make_guest(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

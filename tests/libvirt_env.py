@@ -39,6 +39,7 @@ import stat
 import subprocess
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,9 @@ KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 MARKER = "orka-guest-hello"
 # The guest powers itself off when its kernel command line holds this word.
 POWEROFF_FLAG = "orka.poweroff"
+# Every domain of this test run carries this token in its name (tests put it in workload and
+# instance names), so teardown finds this run's leftovers and nothing else.
+RUN = uuid.uuid4().hex[:6]
 
 MISSING = [p for p in (LIBVIRTD, VIRTLOGD, QEMU, BUSYBOX) if not Path(p).exists()]
 needs_libvirt = pytest.mark.skipif(

@@ -27,6 +27,7 @@ from orka.security.ca import validate_name
 from orka.security.tls import TlsFiles, load_and_check
 
 POLICIES = ("spread", "binpack")
+DOMAIN_TYPES = ("auto", "kvm", "qemu")
 
 
 def default_node_name() -> str:
@@ -238,6 +239,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _positive("--memory-bytes", args.memory_bytes)
     _positive("--leave-timeout", args.leave_timeout)
     labels = parse_labels(args.labels)
+    driver_options = _driver_options(args)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -250,10 +252,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_bytes,
         labels=labels,
         leave_timeout=args.leave_timeout,
-        driver_options=(
-            {"containerd": {"socket": args.containerd_socket}} if args.containerd_socket else {}
-        )
-        | ({"libvirt": {"uri": args.libvirt_uri}} if args.libvirt_uri else {}),
+        driver_options=driver_options,
     )
 
     async def main() -> None:
@@ -268,6 +267,24 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The driver flags given, as `make_driver` keyword arguments per driver."""
+    if args.libvirt_domain_type not in DOMAIN_TYPES:
+        raise UsageError(
+            f"--libvirt-domain-type: {args.libvirt_domain_type!r} is not one of "
+            f"{', '.join(DOMAIN_TYPES)}"
+        )
+    containerd: dict[str, Any] = {}
+    if args.containerd_socket:
+        containerd["socket"] = args.containerd_socket
+    if args.containerd_cgroup_parent:
+        containerd["cgroup_parent"] = args.containerd_cgroup_parent
+    libvirt: dict[str, Any] = {"domain_type": args.libvirt_domain_type}
+    if args.libvirt_uri:
+        libvirt["uri"] = args.libvirt_uri
+    return {"containerd": containerd, "libvirt": libvirt}
 
 
 # ---- flags ----
@@ -368,5 +385,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--libvirt-uri",
         metavar="URI",
         help="libvirt connection for the libvirt driver (default qemu:///system)",
+    )
+    add_flag(
+        p,
+        "--containerd-cgroup-parent",
+        metavar="PATH",
+        help="cgroup under which the containerd driver puts containers (default /orka)",
+    )
+    add_flag(
+        p,
+        "--libvirt-domain-type",
+        default="auto",
+        metavar="|".join(DOMAIN_TYPES),
+        help="libvirt domain type: kvm, qemu (TCG, no hardware virtualisation) or auto "
+        "(kvm when /dev/kvm is usable)",
     )
     p.set_defaults(func=cmd_agent)

@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from orka.api import controller_pb2 as pb
+from orka.security.issue import issue_cert
 from tests.e2e.procs import ProcessCluster, free_port
 from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
@@ -47,6 +48,13 @@ async def fake_cluster(
         raise
     finally:
         await c.close()
+
+
+def agent_certs(certs: Path, names: list[str]) -> None:
+    """The shared certs dir has node-1..6; bigger tests issue what they lack."""
+    for name in names:
+        if not (certs / f"agent-{name}.crt").exists():
+            issue_cert(certs, "agent", name)
 
 
 async def all_ready(c: ProcessCluster, names: list[str]) -> bool:
@@ -180,6 +188,7 @@ async def test_leader_sigkill_while_placing_100(fake_cluster: ProcessCluster) ->
 async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> None:
     c = fake_cluster
     nodes = [f"node-{i:02d}" for i in range(1, 11)]
+    agent_certs(c.certs, nodes)
     scheduler = c.start_scheduler()
     c.start_controller()
     for n in nodes:

@@ -1,20 +1,15 @@
 """The containerd driver against a real containerd (Debian's 1.6 + runc) started by the tests.
 
-containerd runs with its own root, state and socket under a temp dir, the CRI plugin disabled.
-The image is a tiny OCI archive built here from busybox-static (`orka.runtime.oci_archive`).
+The daemon (own root, state and socket under a temp dir, the CRI plugin disabled) and the busybox
+OCI archive come from the session `containerd` fixture (tests/conftest.py, tests/containerd_env.py).
 Skipped only when the containerd binary is missing; `.ci/run` installs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,128 +19,12 @@ from orka.errors import RuntimeFailure
 from orka.models import Resources, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskState
 from orka.runtime.containerd import ContainerdDriver
-from orka.runtime.oci_archive import build
+from tests.containerd_env import CGROUP_ROOT, Containerd, needs_containerd
 from tests.integration.cluster import Cluster, eventually
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("containerd") is None or shutil.which("runc") is None,
-    reason="containerd and runc are not installed (apt-get install containerd runc)",
-)
+pytestmark = needs_containerd
 
-NAMESPACE = "orka"
 MIB = 1 << 20
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-@dataclass
-class Containerd:
-    socket: str
-    image: str  # "oci-archive:/path.tar"
-    cgroup_parent: str
-
-    def ctr(self, *args: str) -> str:
-        """The stock CLI, as an independent witness of what the driver left in containerd."""
-        out = subprocess.run(
-            ["ctr", "-a", self.socket, "-n", NAMESPACE, *args],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return out.stdout
-
-    def ids(self, *args: str) -> list[str]:
-        return self.ctr(*args).split()
-
-    def options(self) -> dict[str, str]:
-        return {"socket": self.socket, "cgroup_parent": self.cgroup_parent}
-
-
-def _config(base: Path, socket: Path) -> str:
-    return f"""version = 2
-root = "{base}/root"
-state = "{base}/state"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-
-[grpc]
-  address = "{socket}"
-
-[ttrpc]
-  address = "{socket}.ttrpc"
-
-[debug]
-  address = ""
-
-[metrics]
-  address = ""
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{base}/opt"
-"""
-
-
-def _clean_namespace(ctd: Containerd) -> None:
-    """Kill and delete whatever a failed test left, so containerd's shims do not linger."""
-    with contextlib.suppress(subprocess.SubprocessError, OSError):
-        for task in ctd.ids("tasks", "ls", "-q"):
-            with contextlib.suppress(subprocess.SubprocessError):
-                ctd.ctr("tasks", "kill", "-a", "-s", "SIGKILL", task)
-            time.sleep(0.2)
-            with contextlib.suppress(subprocess.SubprocessError):
-                ctd.ctr("tasks", "delete", "-f", task)
-        for container in ctd.ids("containers", "ls", "-q"):
-            with contextlib.suppress(subprocess.SubprocessError):
-                ctd.ctr("containers", "delete", container)
-
-
-@pytest.fixture(scope="module")
-def containerd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Containerd]:
-    base = tmp_path_factory.mktemp("containerd")
-    socket = base / "containerd.sock"
-    config = base / "config.toml"
-    config.write_text(_config(base, socket))
-    archive = base / "busybox-oci.tar"
-    build(archive)
-    log = (base / "containerd.log").open("wb")
-    proc = subprocess.Popen(
-        ["containerd", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT
-    )
-    ctd = Containerd(
-        socket=str(socket),
-        image=f"oci-archive:{archive}",
-        # Our own cgroup parent: other test runs on this machine use other ones.
-        cgroup_parent=f"/orka-test-{os.getpid()}",
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"containerd exited: {(base / 'containerd.log').read_text()}")
-            if socket.exists():
-                try:
-                    ctd.ctr("version")
-                    break
-                except subprocess.SubprocessError:
-                    pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("containerd did not come up within 20s")
-            time.sleep(0.1)
-        yield ctd
-    finally:
-        _clean_namespace(ctd)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        # runc removes each container's cgroup but not the (now empty) parent we chose.
-        for parent in CGROUP_ROOT.glob(f"*{ctd.cgroup_parent}"):
-            with contextlib.suppress(OSError):
-                parent.rmdir()
-        with contextlib.suppress(OSError):
-            (CGROUP_ROOT / ctd.cgroup_parent.lstrip("/")).rmdir()
 
 
 @pytest.fixture
@@ -153,7 +32,7 @@ async def driver(containerd: Containerd, tmp_path: Path) -> AsyncIterator[Contai
     d = ContainerdDriver(tmp_path, **containerd.options())
     yield d
     await d.close()
-    _clean_namespace(containerd)
+    containerd.clean_namespace()
 
 
 def container_spec(
@@ -315,7 +194,7 @@ async def test_new_driver_readopts_running_container(
         assert_nothing_left(containerd, await second.snapshotter(), "keep-0")
     finally:
         await second.close()
-        _clean_namespace(containerd)
+        containerd.clean_namespace()
 
 
 async def test_missing_images_fail_promptly(
@@ -429,4 +308,4 @@ async def test_container_workload_end_to_end(
         await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name="once"))
     finally:
         await cluster.stop()
-        _clean_namespace(containerd)
+        containerd.clean_namespace()

@@ -1,17 +1,15 @@
 """The libvirt driver against a real libvirtd + virtlogd and QEMU (TCG here: no usable KVM).
 
-See tests/libvirt_env.py for how the daemons, the kernel and the initramfs are set up. Boots
+See tests/libvirt_env.py for how the daemons, the kernel and the initramfs are set up (the
+session fixtures `libvirt_daemons` and `guest` are in tests/conftest.py). Boots
 under TCG take seconds, so waits are generous and nothing asserts on time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,32 +20,11 @@ from orka.models import InstancePhase, Resources, RestartPolicy, VmSpec, Workloa
 from orka.runtime.base import RunSpec, TaskState, Usage
 from orka.runtime.libvirt import EXIT_DESTROYED, LibvirtDriver, domain_name
 from tests.integration.cluster import Cluster, eventually
-from tests.libvirt_env import DOMAIN_TYPE, MARKER, Guest, LibvirtDaemons, make_guest, needs_libvirt
+from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
 
 pytestmark = [needs_libvirt, pytest.mark.timeout(600)]
 
-# Every domain of this run carries the token, so teardown finds leftovers and nothing else.
-RUN = uuid.uuid4().hex[:6]
 BOOT_TIMEOUT = 180.0
-
-
-@pytest.fixture(scope="session")
-def libvirt_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibvirtDaemons]:
-    daemons = LibvirtDaemons(log_dir=tmp_path_factory.mktemp("libvirt-logs"), token=RUN)
-    try:
-        daemons.start()
-        yield daemons
-    finally:
-        daemons.stop()
-
-
-@pytest.fixture(scope="session")
-def guest() -> Iterator[Guest]:
-    directory = Path(tempfile.mkdtemp(prefix=f"orka-vm-{RUN}-"))
-    try:
-        yield make_guest(directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

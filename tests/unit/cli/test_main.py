@@ -103,6 +103,7 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["agent", "--labels", "zone"], "--labels"),
         (["agent", "--name", "Bad_Name"], "--name"),
         (["agent", "--cpu-millis", "0"], "--cpu-millis"),
+        (["agent", "--libvirt-domain-type", "xen"], "--libvirt-domain-type"),
         (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
         (["scheduler", "--policy", "random"], "--policy"),
         (["controller", "--listen", "nope"], "--listen"),
@@ -117,6 +118,29 @@ def test_usage_errors_exit_2(
     err = capsys.readouterr().err
     assert expected in err
     assert "Traceback" not in err
+
+
+def test_agent_driver_flags_become_driver_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orka.cli.services import _driver_options
+
+    assert _driver_options(parse("agent")) == {"containerd": {}, "libvirt": {"domain_type": "auto"}}
+    monkeypatch.setenv("ORKA_LIBVIRT_DOMAIN_TYPE", "qemu")
+    args = parse(
+        "agent",
+        "--containerd-socket",
+        "/tmp/c.sock",
+        "--containerd-cgroup-parent",
+        "/orka-x",
+        "--libvirt-uri",
+        "qemu:///session",
+    )
+    assert _driver_options(args) == {
+        "containerd": {"socket": "/tmp/c.sock", "cgroup_parent": "/orka-x"},
+        "libvirt": {"uri": "qemu:///session", "domain_type": "qemu"},
+    }
+    assert _driver_options(parse("agent", "--libvirt-domain-type", "kvm"))["libvirt"] == {
+        "domain_type": "kvm"
+    }
 
 
 def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

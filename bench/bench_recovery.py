@@ -1,0 +1,189 @@
+"""Recovery: scheduler SIGKILL + restart, controller failover, etcd writes per placement.
+
+A real etcd, a scheduler and two controllers (own OS processes; the controllers share the
+etcd store and elect a leader), and N simulated agents with the fake driver in a few OS
+processes (`agent_host.py`). Per size N:
+
+* etcd writes per placement: etcd's revision (bumped once per write transaction) before and
+  after placing N/2 instances until all RUNNING, divided by the instances;
+* scheduler recovery: SIGKILL the scheduler, start it again on the same port; time until every
+  agent has re-registered (READY with a heartbeat after the restart, as the controller sees it),
+  and until a new one-replica workload runs (placement resumed);
+* controller failover: SIGKILL the leading controller; time until the standby answers
+  ListInstances (bounded below by the election lease, 5 s).
+
+    .venv/bin/python bench/bench_recovery.py [--sizes 100,1000]
+    .venv/bin/python bench/bench_recovery.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_placement import etcd_server
+from bench.common import (
+    Services,
+    admin_channel,
+    certs_dir,
+    emit,
+    free_port,
+    start_agents,
+    table,
+    wait_nodes_ready,
+    wait_port,
+    workdir,
+)
+from orka.api import controller_pb2 as pb
+from orka.api import controller_pb2_grpc as pb_grpc
+from orka.store.etcd import EtcdStore
+
+AGENTS_PER_PROCESS = 250
+
+
+def spec(name: str, replicas: int) -> pb.WorkloadSpec:
+    return pb.WorkloadSpec(
+        name=name,
+        kind=pb.WorkloadSpec.PROCESS,
+        command=["sleep", "infinity"],
+        replicas=replicas,
+        resources=pb.Resources(cpu_millis=100, memory_bytes=64 << 20),
+    )
+
+
+async def poll(check: Any, timeout: float, interval: float = 0.05) -> float:
+    """Seconds until `check()` is truthy (RPC errors count as not yet)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if await check():
+                return time.monotonic() - start
+        except Exception:
+            pass
+        await asyncio.sleep(interval)
+    raise RuntimeError(f"not within {timeout}s")
+
+
+async def running(stub: Any, workload: str, count: int) -> bool:
+    resp = await stub.ListInstances(pb.ListInstancesRequest(workload=workload), timeout=10)
+    return sum(1 for i in resp.instances if i.phase == pb.Instance.RUNNING) >= count
+
+
+def restart_scheduler(services: Services) -> None:
+    proc = services.procs["scheduler"]
+    args = list(proc.args)[3:]  # [python, -m, orka.cli.main, *args]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    services._spawn("scheduler", args)
+
+
+async def measure(
+    services: Services, certs: Path, store_url: str, nodes: int, standby: int
+) -> dict[str, Any]:
+    channel = admin_channel(certs, services.controller)
+    stub = pb_grpc.ControllerStub(channel)
+    await wait_nodes_ready(stub, nodes, timeout=600)
+    endpoints = store_url.removeprefix("etcd://").split(",")
+    replicas = max(1, nodes // 2)
+    async with EtcdStore(endpoints, "/orka") as etcd:
+        rev0 = await etcd.revision()
+        await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("base", replicas)))
+        place_s = await poll(lambda: running(stub, "base", replicas), 600, 0.2)
+        writes = await etcd.revision() - rev0
+
+    # Scheduler SIGKILL and restart.
+    restart_scheduler(services)
+    restarted_wall, restarted = time.time(), time.monotonic()
+
+    async def back() -> bool:
+        resp = await stub.ListNodes(pb.ListNodesRequest(), timeout=10)
+        fresh = [
+            n
+            for n in resp.nodes
+            if n.state == pb.Node.READY and n.last_heartbeat >= restarted_wall - 0.2
+        ]
+        return len(fresh) >= nodes
+
+    await poll(back, 600, 0.1)
+    agents_back = time.monotonic() - restarted
+    await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))
+    await poll(lambda: running(stub, "probe", 1), 120)
+    placement_resumed = time.monotonic() - restarted
+
+    # Controller failover: SIGKILL the leader, time until the standby answers.
+    services.procs["controller"].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    services.procs["controller"].wait(10)
+    await channel.close()
+    channel = admin_channel(certs, f"127.0.0.1:{standby}")
+    stub = pb_grpc.ControllerStub(channel)
+    await poll(lambda: stub.ListInstances(pb.ListInstancesRequest(workload="probe"), timeout=5), 60)
+    failover = time.monotonic() - killed
+    await channel.close()
+    return {
+        "agents": nodes,
+        "instances_placed": replicas,
+        "place_all_running_s": round(place_s, 2),
+        "etcd_txns_per_placement": round(writes / replicas, 2),
+        "scheduler_restart_to_agents_back_s": round(agents_back, 2),
+        "scheduler_restart_to_placement_resumed_s": round(placement_resumed, 2),
+        "controller_failover_s": round(failover, 2),
+    }
+
+
+def run(nodes: int) -> dict[str, Any]:
+    certs = certs_dir(nodes)
+    with workdir(f"recovery-{nodes}") as work, etcd_server(work) as store_url:
+        services = Services(certs, work, store=store_url).start()
+        hosts = []
+        standby = free_port()
+        try:
+            services._spawn(
+                "standby",
+                [
+                    "controller",
+                    "--listen",
+                    f"127.0.0.1:{standby}",
+                    "--scheduler",
+                    services.scheduler,
+                    "--data-dir",
+                    str(work / "standby"),
+                    "--store",
+                    store_url,
+                    "--certs",
+                    str(certs),
+                    "--log-level",
+                    "warning",
+                ],
+            )
+            wait_port(standby, services.procs["standby"])
+            processes = max(1, -(-nodes // AGENTS_PER_PROCESS))
+            hosts = start_agents(certs, services.scheduler, nodes, work, processes)
+            return asyncio.run(measure(services, certs, store_url, nodes, standby))
+        finally:
+            for h in hosts:
+                h.stop()
+            services.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="100,1000", help="agent counts, comma-separated")
+    p.add_argument("--smoke", action="store_true", help="10 agents only")
+    args = p.parse_args(argv)
+    sizes = [10] if args.smoke else [int(s) for s in args.sizes.split(",") if s.strip()]
+    results = [run(n) for n in sizes]
+    for r in results:
+        table(f"recovery with {r['agents']} agents", list(r.items()))
+    emit({"bench": "recovery", "runs": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Run every benchmark, print a summary with each figure as a ratio to the raw echo baseline.
+
+    .venv/bin/python bench/run_all.py            # full sizes, under 10 minutes
+    .venv/bin/python bench/run_all.py --smoke    # tiny sizes, under a minute (CI)
+
+Each benchmark is its own subprocess (so one crash does not hide the others' figures) and ends
+with a JSON line; the last line printed here is one JSON object with all of them, the machine,
+the ratios and which targets hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import PYTHON, last_json
+
+HERE = Path(__file__).resolve().parent
+BENCHES = ("echo", "decisions", "placement", "heartbeat", "healing")
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import psutil
+    from google.protobuf.internal import api_implementation
+
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model or platform.processor(),
+        "ram_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
+        "python": platform.python_version(),
+        "protobuf_backend": api_implementation.Type(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def run_bench(name: str, smoke: bool) -> dict[str, Any]:
+    args = [PYTHON, str(HERE / f"bench_{name}.py")]
+    if smoke:
+        args.append("--smoke")
+    print(f"\n=== {name}: {' '.join(args[1:])}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=HERE.parent)
+    took = time.perf_counter() - start
+    sys.stdout.write(proc.stdout)
+    if proc.returncode != 0:
+        sys.stdout.write(proc.stderr[-4000:])
+        print(f"=== {name}: FAILED (exit {proc.returncode}) after {took:.0f}s", flush=True)
+        return {"error": f"exit {proc.returncode}", "seconds": round(took, 1)}
+    print(f"=== {name}: {took:.0f}s", flush=True)
+    result = last_json(proc.stdout)
+    result["wall_s"] = round(took, 1)
+    return result
+
+
+def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ratios to the echo baseline and the issue's targets, where the figures exist."""
+    echo = results.get("echo", {}).get("messages_per_s")
+    ratios: dict[str, float] = {}
+    targets: dict[str, bool] = {}
+    dec = results.get("decisions", {}).get("results", {})
+    place = results.get("placement", {}).get("sqlite") or {}
+    etcd = results.get("placement", {}).get("etcd") or {}
+    hb = results.get("heartbeat", {})
+    heal = results.get("healing", {})
+
+    def ratio(key: str, value: float | None) -> None:
+        if echo and value is not None:
+            ratios[key] = round(value / echo, 4)
+
+    for policy, figures in dec.items():
+        ratio(f"decisions_{policy}_per_echo_msg", figures.get("decisions_per_s"))
+        targets[f"decisions_{policy}>=10000/s"] = figures.get("decisions_per_s", 0) >= 10_000
+    if "running_per_s" in place:
+        ratio("placement_running_per_echo_msg", place["running_per_s"])
+        ratio("placement_scheduled_per_echo_msg", place["scheduled_per_s"])
+        targets["placement_sqlite>=1000/s"] = place["running_per_s"] >= 1000
+        targets["placement_p99<=2s"] = place["p99_create_to_running_s"] <= 2.0
+    if "running_per_s" in etcd:
+        ratio("placement_etcd_running_per_echo_msg", etcd["running_per_s"])
+        targets["placement_etcd>=700/s"] = etcd["running_per_s"] >= 700
+    if "heartbeats_per_s" in hb:
+        ratio("heartbeats_per_echo_msg", hb["heartbeats_per_s"])
+        targets["heartbeat_cpu<60%"] = hb["scheduler_cpu_share"] < 0.6
+        targets["heartbeat_rss<1GiB"] = hb["scheduler_peak_rss_mib"] < 1024
+        targets["heartbeat_false_not_ready==0"] = hb["false_not_ready"] == 0
+    if "kill_to_all_running_elsewhere_s" in heal:
+        rtt = results.get("echo", {}).get("rtt_ms_p50")
+        if rtt:
+            # Healing in units of one echo round trip: how much of it is protocol, not waiting.
+            ratios["healing_s_per_echo_rtt"] = round(
+                heal["kill_to_all_running_elsewhere_s"] / (rtt / 1e3), 1
+            )
+        targets["healing<=lost_after+1s"] = (
+            heal["kill_to_all_running_elsewhere_s"] <= heal["target_s"]
+        )
+    return {"ratios": ratios, "targets": targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    p.add_argument("--only", nargs="*", choices=BENCHES, help="run only these")
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    info = machine()
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+    results = {name: run_bench(name, args.smoke) for name in (args.only or BENCHES)}
+    summary = summarise(results)
+    print("\n=== summary (ratio = figure / raw echo messages per second)")
+    for key, value in summary["ratios"].items():
+        print(f"  {key:<40} {value}")
+    for key, ok in summary["targets"].items():
+        print(f"  target {key:<33} {'holds' if ok else 'SHORT'}")
+    failed = [name for name, r in results.items() if "error" in r]
+    total = round(time.perf_counter() - start, 1)
+    print(f"  total {total}s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        json.dumps(
+            {
+                "bench": "all",
+                "smoke": args.smoke,
+                "machine": info,
+                "results": results,
+                **summary,
+                "seconds": total,
+                "failed": failed,
+            }
+        ),
+        flush=True,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""End to end with real runtimes: a container (containerd) and a VM (libvirt) through `orka apply`.
+
+Scheduler, controller and one agent (`--runtime containerd,libvirt,process`) run as separate OS
+processes; the test then acts as a user would: manifest files, `orka apply -f FILE --wait`,
+`orka get instances -o json`, `orka delete workload NAME --wait`, each a `python -m orka.cli.main`
+subprocess. containerd is the session daemon of our own (tests/containerd_env.py), libvirt the
+system daemon with a Debian cloud kernel and a busybox initramfs (tests/libvirt_env.py), booted
+under TCG (`--libvirt-domain-type qemu`). `ctr` and `virsh` witness what is left after delete.
+
+Figures (apply→RUNNING, apply→guest marker) are printed, never asserted on (run with -s).
+Skipped only when containerd/runc or libvirt/QEMU/busybox are missing; `.ci/run` installs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orka.api import controller_pb2 as pb
+from orka.runtime.libvirt import domain_name
+from tests.containerd_env import Containerd, needs_containerd
+from tests.e2e.procs import ProcessCluster
+from tests.integration.cluster import eventually
+from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
+
+pytestmark = [
+    pytest.mark.e2e,
+    needs_containerd,
+    needs_libvirt,
+    pytest.mark.skipif(shutil.which("virsh") is None, reason="virsh missing (libvirt-clients)"),
+    pytest.mark.timeout(600),
+]
+
+NODE = "node-1"
+CONTAINER_MARKER = "orka-e2e-container-hello"
+BOOT_TIMEOUT = 180.0  # TCG on a busy two-core machine: generous, never asserted on
+CLI_TIMEOUT = 240.0
+
+
+@pytest.fixture
+async def cluster(
+    certs_dir: Path,
+    tmp_path: Path,
+    containerd: Containerd,
+    libvirt_daemons: LibvirtDaemons,
+) -> AsyncIterator[ProcessCluster]:
+    c = ProcessCluster(certs_dir, tmp_path, runtime="containerd,libvirt,process")
+    c.start_scheduler()
+    c.start_controller()
+    c.start_agent(
+        NODE,
+        *containerd.agent_flags(),
+        "--libvirt-uri",
+        libvirt_daemons.uri,
+        "--libvirt-domain-type",
+        DOMAIN_TYPE,
+    )
+    await c.connect()
+    try:
+        await eventually(lambda: _node_ready(c), timeout=60)
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        await c.close()
+        # A killed agent leaves its containers and domains running by design (re-adoption).
+        containerd.clean_namespace()
+        libvirt_daemons.cleanup_domains()
+
+
+async def _node_ready(c: ProcessCluster) -> bool:
+    try:
+        return (await c.nodes()).get(NODE) == pb.Node.READY
+    except Exception:
+        return False
+
+
+async def orka(c: ProcessCluster, *args: str, timeout: float = 60.0) -> str:
+    """One `orka` command against the cluster, exactly as a user runs it; must exit 0."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orka.cli.main",
+        *args,
+        "--controller",
+        f"127.0.0.1:{c.controller_port}",
+        "--certs",
+        str(c.certs),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ORKA_")},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"orka {' '.join(args)}: still running after {timeout:g}s") from None
+    assert proc.returncode == 0, (
+        f"orka {' '.join(args)} exited {proc.returncode}\n{out.decode()}\n{err.decode()}"
+    )
+    return out.decode()
+
+
+async def instances(c: ProcessCluster, workload: str) -> list[dict[str, Any]]:
+    text = await orka(c, "get", "instances", "--workload", workload, "-o", "json")
+    return [i for i in json.loads(text) if i["workload"] == workload]
+
+
+async def apply_and_time(
+    c: ProcessCluster, manifest: Path, workload: str, then: Callable[[str], Awaitable[Any]]
+) -> tuple[str, float, float, float]:
+    """`orka apply -f manifest --wait` while watching the API (every 20 ms) for the instance to
+    run and then for `then(instance)`; returns (instance, to RUNNING, to `then`, apply's own
+    wall time), all from the moment apply was launched."""
+    t0 = time.monotonic()
+    apply = asyncio.create_task(
+        orka(c, "apply", "-f", str(manifest), "--wait", timeout=CLI_TIMEOUT)
+    )
+
+    async def one_running() -> str | None:
+        running = await c.running(workload)
+        return running[0].name if len(running) == 1 else None
+
+    try:
+        instance = await eventually(one_running, timeout=BOOT_TIMEOUT, interval=0.02)
+        to_running = time.monotonic() - t0
+        await then(instance)
+        to_then = time.monotonic() - t0
+        out = await apply
+        apply_wall = time.monotonic() - t0
+    finally:
+        if not apply.done():
+            apply.cancel()
+    assert f"workload/{workload} created" in out, out
+    assert f"workload/{workload} ready: 1/1 running" in out, out
+    return instance, to_running, to_then, apply_wall
+
+
+async def file_shows(path: Path, text: str, timeout: float) -> None:
+    async def check() -> bool:
+        try:
+            content = await asyncio.to_thread(path.read_text, errors="replace")
+        except FileNotFoundError:
+            return False
+        return text in content
+
+    await eventually(check, timeout=timeout, interval=0.1)
+
+
+def virsh_domains(uri: str) -> list[str]:
+    out = subprocess.run(
+        ["virsh", "-c", uri, "list", "--all", "--name"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return out.split()
+
+
+async def test_container_and_vm_through_orka_apply(
+    cluster: ProcessCluster,
+    tmp_path: Path,
+    containerd: Containerd,
+    libvirt_daemons: LibvirtDaemons,
+    guest: Guest,
+) -> None:
+    agent_data = tmp_path / "agents" / NODE
+    box, vm = f"box-{RUN}", f"vm-{RUN}"
+
+    # ---- a container from an OCI archive built by the test (no registry) ----
+    box_file = tmp_path / "box.yaml"
+    box_file.write_text(
+        f"""name: {box}
+kind: container
+image: {containerd.image}
+command: ["sh", "-c", "echo {CONTAINER_MARKER} from $ORKA_INSTANCE; trap 'exit 0' TERM; \
+while :; do sleep 1; done"]
+replicas: 1
+resources: {{cpu: 100m, memory: 32Mi}}
+restartPolicy: Always
+stopGraceSeconds: 5
+"""
+    )
+    box_log: list[Path] = []
+
+    async def container_logged(instance: str) -> None:
+        log = agent_data / "runtime" / "containerd" / "instances" / instance / "stdout.log"
+        box_log.append(log)
+        await file_shows(log, f"{CONTAINER_MARKER} from {instance}", timeout=60)
+
+    box_inst, box_running, box_logged, box_apply = await apply_and_time(
+        cluster, box_file, box, container_logged
+    )
+    print(
+        f"\ncontainer: apply→RUNNING {box_running:.2f}s, apply→output {box_logged:.2f}s"
+        f" (`orka apply --wait` returned after {box_apply:.2f}s)"
+    )
+    assert box_inst in containerd.ids("containers", "ls", "-q")
+    assert box_inst in containerd.ids("tasks", "ls", "-q")
+
+    # ---- a VM booted straight from a kernel and initramfs ----
+    vm_file = tmp_path / "vm.yaml"
+    vm_file.write_text(
+        f"""name: {vm}
+kind: vm
+vm:
+  kernel: {guest.kernel}
+  initrd: {guest.initrd}
+  cmdline: {guest.cmdline()}
+replicas: 1
+resources: {{cpu: 500m, memory: 128Mi}}
+restartPolicy: Always
+stopGraceSeconds: 1
+"""
+    )
+    console_log: list[Path] = []
+
+    async def guest_spoke(instance: str) -> None:
+        console = agent_data / "runtime" / "libvirt" / "instances" / instance / "console.log"
+        console_log.append(console)
+        # Only the guest knows its kernel release: this line comes from inside the VM.
+        await file_shows(console, f"{MARKER} kernel=6.", timeout=BOOT_TIMEOUT)
+
+    vm_inst, vm_running, vm_marker, vm_apply = await apply_and_time(
+        cluster, vm_file, vm, guest_spoke
+    )
+    print(
+        f"VM: apply→RUNNING {vm_running:.2f}s, apply→guest marker {vm_marker:.2f}s"
+        f" (`orka apply --wait` returned after {vm_apply:.2f}s)"
+    )
+    assert domain_name(vm_inst) in virsh_domains(libvirt_daemons.uri)
+
+    # ---- both seen by the user as RUNNING, on the one node ----
+    listed = json.loads(await orka(cluster, "get", "instances", "-o", "json"))
+    phases = {i["name"]: (i["workload"], i["phase"], i["node"]) for i in listed}
+    assert phases[box_inst] == (box, "RUNNING", NODE)
+    assert phases[vm_inst] == (vm, "RUNNING", NODE)
+
+    # ---- delete: instances gone, container gone from containerd, domain undefined ----
+    for name in (box, vm):
+        out = await orka(cluster, "delete", "workload", name, "--wait", timeout=CLI_TIMEOUT)
+        assert f"workload/{name} deleted" in out, out
+
+    async def box_gone() -> bool:
+        return not await instances(cluster, box) and box_inst not in containerd.ids(
+            "containers", "ls", "-q"
+        )
+
+    async def vm_gone() -> bool:
+        return not await instances(cluster, vm) and domain_name(
+            vm_inst
+        ) not in await asyncio.to_thread(virsh_domains, libvirt_daemons.uri)
+
+    await eventually(box_gone, timeout=60, interval=0.5)
+    await eventually(vm_gone, timeout=60, interval=0.5)
+    assert box_inst not in containerd.ids("tasks", "ls", "-q")
+    assert not box_log[0].parent.exists()
+    assert not console_log[0].parent.exists()

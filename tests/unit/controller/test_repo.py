@@ -1,0 +1,72 @@
+"""Repo: commits split to fit etcd's per-txn limit, a lost CAS reloads, followers never write."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from orka.controller.repo import MAX_TXN_OPS, Change, Repo
+from orka.errors import Conflict, Unavailable
+from orka.models import Instance
+from orka.store.base import Update
+from orka.store.memory import MemoryStore
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[MemoryStore]:
+    s = MemoryStore()
+    await s.open()
+    yield s
+    await s.close()
+
+
+def inst(i: int, **kw: object) -> Instance:
+    return Instance(name=f"w-{i:04d}", workload="w", generation=1, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("count", "txns"), [(1, 1), (MAX_TXN_OPS, 1), (MAX_TXN_OPS + 1, 2), (300, 3)]
+)
+async def test_commit_split_into_txns_of_at_most_max_ops(
+    store: MemoryStore, count: int, txns: int
+) -> None:
+    repo = Repo(store)
+    await repo.mutate(lambda: [Change("instances", f"w-{i:04d}", inst(i)) for i in range(count)])
+    assert repo.writes == txns
+    assert len(await store.list("instances")) == count == len(repo.instances)
+
+
+async def test_lost_cas_reloads_the_cache_then_raises(store: MemoryStore) -> None:
+    repo = Repo(store)
+    await repo.mutate(lambda: [Change("instances", "w-0000", inst(0))])
+    # Another writer (a controller that leads now) changes the instance behind our back.
+    item = await store.get("instances", "w-0000")
+    assert item is not None
+    theirs = inst(0, node="node-b").model_dump(mode="json")
+    await store.commit([Update("instances", "w-0000", theirs, item.revision)])
+
+    with pytest.raises(Conflict):
+        await repo.mutate(lambda: [Change("instances", "w-0000", inst(0, node="node-a"))])
+    assert repo.reloads == 1
+    assert repo.instances["w-0000"].node == "node-b"
+    # The next plan starts from the truth and lands: no crash loop on the same stale revision.
+    await repo.mutate(lambda: [Change("instances", "w-0000", inst(0, node="node-c"))])
+    assert repo.instances["w-0000"].node == "node-c"
+
+
+async def test_load_resets_and_followers_do_not_write(store: MemoryStore) -> None:
+    repo = Repo(store)
+    await repo.mutate(lambda: [Change("instances", "w-0001", inst(1))])
+    repo.reset()
+    assert not repo.instances and not repo.by_workload
+    repo.writable = False
+    with pytest.raises(Unavailable):
+        await repo.mutate(lambda: [Change("instances", "w-0002", inst(2))])
+    assert [i.name for i in await store.list("instances")] == ["w-0001"]
+    await repo.load()
+    assert set(repo.instances) == {"w-0001"} and repo.by_workload["w"] == {"w-0001"}
+    # Reloading twice does not duplicate or keep deleted entries.
+    await store.commit([])
+    await repo.load()
+    assert set(repo.by_workload["w"]) == {"w-0001"}
