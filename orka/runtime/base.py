@@ -7,15 +7,17 @@ agent can re-adopt what still runs (`Driver.list`).
 
 from __future__ import annotations
 
+import asyncio
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orka.errors import Invalid
+from orka.errors import Invalid, RuntimeFailure
 from orka.models import WorkloadKind, WorkloadSpec
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
@@ -108,3 +110,32 @@ class Driver(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop watching tasks; tasks keep running so a restarted agent can re-adopt them."""
+
+
+async def terminate(
+    exited: Callable[[], Awaitable[object]],
+    polite: Callable[[], Awaitable[None]],
+    forceful: Callable[[], Awaitable[None]],
+    grace: float,
+    force_timeout: float,
+    what: str,
+) -> bool:
+    """The stop every driver shares: ask politely, wait `grace`, then force and wait again.
+
+    Returns True when forcing was needed; raises RuntimeFailure naming `what` if even that
+    did not end it within `force_timeout`.
+    """
+    await polite()
+    try:
+        async with asyncio.timeout(max(grace, 0.0)):
+            await exited()
+        return False
+    except TimeoutError:
+        pass
+    await forceful()
+    try:
+        async with asyncio.timeout(force_timeout):
+            await exited()
+    except TimeoutError:
+        raise RuntimeFailure(f"{what} is still running after being killed") from None
+    return True

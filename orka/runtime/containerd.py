@@ -89,6 +89,7 @@ from orka.runtime.base import (
     TaskState,
     Usage,
     check_instance,
+    terminate,
 )
 
 log = structlog.get_logger(__name__)
@@ -279,21 +280,20 @@ class ContainerdDriver(Driver):
         async with self._locks[instance]:
             if task.done.is_set():
                 return task.info()
-            await self._kill(instance, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(max(grace, 0.0)):
-                    await task.done.wait()
-            except TimeoutError:
+
+            async def kill() -> None:
                 task.killed = True
                 # all=True: every process of the container, not just its init.
                 await self._kill(instance, signal.SIGKILL, all_procs=True)
-                try:
-                    async with asyncio.timeout(_KILL_TIMEOUT):
-                        await task.done.wait()
-                except TimeoutError:
-                    raise RuntimeFailure(
-                        f"containerd: task {instance!r} did not exit after SIGKILL"
-                    ) from None
+
+            await terminate(
+                task.done.wait,
+                lambda: self._kill(instance, signal.SIGTERM),
+                kill,
+                grace,
+                _KILL_TIMEOUT,
+                f"containerd: task {instance!r}",
+            )
             log.info("containerd.stopped", instance=instance, exit_code=task.exit_code)
             return task.info()
 

@@ -75,6 +75,7 @@ from orka.runtime.base import (
     TaskState,
     Usage,
     check_instance,
+    terminate,
 )
 
 log = structlog.get_logger(__name__)
@@ -379,19 +380,14 @@ class LibvirtDriver(Driver):
             if vm.done.is_set():
                 return vm.info()
             name = domain_name(instance)
-            await self._call(self._shutdown, name)
-            try:
-                async with asyncio.timeout(max(grace, 0.0)):
-                    await self._until_shutoff(vm)
-            except TimeoutError:
-                await self._call(self._destroy, name)
-                try:
-                    async with asyncio.timeout(_DESTROY_TIMEOUT):
-                        await self._until_shutoff(vm)
-                except TimeoutError:
-                    raise RuntimeFailure(
-                        f"libvirt: domain {name!r} is still running after destroy"
-                    ) from None
+            await terminate(
+                lambda: self._until_shutoff(vm),
+                lambda: self._call(self._shutdown, name),
+                lambda: self._call(self._destroy, name),
+                grace,
+                _DESTROY_TIMEOUT,
+                f"libvirt: domain {name!r}",
+            )
             log.info("libvirt.stopped", instance=instance, exit_code=vm.exit_code)
             return vm.info()
 

@@ -54,6 +54,7 @@ from orka.runtime.base import (
     TaskState,
     Usage,
     check_instance,
+    terminate,
 )
 
 log = structlog.get_logger(__name__)
@@ -200,20 +201,22 @@ class ProcessDriver(Driver):
         async with self._locks[instance]:
             if task.done.is_set():
                 return task.info()
-            self._signal(task, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(max(grace, 0.0)):
-                    await task.done.wait()
-            except TimeoutError:
+
+            async def term() -> None:
+                self._signal(task, signal.SIGTERM)
+
+            async def kill() -> None:
                 task.killed = True
                 self._signal(task, signal.SIGKILL)
-                try:
-                    async with asyncio.timeout(_KILL_TIMEOUT):
-                        await task.done.wait()
-                except TimeoutError:
-                    raise RuntimeFailure(
-                        f"process: instance {instance!r} (pid {task.pid}) survived SIGKILL"
-                    ) from None
+
+            await terminate(
+                task.done.wait,
+                term,
+                kill,
+                grace,
+                _KILL_TIMEOUT,
+                f"process: instance {instance!r} (pid {task.pid})",
+            )
             log.info("process.stopped", instance=instance, exit_code=task.exit_code)
             return task.info()
 
