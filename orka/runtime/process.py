@@ -533,10 +533,33 @@ def _catches_sigterm(pid: int) -> bool:
     return False
 
 
+def _command_execed(pid: int) -> bool:
+    """Whether the wrapper's child has become the command (exec done).
+
+    Between the wrapper's fork and the child's exec, the child still carries the wrapper's
+    SIGTERM trap, so a SIGTERM in that window would be swallowed; after exec its argv differs.
+    """
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            own = f.read()
+    except OSError:
+        return True  # no children file (old kernel) or the wrapper is gone: nothing to wait for
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if f.read() != own:
+                    return True
+        except OSError:
+            return True  # the command already ran and exited
+    return False
+
+
 async def _await_trap(proc: asyncio.subprocess.Process) -> None:
-    """Wait (briefly, a few ms in practice) until the wrapper shell catches SIGTERM."""
+    """Wait (a few ms in practice) until SIGTERM would reach the command, not a shell's trap."""
     deadline = time.monotonic() + _TRAP_WAIT
     while proc.returncode is None and time.monotonic() < deadline:
-        if _catches_sigterm(proc.pid):
+        if _catches_sigterm(proc.pid) and _command_execed(proc.pid):
             return
         await asyncio.sleep(0.002)
