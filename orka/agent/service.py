@@ -66,6 +66,31 @@ def detect_capacity() -> Resources:
     )
 
 
+# Heartbeats carry every instance's status once in this many beats (changes go as events).
+FULL_STATUS_EVERY = 10
+
+
+def _status_of(inst: Supervised) -> apb.InstanceStatus:
+    """What `convert.report_to_pb(inst.report(), inst.resources)` gives, without the model."""
+    msg = apb.InstanceStatus(
+        name=inst.name,
+        workload=inst.workload,
+        phase=convert.phase_to_pb(inst.phase),
+        reason=inst.reason,
+        message=inst.message,
+        restarts=inst.restarts,
+        started_at=inst.started_at or 0.0,
+        finished_at=inst.finished_at or 0.0,
+        generation=inst.generation,
+    )
+    if inst.exit_code is not None:
+        msg.exit_code = inst.exit_code
+    res = inst.resources
+    msg.resources.cpu_millis = res.cpu_millis
+    msg.resources.memory_bytes = res.memory_bytes
+    return msg
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f}Mi"
 
@@ -227,11 +252,13 @@ class Agent:
 
     def _changed(self, inst: Supervised) -> None:
         self._save()
-        status = convert.report_to_pb(inst.report(), inst.resources)
-        status.generation = inst.generation
-        self._send(apb.AgentMessage(event=status))
+        self._send(apb.AgentMessage(event=_status_of(inst)))
 
     def _save(self) -> None:
+        # Built when the (coalesced) write happens, not once per change.
+        self.state_file.save(self._state)
+
+    def _state(self) -> AgentState:
         state = AgentState(node=self.name)
         for inst in self.instances.values():
             state.instances[inst.name] = InstanceRecord(
@@ -247,7 +274,7 @@ class Agent:
                 reason=inst.reason,
                 message=inst.message,
             )
-        self.state_file.save(state)
+        return state
 
     # ---- the stream ----
 
@@ -265,10 +292,7 @@ class Agent:
                 version=VERSION,
             )
         )
-        for inst in self.instances.values():
-            status = convert.report_to_pb(inst.report(), inst.resources)
-            status.generation = inst.generation
-            reg.instances.append(status)
+        reg.instances.extend(_status_of(inst) for inst in self.instances.values())
         return apb.AgentMessage(register=reg)
 
     async def _connect_loop(self) -> None:
@@ -331,24 +355,36 @@ class Agent:
             await call.write(msg)
 
     async def _heartbeats(self) -> None:
+        """One heartbeat per interval, on a fixed schedule.
+
+        Every state change already goes out at once as an event, and registering sends the
+        full list, so a heartbeat carries the instance statuses only every
+        FULL_STATUS_EVERY beats (a safety net, cheap for the scheduler when nothing changed).
+        The schedule does not drift: a beat that was late (a busy loop) does not push the
+        next one back by the same amount, which is what would turn a node NOT_READY.
+        """
+        loop = asyncio.get_running_loop()
         beat = 0
         usage = Resources()
+        next_at = loop.time()
         while True:
             if beat % 5 == 0:
                 usage = await self._usage()
-            beat += 1
             self._expire_reservations()
             hb = apb.Heartbeat(
                 usage=convert.resources_to_pb(usage),
                 allocated=convert.resources_to_pb(self._allocated()),
                 sent_at=time.time(),
             )
-            for inst in self.instances.values():
-                status = convert.report_to_pb(inst.report(), inst.resources)
-                status.generation = inst.generation
-                hb.instances.append(status)
+            if beat % FULL_STATUS_EVERY == FULL_STATUS_EVERY - 1:
+                hb.instances.extend(_status_of(inst) for inst in self.instances.values())
+            beat += 1
             self._send(apb.AgentMessage(heartbeat=hb))
-            await asyncio.sleep(self.interval)
+            now = loop.time()
+            next_at += self.interval
+            if next_at < now:
+                next_at = now  # far behind: send the next one at once, but do not burst
+            await asyncio.sleep(next_at - now)
 
     async def _usage(self) -> Resources:
         cpu = mem = 0
@@ -452,8 +488,19 @@ class Agent:
         driver_name = self._driver_name(spec.kind)
         assert driver_name is not None  # _admit checked
         inst = self._new_instance(a.instance, a.generation, spec, self.healthy[driver_name])
-        inst.start()
+        self._save()
         self._ack(start.command_id, True, "")
+        task = asyncio.create_task(self._start_recorded(inst))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _start_recorded(self, inst: Supervised) -> None:
+        """Start only once the state file records the instance (write-ahead): an agent
+        killed right after a start must find it on restart, or the task would be an orphan
+        removed and started again elsewhere."""
+        await self.state_file.persist()
+        if not inst.stopping and self.instances.get(inst.name) is inst:
+            inst.start()
 
     async def _on_stop(self, stop: apb.StopInstance) -> None:
         inst = self.instances.get(stop.instance)

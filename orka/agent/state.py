@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +39,36 @@ class AgentState(BaseModel):
 
 
 class StateFile:
-    """Written atomically (temp file + rename) and coalesced, never from the event loop."""
+    """Written atomically (temp file + rename) and coalesced, never from the event loop.
 
-    def __init__(self, path: Path) -> None:
+    Crash safety, and why there is no fsync: the file exists so that a restarted *agent
+    process* finds the tasks it left running. A process crash (SIGKILL, OOM) leaves the page
+    cache intact, so an atomic rename is all that is needed for the file to read whole and
+    current. Only a kernel crash or power loss can lose an un-fsynced write, and that also
+    ends every task the file describes (child processes, containers and VMs do not survive
+    the reboot), so there is nothing left to re-adopt; a file lost or torn that way reads as
+    empty (see `load`) and the controller, which holds the truth, replaces what was there.
+
+    Writes are trailing-edge debounced: the first change after a write waits `delay` seconds
+    for more to pile up (STARTING then RUNNING of one instance, a burst of starts), then one
+    write carries all of them. `save` takes either a state or a function that builds one, so
+    a burst of changes builds the state once, at write time, not once per change. What a
+    crash can lose is the last `delay` seconds of changes: an instance started just before
+    is then an orphan the restarted agent removes, and the controller places it again.
+    """
+
+    def __init__(self, path: Path, delay: float = 0.25) -> None:
         self.path = path
+        self.delay = delay
         self._dirty = asyncio.Event()
-        self._pending: dict[str, Any] | None = None
+        self._pending: AgentState | Callable[[], AgentState] | None = None
         self._task: asyncio.Task[None] | None = None
+        self._dir_made = False
+        # Generations of saves requested and written, so `persist` can wait for its own.
+        self._requested = 0
+        self._written = 0
+        self._urgent = asyncio.Event()
+        self._written_event = asyncio.Event()
         # A cancelled to_thread call keeps running; this keeps two writes from interleaving.
         self._write_lock = threading.Lock()
 
@@ -63,35 +88,64 @@ class StateFile:
             return AgentState(node=node)
         return state
 
-    def save(self, state: AgentState) -> None:
-        self._pending = state.model_dump(mode="json")
+    def save(self, state: AgentState | Callable[[], AgentState]) -> None:
+        """Schedule a write of `state` (or of what the function returns at write time)."""
+        self._pending = state
+        self._requested += 1
         self._dirty.set()
         if self._task is None:
             self._task = asyncio.create_task(self._writer(), name="state-writer")
 
+    async def persist(self) -> None:
+        """Return once everything saved so far is on disk, written now rather than after the
+        delay. The agent calls it before it starts a task, so a task never runs unrecorded: a
+        crash right after the start still finds it in the file and re-adopts it."""
+        target = self._requested
+        if self._written >= target or self._task is None:
+            return
+        self._urgent.set()
+        while self._written < target:
+            await self._written_event.wait()
+
+    def _take(self) -> dict[str, Any] | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        state = pending() if callable(pending) else pending
+        return state.model_dump(mode="json")
+
     async def _writer(self) -> None:
         while True:
             await self._dirty.wait()
+            if not self._urgent.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.delay):
+                        await self._urgent.wait()
+            self._urgent.clear()
             self._dirty.clear()
-            data, self._pending = self._pending, None
+            generation = self._requested
+            data = self._take()
             if data is not None:
                 await asyncio.to_thread(self._write, data)
-            await asyncio.sleep(0.05)
+            self._written = generation
+            done, self._written_event = self._written_event, asyncio.Event()
+            done.set()
 
     def _write(self, data: dict[str, Any]) -> None:
         with self._write_lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._dir_made:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._dir_made = True
             tmp = self.path.with_suffix(".tmp")
             with open(tmp, "w") as f:
-                json.dump(data, f)
-                f.flush()
-                os.fsync(f.fileno())
+                json.dump(data, f, separators=(",", ":"))
             os.replace(tmp, self.path)
 
     async def flush(self) -> None:
         if self._task is not None:
             self._task.cancel()
             self._task = None
-        if self._pending is not None:
-            data, self._pending = self._pending, None
+        self._dirty.clear()
+        data = self._take()
+        if data is not None:
             await asyncio.to_thread(self._write, data)

@@ -38,7 +38,10 @@ def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
 @dataclass
 class PlacementConfig:
     batch_size: int = 256
-    max_batches_in_flight: int = 4
+    # The pipeline is latency-bound (offer, bind, start round trips per batch): more batches
+    # in flight overlap them. 16 measured +13 % to RUNNING but piled up work in the
+    # scheduler (Place calls took 9 s instead of 2-5 s); 8 is the middle ground.
+    max_batches_in_flight: int = 8
     backoff_start: float = 1.0
     backoff_max: float = 30.0
 

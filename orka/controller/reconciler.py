@@ -8,6 +8,7 @@ so a crash between the two only repeats a command, it never loses one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -41,6 +42,8 @@ RESEND_AFTER = 10.0
 START_GRACE = 15.0
 # Finished instances kept per workload for `orka get instances`; older ones are removed.
 KEEP_FINISHED = 5
+# Incremental passes plan only changed workloads; a full pass runs at least this often.
+FULL_PASS_EVERY = 2.0
 
 
 def new_instance(w: Workload) -> Instance:
@@ -65,38 +68,102 @@ class Reconciler:
         self._cleanup_sent: dict[tuple[str, str], float] = {}
         # Removal commands for finished instances whose records a plan deletes.
         self._removals: list[apb.NodeCommand] = []
+        # Incremental passes: while `run` listens to the repo, a pass plans only the workloads
+        # whose records (or instances' records) changed since the last pass; a full pass runs
+        # at least every FULL_PASS_EVERY seconds (time-based steps: resends, grace periods,
+        # placement-queue state) and after anything that is not tied to one workload (a node
+        # changed, the cache was reloaded). Without the listener every pass is full.
+        self._listening = False
+        self._changed_workloads: set[str] = set()
+        self._full_due = True
+        self._last_full = -1e9
+        self._reloads_seen = repo.reloads
+        # The workloads the current pass looks at; None: all of them.
+        self._scope: set[str] | None = None
 
     def kick(self) -> None:
         self._dirty.set()
 
+    def _on_change(self, change: Change, old: object) -> None:
+        if change.kind == "instances":
+            inst = change.value if change.value is not None else old
+            if isinstance(inst, Instance):
+                self._changed_workloads.add(inst.workload)
+        elif change.kind == "workloads":
+            self._changed_workloads.add(change.name)
+        else:
+            self._full_due = True  # a node: its instances span any number of workloads
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            # A timer rather than wait_for: on Python 3.11 wait_for can swallow a cancellation
-            # that races with the event, and the controller would never stop.
-            tick = loop.call_later(1.0, self._dirty.set)
-            try:
-                await self._dirty.wait()
-            finally:
-                tick.cancel()
-            self._dirty.clear()
-            try:
-                await self.reconcile_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("reconcile pass failed")
-                await asyncio.sleep(0.5)
+        self.repo.listeners.append(self._on_change)
+        self._listening = True
+        self._full_due = True
+        try:
+            while True:
+                # A timer rather than wait_for: on Python 3.11 wait_for can swallow a
+                # cancellation that races with the event, and the controller would never stop.
+                tick = loop.call_later(1.0, self._dirty.set)
+                try:
+                    await self._dirty.wait()
+                finally:
+                    tick.cancel()
+                self._dirty.clear()
+                try:
+                    await self.reconcile_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self._full_due = True
+                    log.exception("reconcile pass failed")
+                    await asyncio.sleep(0.5)
+        finally:
+            self._listening = False
+            with contextlib.suppress(ValueError):
+                self.repo.listeners.remove(self._on_change)
+
+    def _next_scope(self) -> set[str] | None:
+        now = time.monotonic()
+        if (
+            not self._listening
+            or self._full_due
+            or self.repo.reloads != self._reloads_seen
+            or now - self._last_full >= FULL_PASS_EVERY
+        ):
+            self._full_due = False
+            self._reloads_seen = self.repo.reloads
+            self._last_full = now
+            self._changed_workloads = set()
+            return None
+        scope, self._changed_workloads = self._changed_workloads, set()
+        return scope
+
+    def _in_scope(self) -> list[Instance]:
+        if self._scope is None:
+            return list(self.repo.instances.values())
+        # The pass's own writes (stops, new instances) are in the changed set by now.
+        out: list[Instance] = []
+        for w in self._scope | self._changed_workloads:
+            out += self.repo.instances_of(w)
+        return out
 
     async def reconcile_once(self) -> None:
         self._removals = []
-        await self.repo.mutate(self.plan)
-        if self._removals:
-            await self._command(self._removals)
-        await self._send_commands()
-        for inst in self.repo.instances.values():
-            if inst.phase is InstancePhase.PENDING and not inst.desired_stop:
-                self.queue.add(inst.name)
+        self._scope = self._next_scope()
+        try:
+            await self.repo.mutate(self.plan)
+            if self._removals:
+                await self._command(self._removals)
+            insts = self._in_scope()
+            await self._send_commands(insts, full=self._scope is None)
+            for inst in insts:
+                if inst.phase is InstancePhase.PENDING and not inst.desired_stop:
+                    self.queue.add(inst.name)
+        except BaseException:
+            self._full_due = True  # whatever this pass did not finish, the next one redoes
+            raise
+        finally:
+            self._scope = None
 
     # ---- planning ----
 
@@ -115,13 +182,19 @@ class Reconciler:
     def plan(self) -> list[Change]:
         changes: list[Change] = []
         now = time.time()
-        for name in list(self.repo.workloads):
-            w = self.repo.workloads[name]
+        scope = self._scope
+        names = list(self.repo.workloads) if scope is None else sorted(scope)
+        for name in names:
+            w = self.repo.workloads.get(name)
+            if w is None:
+                continue
             insts = {i.name: i for i in self.repo.instances_of(name)}
             if w.deleting:
                 changes += self._plan_delete(w, insts)
             else:
                 changes += self._plan_workload(w, insts, now)
+        if scope is not None:
+            return changes
         # Instances whose workload record is gone (should not happen; heal it anyway).
         for inst in list(self.repo.instances.values()):
             if inst.workload not in self.repo.workloads:
@@ -302,10 +375,12 @@ class Reconciler:
 
     # ---- commands to nodes ----
 
-    async def _send_commands(self) -> None:
+    async def _send_commands(
+        self, insts: Sequence[Instance] | None = None, full: bool = True
+    ) -> None:
         now = time.monotonic()
         cmds: list[apb.NodeCommand] = []
-        for inst in self.repo.instances.values():
+        for inst in self.repo.instances.values() if insts is None else insts:
             if not inst.node or inst.terminal:
                 continue
             node = self._node(inst.node)
@@ -334,12 +409,13 @@ class Reconciler:
                         continue
                     self._starts_sent[inst.name] = now
                     cmds.append(start_command(inst, w))
-        for name in list(self._stops_sent):
-            if name not in self.repo.instances:
-                del self._stops_sent[name]
-        for name in list(self._starts_sent):
-            if name not in self.repo.instances:
-                del self._starts_sent[name]
+        if full:
+            for name in list(self._stops_sent):
+                if name not in self.repo.instances:
+                    del self._stops_sent[name]
+            for name in list(self._starts_sent):
+                if name not in self.repo.instances:
+                    del self._starts_sent[name]
         if cmds:
             await self._command(cmds)
 

@@ -16,7 +16,14 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid, NotFound
-from orka.models import NodeState, Resources, WorkloadKind
+from orka.models import (
+    TERMINAL_PHASES,
+    InstancePhase,
+    InstanceReport,
+    NodeState,
+    Resources,
+    WorkloadKind,
+)
 from orka.rpc import convert
 from orka.rpc.server import start_server, stream, unary
 from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
@@ -269,7 +276,12 @@ class Scheduler(apb_grpc.SchedulerServicer):
         if kind == "heartbeat":
             hb = msg.heartbeat
             node.last_heartbeat_wall = time.time()
-            node.usage = convert.resources_from_pb(hb.usage)
+            usage = hb.usage
+            if (
+                usage.cpu_millis != node.usage.cpu_millis
+                or usage.memory_bytes != node.usage.memory_bytes
+            ):
+                node.usage = convert.resources_from_pb(usage)
             for status in hb.instances:
                 self._on_status(node, status)
             if node.state is not NodeState.READY:
@@ -294,6 +306,9 @@ class Scheduler(apb_grpc.SchedulerServicer):
             raise Invalid("empty agent message")
 
     def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
+        old = node.reports.get(status.name)
+        if old is not None and _unchanged(node, old, status):
+            return  # the same as last time and already accounted for: nothing to do
         report = convert.report_from_pb(status, node.name)
         if self.registry.apply_report(node, report, convert.resources_from_pb(status.resources)):
             self.hub.publish(
@@ -500,6 +515,30 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 yield batch
         finally:
             self.hub.queues.discard(queue)
+
+
+_PHASES = {convert.phase_to_pb(p): p for p in InstancePhase}
+
+
+def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus) -> bool:
+    """True when `status` says exactly what `old` (the stored report) says, and applying it
+    again would change nothing: compared on the raw message, before building any model."""
+    phase = _PHASES.get(status.phase)
+    if (
+        phase is not old.phase
+        or status.restarts != old.restarts
+        or status.reason != old.reason
+        or status.message != old.message
+        or status.workload != old.workload
+        or (status.started_at or None) != old.started_at
+        or (status.finished_at or None) != old.finished_at
+        or (status.exit_code if status.HasField("exit_code") else None) != old.exit_code
+    ):
+        return False
+    hold = node.holds.get(status.name)
+    if phase in TERMINAL_PHASES:
+        return hold is None
+    return hold is not None and hold.expires_at is None
 
 
 def node_usage(node: NodeRecord) -> Resources:

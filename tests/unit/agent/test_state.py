@@ -93,3 +93,31 @@ async def test_file_of_another_node_is_ignored(tmp_path: Path) -> None:
     assert loaded.instances == {}
     # The file itself is left alone; its owner can still read it.
     assert set(sf.load("other").instances) == {"web-1"}
+
+
+async def test_persist_writes_now_despite_the_delay(tmp_path: Path) -> None:
+    # A delay far longer than the test: only persist() can have written the file.
+    f = StateFile(tmp_path / "s.json", delay=3600)
+    f.save(state("n1", "web-1"))
+    await f.persist()
+    assert set(StateFile(tmp_path / "s.json").load("n1").instances) == {"web-1"}
+    f.save(lambda: state("n1", "web-1", "web-2"))
+    await f.persist()
+    assert set(StateFile(tmp_path / "s.json").load("n1").instances) == {"web-1", "web-2"}
+    await f.flush()
+
+
+async def test_persist_with_nothing_saved_returns(tmp_path: Path) -> None:
+    f = StateFile(tmp_path / "s.json", delay=3600)
+    await f.persist()
+    assert not (tmp_path / "s.json").exists()
+
+
+async def test_saves_are_coalesced_after_the_delay(tmp_path: Path) -> None:
+    f = StateFile(tmp_path / "s.json", delay=0.05)
+    for i in range(20):
+        f.save(state("n1", *(f"web-{j}" for j in range(i + 1))))
+    assert not (tmp_path / "s.json").exists()  # nothing written synchronously
+    await f.persist()
+    assert len(StateFile(tmp_path / "s.json").load("n1").instances) == 20
+    await f.flush()
