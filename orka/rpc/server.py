@@ -33,8 +33,11 @@ def grpc_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        # Liveness of agents is the heartbeat's job; keepalive only finds dead TCP peers, so
+        # it pings rarely and waits long: thousands of streams on a loaded loop must not be
+        # cut because a ping answer was late.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
