@@ -3,13 +3,15 @@
 Built once per snapshot (O(n log n)) and shared by every decision on that snapshot. Nodes that
 the request-independent filters (ready, schedulable) reject are left out; the rest are grouped
 into buckets of one driver set and one allocatable shape, each sorted by how used its nodes are
-(u = cpu_used/cpu_allocatable + mem_used/mem_allocatable). Within a bucket both built-in scorers
+(u = cpu_used/cpu_allocatable + mem_used/mem_allocatable); the nodes of a bucket with the same
+cpu_used and mem_used form one group, ordered by name. Within a bucket both built-in scorers
 are a monotone function of u for a node holding no instance of the request's workload:
 
     spread  = 1 - (u + cpu/cpu_alloc + mem/mem_alloc) / 2       (best: smallest u)
     binpack =     (u + cpu/cpu_alloc + mem/mem_alloc) / 2       (best: largest u that fits)
 
-so the best nodes of all buckets come out of a k-way merge. Every node the merge yields is still
+so the best groups of all buckets come out of a k-way merge, and within a group (equal scores)
+the first nodes by name are the best. Every node the merge yields is still
 checked by the real filters and scored by the real scorer; the index only decides which nodes
 are worth that. Whenever it cannot prove it found the true best (too few feasible nodes, a
 spread request whose workload already sits on the candidates, unusual capacities), the caller
@@ -31,13 +33,34 @@ EPSILON = 1e-9
 
 
 @dataclass(slots=True)
+class Group:
+    """The nodes of one bucket that have the same cpu_used and mem_used, by name.
+
+    Each built-in scorer gives all of them the same score for a request (for spread: those not
+    holding the request's workload), so ties among them go by name alone and a decision never
+    needs more than `limit` feasible nodes of one group. In a fleet filled evenly most nodes
+    share a few groups, so this is what keeps a decision from walking every tied node.
+    """
+
+    cpu_used: int
+    mem_used: int
+    nodes: list[NodeView] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Bucket:
     drivers: frozenset[str]
     cpu_alloc: int
     mem_alloc: int
-    nodes: list[NodeView] = field(default_factory=list)
-    # u of each node, ascending, parallel to `nodes` (for bisect).
+    # Ascending by (u, cpu_used, mem_used).
+    groups: list[Group] = field(default_factory=list)
+    # u of each group, ascending, parallel to `groups` (for bisect).
     used: list[float] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> list[NodeView]:
+        """Every node of the bucket, in walk order (u, then cpu_used, mem_used, then name)."""
+        return [n for g in self.groups for n in g.nodes]
 
 
 @dataclass(slots=True)
@@ -48,7 +71,7 @@ class SnapshotIndex:
 
     @classmethod
     def build(cls, snapshot: Snapshot) -> SnapshotIndex:
-        groups: dict[tuple[frozenset[str], int, int], list[tuple[float, NodeView]]] = {}
+        groups: dict[tuple[frozenset[str], int, int], dict[tuple[int, int], list[NodeView]]] = {}
         odd: list[NodeView] = []
         for node in snapshot.nodes:
             # Conservative: only what ReadyFilter and SchedulableFilter reject for any request.
@@ -58,43 +81,59 @@ class SnapshotIndex:
             if ca <= 0 or ma <= 0:
                 odd.append(node)
                 continue
-            u = node.cpu_used / ca + node.mem_used / ma
-            groups.setdefault((node.drivers, ca, ma), []).append((u, node))
+            by_used = groups.setdefault((node.drivers, ca, ma), {})
+            by_used.setdefault((node.cpu_used, node.mem_used), []).append(node)
         buckets = []
-        for (drivers, ca, ma), items in groups.items():
-            items.sort(key=lambda item: (item[0], item[1].name))
-            buckets.append(Bucket(drivers, ca, ma, [n for _, n in items], [u for u, _ in items]))
+        for (drivers, ca, ma), by_used in groups.items():
+            keyed = sorted((_u(cu, mu, ca, ma), cu, mu) for cu, mu in by_used)
+            b = Bucket(drivers, ca, ma)
+            for u, cu, mu in keyed:
+                members = by_used[(cu, mu)]
+                members.sort(key=_name)
+                b.groups.append(Group(cu, mu, members))
+                b.used.append(u)
+            buckets.append(b)
         return cls(buckets, odd)
 
 
-def walk_spread(bucket: Bucket, extra: float) -> Iterator[tuple[float, NodeView]]:
-    """Nodes of one bucket, best approximate spread score first: (-score, node)."""
+def _u(cpu_used: int, mem_used: int, cpu_alloc: int, mem_alloc: int) -> float:
+    return cpu_used / cpu_alloc + mem_used / mem_alloc
+
+
+def _name(node: NodeView) -> str:
+    return node.name
+
+
+def walk_spread(bucket: Bucket, extra: float) -> Iterator[tuple[float, Group]]:
+    """Groups of one bucket, best approximate spread score first: (-score, group)."""
     half = 0.5 * extra - 1.0
-    for u, node in zip(bucket.used, bucket.nodes, strict=True):
-        yield (0.5 * u + half, node)
+    for u, group in zip(bucket.used, bucket.groups, strict=True):
+        yield (0.5 * u + half, group)
 
 
-def walk_binpack(bucket: Bucket, extra: float) -> Iterator[tuple[float, NodeView]]:
-    """Nodes of one bucket that may fit, best approximate binpack score first: (-score, node).
+def walk_binpack(bucket: Bucket, extra: float) -> Iterator[tuple[float, Group]]:
+    """Groups of one bucket that may fit, best approximate binpack score first: (-score, group).
 
     A node with u above 2 - extra cannot fit (one of its two fractions would exceed 1), so the
     walk starts below that and goes down.
     """
     start = bisect.bisect_right(bucket.used, 2.0 - extra + EPSILON)
-    used, nodes = bucket.used, bucket.nodes
+    used, groups = bucket.used, bucket.groups
     for i in range(start - 1, -1, -1):
-        yield (-0.5 * (used[i] + extra), nodes[i])
+        yield (-0.5 * (used[i] + extra), groups[i])
 
 
 def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> SnapshotIndex:
     """The index of a snapshot that differs from `index`'s by replacing `old` with `new` views.
 
-    Copy-on-write per touched bucket, so the previous snapshot's index stays valid (snapshots
-    are immutable and a ranking may still be reading the old one).
+    Copy-on-write per touched bucket and group, so the previous snapshot's index stays valid
+    (snapshots are immutable and a ranking may still be reading the old one).
     """
     buckets = list(index.buckets)
     odd = index.odd
     copied: set[int] = set()
+    # Groups created by this call (by id), which it may change in place.
+    fresh: set[int] = set()
     slot = {(b.drivers, b.cpu_alloc, b.mem_alloc): i for i, b in enumerate(buckets)}
 
     def bucket_for(node: NodeView, create: bool) -> Bucket | None:
@@ -108,7 +147,7 @@ def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> S
             copied.add(i)
         elif i not in copied:
             b = buckets[i]
-            buckets[i] = Bucket(b.drivers, b.cpu_alloc, b.mem_alloc, list(b.nodes), list(b.used))
+            buckets[i] = Bucket(b.drivers, b.cpu_alloc, b.mem_alloc, list(b.groups), list(b.used))
             copied.add(i)
         return buckets[i]
 
@@ -124,13 +163,29 @@ def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> S
         b = bucket_for(node, create=False)
         if b is None:
             continue
-        u = node.cpu_used / node.cpu_allocatable + node.mem_used / node.mem_allocatable
+        cu, mu = node.cpu_used, node.mem_used
+        u = _u(cu, mu, b.cpu_alloc, b.mem_alloc)
         i = bisect.bisect_left(b.used, u)
-        while i < len(b.nodes) and b.nodes[i] is not node:
+        groups = b.groups
+        while i < len(groups) and not (groups[i].cpu_used == cu and groups[i].mem_used == mu):
+            if b.used[i] != u:
+                i = len(groups)
+                break
             i += 1
-        if i < len(b.nodes):
-            del b.nodes[i]
+        if i == len(groups):
+            continue
+        g = groups[i]
+        j = bisect.bisect_left(g.nodes, node.name, key=_name)
+        if j == len(g.nodes) or g.nodes[j] is not node:
+            continue
+        if len(g.nodes) == 1:
+            del groups[i]
             del b.used[i]
+            continue
+        if id(g) not in fresh:
+            g = groups[i] = Group(cu, mu, list(g.nodes))
+            fresh.add(id(g))
+        del g.nodes[j]
     for node in new:
         if not eligible(node):
             continue
@@ -139,12 +194,31 @@ def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> S
             continue
         b = bucket_for(node, create=True)
         assert b is not None
-        u = node.cpu_used / node.cpu_allocatable + node.mem_used / node.mem_allocatable
-        lo = bisect.bisect_left(b.used, u)
-        hi = bisect.bisect_right(b.used, u)
-        # Same (u, name) order as build(), so ties walk the same way.
-        while lo < hi and b.nodes[lo].name < node.name:
-            lo += 1
-        b.nodes.insert(lo, node)
-        b.used.insert(lo, u)
-    return SnapshotIndex([b for b in buckets if b.nodes], odd)
+        cu, mu = node.cpu_used, node.mem_used
+        u = _u(cu, mu, b.cpu_alloc, b.mem_alloc)
+        i = bisect.bisect_left(b.used, u)
+        groups = b.groups
+        # Same (u, cpu_used, mem_used) order as build().
+        while (
+            i < len(groups)
+            and b.used[i] == u
+            and (groups[i].cpu_used, groups[i].mem_used) < (cu, mu)
+        ):
+            i += 1
+        if (
+            i < len(groups)
+            and b.used[i] == u
+            and groups[i].cpu_used == cu
+            and groups[i].mem_used == mu
+        ):
+            g = groups[i]
+            if id(g) not in fresh:
+                g = groups[i] = Group(cu, mu, list(g.nodes))
+                fresh.add(id(g))
+            bisect.insort(g.nodes, node, key=_name)
+        else:
+            g = Group(cu, mu, [node])
+            fresh.add(id(g))
+            groups.insert(i, g)
+            b.used.insert(i, u)
+    return SnapshotIndex([b for b in buckets if b.groups], odd)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from orka.errors import Invalid
 from orka.scheduler.filters import FILTERS, Filter
-from orka.scheduler.index import EPSILON, SnapshotIndex, walk_binpack, walk_spread
+from orka.scheduler.index import EPSILON, Group, SnapshotIndex, walk_binpack, walk_spread
 from orka.scheduler.scorers import SCORERS, Scorer
 from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
 
@@ -122,6 +122,11 @@ class Pipeline:
         if len(self._scorers) == 1 and self._scorers[0][0].name in ("spread", "binpack"):
             self._fast = self._scorers[0][0].name
         self._driver_check = next((f.check for f in self._filters if f.name == "driver"), None)
+        # Filters every node of the index passes already: it holds only READY, schedulable
+        # nodes, and each bucket's driver set is checked once for all its nodes.
+        self._indexed: frozenset[str] = frozenset({"ready", "schedulable"})
+        if self._driver_check is not None:
+            self._indexed |= {"driver"}
 
     def rank(self, req: PlacementRequest, snapshot: Snapshot, limit: int | None = None) -> Ranking:
         if limit is not None and limit < 0:
@@ -156,29 +161,41 @@ class Pipeline:
         parts = []
         for b in index.buckets:
             # Every node of a bucket has the same drivers: one check speaks for all of them.
-            if driver_check is not None and driver_check(req, b.nodes[0]) is not None:
+            if driver_check is not None and driver_check(req, b.groups[0].nodes[0]) is not None:
                 continue
             parts.append((b, cpu / b.cpu_alloc + mem / b.mem_alloc))
         walk = walk_spread if spread else walk_binpack
-        stream: Iterator[tuple[float, NodeView]] = heapq.merge(
+        stream: Iterator[tuple[float, Group]] = heapq.merge(
             *[walk(b, e) for b, e in parts], key=_first
         )
+        indexed = self._indexed
+        rest = [f.check for f in self._filters if f.name not in indexed and f.applies(req)]
         found: list[NodeView] = []
+        keep = found.append
         bound = math.inf
-        for key, node in stream:
+        want = limit  # found must reach this before the bound is known
+        for key, group in stream:
             if key > bound:
                 break
-            if spread and node.workload_counts.get(workload):
-                # Scored at least 2 below any empty feasible node: it can only rank if fewer
-                # than `limit` of those exist, and then the exhaustive path runs anyway.
-                continue
-            for check in checks:
-                if check(req, node) is not None:
-                    break
-            else:
-                found.append(node)
-                if len(found) == limit:
-                    bound = key + EPSILON
+            # Nodes of one group score the same, so beyond the first `limit` feasible ones (by
+            # name) none of them can rank.
+            stop = len(found) + limit
+            for node in group.nodes:
+                if spread and node.workload_counts.get(workload):
+                    # Scored at least 2 below any empty feasible node: it can only rank if fewer
+                    # than `limit` of those exist, and then the exhaustive path runs anyway.
+                    continue
+                for check in rest:
+                    if check(req, node) is not None:
+                        break
+                else:
+                    keep(node)
+                    if len(found) >= want:
+                        if want:
+                            bound = key + EPSILON
+                            want = 0
+                        if len(found) == stop:
+                            break
         if len(found) < limit:
             return None
         for node in index.odd:
@@ -237,7 +254,7 @@ class Pipeline:
         return totals
 
 
-def _first(item: tuple[float, NodeView]) -> float:
+def _first(item: tuple[float, Group]) -> float:
     return item[0]
 
 

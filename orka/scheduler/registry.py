@@ -164,7 +164,7 @@ class Registry:
             if added:
                 # Snapshot order is registration order, whatever order the dirty set has.
                 self._views = {name: self._views[name] for name in self.nodes}
-        snap = Snapshot(tuple(self._views.values()))
+        snap = Snapshot.from_views(dict(self._views))
         # Carry the pipeline's index over when only a few nodes changed (copy-on-write).
         if dirty is not None and previous is not None and isinstance(previous.index, SnapshotIndex):
             old = [previous.by_name[n] for n in dirty if n in previous.by_name]
@@ -228,7 +228,17 @@ class Registry:
             self.release(node, report.name)
         else:
             hold = node.holds.get(report.name)
-            if hold is None or hold.expires_at is not None:
+            if (
+                hold is not None
+                and hold.expires_at is not None
+                and hold.workload == report.workload
+                and hold.cpu_millis == resources.cpu_millis
+                and hold.memory_bytes == resources.memory_bytes
+            ):
+                # The reservation becomes the bound hold as it is: no view of the node changes,
+                # so the snapshot (and its index) stays valid.
+                hold.expires_at = None
+            elif hold is None or hold.expires_at is not None:
                 node.add_hold(
                     report.name,
                     Hold(report.workload, resources.cpu_millis, resources.memory_bytes),
@@ -251,10 +261,17 @@ class Registry:
     def expire_reservations(self, now: float) -> list[tuple[str, str]]:
         expired = []
         for node in self.nodes.values():
-            for name, hold in list(node.holds.items()):
-                if hold.expires_at is not None and hold.expires_at < now:
-                    node.drop_hold(name)
-                    expired.append((node.name, name))
+            holds = node.holds
+            if not holds:
+                continue  # runs every liveness tick over every node: no copy for empty ones
+            due = [
+                name
+                for name, hold in holds.items()
+                if hold.expires_at is not None and hold.expires_at < now
+            ]
+            for name in due:
+                node.drop_hold(name)
+                expired.append((node.name, name))
         if expired:
             self.changed()
         return expired

@@ -94,6 +94,63 @@ def request_of(a: apb.Assignment) -> PlacementRequest:
     )
 
 
+_NODE_STATES = {state: pb.Node.State.Value(state.value) for state in NodeState}
+
+
+class NodeMessages:
+    """`pb.Node` of a node record, the same as `convert.node_to_pb(node.to_model())`.
+
+    Every node is published every `usage_report_interval`, so this skips the model and keeps
+    what only registering changes (name, labels, drivers, capacity, allocatable) as one message
+    per node, copied into each new one.
+    """
+
+    def __init__(self) -> None:
+        # Node name -> (labels, drivers, capacity, allocatable, the message of those).
+        self._static: dict[
+            str, tuple[dict[str, str], frozenset[str], Resources, Resources, pb.Node]
+        ] = {}
+
+    def build(self, node: NodeRecord) -> pb.Node:
+        msg = pb.Node()
+        self.fill(msg, node)
+        return msg
+
+    def fill(self, msg: pb.Node, node: NodeRecord) -> None:
+        """Write the node into `msg`, an empty message (such as a new update's `node`)."""
+        cached = self._static.get(node.name)
+        if (
+            cached is None
+            or cached[1] is not node.drivers
+            or cached[2] is not node.capacity
+            or cached[3] is not node.allocatable
+            or cached[0] != node.labels
+        ):
+            static = pb.Node(
+                name=node.name,
+                capacity=convert.resources_to_pb(node.capacity),
+                allocatable=convert.resources_to_pb(node.allocatable),
+                labels=node.labels,
+                drivers=sorted(node.drivers),
+            )
+            cached = (dict(node.labels), node.drivers, node.capacity, node.allocatable, static)
+            self._static[node.name] = cached
+        msg.CopyFrom(cached[4])
+        msg.state = _NODE_STATES[node.state]
+        msg.schedulable = node.schedulable
+        msg.draining = node.draining
+        # Set even when zero: the sub-messages are present, as in convert.node_to_pb.
+        allocated = msg.allocated
+        allocated.cpu_millis = node.cpu_used
+        allocated.memory_bytes = node.mem_used
+        usage = msg.usage
+        usage.cpu_millis = node.usage.cpu_millis
+        usage.memory_bytes = node.usage.memory_bytes
+        msg.instances = len(node.holds)
+        msg.last_heartbeat = node.last_heartbeat_wall
+        msg.message = node.message
+
+
 class Scheduler(apb_grpc.SchedulerServicer):
     def __init__(self, config: SchedulerConfig, tls: TlsFiles) -> None:
         self.config = config
@@ -101,6 +158,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self.registry = Registry()
         self.pipeline = Pipeline(config.pipeline)
         self.hub = WatchHub()
+        self._node_pb = NodeMessages()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -146,7 +204,9 @@ class Scheduler(apb_grpc.SchedulerServicer):
     # ---- publishing to controllers ----
 
     def _publish_node(self, node: NodeRecord) -> None:
-        self.hub.publish(apb.ClusterUpdate(node=convert.node_to_pb(node.to_model())))
+        update = apb.ClusterUpdate()
+        self._node_pb.fill(update.node, node)
+        self.hub.publish(update)
 
     def _publish_sync(self, node: NodeRecord) -> None:
         sync = apb.NodeSync(node=node.name)
@@ -480,7 +540,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             node.draining = request.draining
         self.registry.changed()
         self._publish_node(node)
-        return convert.node_to_pb(node.to_model())
+        return self._node_pb.build(node)
 
     # ---- controller feed ----
 
@@ -491,7 +551,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         queue: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
         first = apb.ClusterUpdates()
         for node in self.registry:
-            first.updates.append(apb.ClusterUpdate(node=convert.node_to_pb(node.to_model())))
+            first.updates.append(apb.ClusterUpdate(node=self._node_pb.build(node)))
             if node.state in (NodeState.READY, NodeState.NOT_READY):
                 sync = apb.NodeSync(node=node.name)
                 for report in node.reports.values():

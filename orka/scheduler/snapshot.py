@@ -81,6 +81,22 @@ class Snapshot:
     def of(cls, nodes: Iterable[NodeView]) -> Snapshot:
         return cls(tuple(nodes))
 
+    @classmethod
+    def from_views(cls, by_name: dict[str, NodeView]) -> Snapshot:
+        """A snapshot of `by_name`'s views in its order, taking ownership of the dict.
+
+        The caller hands over a dict nobody else will change (names are unique by construction),
+        so the per-node checks and the name map of the constructor are skipped: this is the
+        registry's path, which builds one snapshot per reservation.
+        """
+        snap = object.__new__(cls)
+        set_ = object.__setattr__
+        set_(snap, "nodes", tuple(by_name.values()))
+        set_(snap, "by_name", MappingProxyType(by_name))
+        set_(snap, "index", None)
+        set_(snap, "uses", 0)
+        return snap
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -331,3 +331,26 @@ async def test_try_reserve_with_real_agent_session() -> None:
     assert reg.try_reserve(rec, request(), 5) is None
     rec.session = None
     assert reg.try_reserve(rec, request(instance="web-1"), 5) == "not ready"
+
+
+def test_report_binding_an_identical_reservation_keeps_the_snapshot() -> None:
+    reg, rec = registry_with()
+    req = request(instance="web-0", cpu_millis=500, memory_bytes=GIB)
+    assert reg.try_reserve(rec, req, 5) is None
+    snap = reg.snapshot()
+    assert reg.apply_report(rec, report(phase=InstancePhase.STARTING), RES) is True
+    assert rec.holds["web-0"] == Hold("web", 500, GIB, expires_at=None)
+    # Nothing a view shows changed, so the cached snapshot (and its index) is still current.
+    assert reg.snapshot() is snap
+    assert reg.expire_reservations(time.monotonic() + 1e6) == []
+
+
+def test_report_binding_a_different_reservation_rebuilds_the_view() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", cpu_millis=200), 5) is None
+    snap = reg.snapshot()
+    assert reg.apply_report(rec, report(phase=InstancePhase.STARTING), RES) is True
+    assert rec.holds["web-0"] == Hold("web", 500, GIB, expires_at=None)
+    fresh = reg.snapshot()
+    assert fresh is not snap
+    assert fresh.by_name["n1"].cpu_used == 500

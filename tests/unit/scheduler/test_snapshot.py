@@ -56,3 +56,15 @@ def test_snapshot_rejects_duplicate_names() -> None:
 def test_free_resources() -> None:
     n = node(cpu_allocatable=1000, cpu_used=300, mem_allocatable=10, mem_used=4)
     assert (n.cpu_free, n.mem_free) == (700, 6)
+
+
+def test_from_views_equals_constructed_snapshot() -> None:
+    a, b = node(name="a"), node(name="b", cpu_used=100)
+    views = {"b": b, "a": a}
+    snap = Snapshot.from_views(views)
+    assert snap == Snapshot((b, a))
+    assert snap.nodes == (b, a)
+    assert dict(snap.by_name) == {"a": a, "b": b}
+    assert snap.index is None and snap.uses == 0
+    with pytest.raises(TypeError):
+        snap.by_name["c"] = a  # type: ignore[index]
