@@ -11,6 +11,7 @@ import asyncio
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import ClassVar
@@ -68,6 +69,39 @@ class DriverHealth(BaseModel):
 class Usage(BaseModel):
     cpu_millis: int = 0
     memory_bytes: int = 0
+
+
+@dataclass(eq=False, kw_only=True)
+class TrackedTask:
+    """What every driver keeps of a task it runs: enough to answer `TaskInfo`.
+
+    Drivers subclass it with their own handles (a pid file, a snapshotter, a domain).
+    """
+
+    driver: ClassVar[str] = ""
+
+    instance: str
+    workload: str
+    started_at: float
+    pid: int | None = None
+    exit_code: int | None = None
+    finished_at: float | None = None
+    message: str = ""
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task[None] | None = None
+
+    def info(self) -> TaskInfo:
+        return TaskInfo(
+            instance=self.instance,
+            workload=self.workload,
+            driver=self.driver,
+            state=TaskState.EXITED if self.done.is_set() else TaskState.RUNNING,
+            exit_code=self.exit_code,
+            pid=self.pid,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            message=self.message,
+        )
 
 
 class Driver(ABC):

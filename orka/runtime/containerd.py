@@ -51,7 +51,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -86,7 +86,7 @@ from orka.runtime.base import (
     DriverHealth,
     RunSpec,
     TaskInfo,
-    TaskState,
+    TrackedTask,
     Usage,
     check_instance,
     terminate,
@@ -111,34 +111,14 @@ _LEASE_TTL = dt.timedelta(hours=1)
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-@dataclass(eq=False)
-class _Task:
-    instance: str
-    workload: str
+@dataclass(eq=False, kw_only=True)
+class _Task(TrackedTask):
+    driver: ClassVar[str] = "containerd"
+
     snapshotter: str
-    started_at: float
-    pid: int | None = None
-    exit_code: int | None = None
-    finished_at: float | None = None
-    message: str = ""
     killed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    watcher: asyncio.Task[None] | None = None
     # (cpu seconds, wall time) of the previous usage sample, to turn a counter into a rate.
     cpu_sample: tuple[float, float] | None = None
-
-    def info(self) -> TaskInfo:
-        return TaskInfo(
-            instance=self.instance,
-            workload=self.workload,
-            driver=ContainerdDriver.name,
-            state=TaskState.EXITED if self.done.is_set() else TaskState.RUNNING,
-            exit_code=self.exit_code,
-            pid=self.pid,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            message=self.message,
-        )
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ from orka.runtime.base import (
     DriverHealth,
     RunSpec,
     TaskInfo,
-    TaskState,
+    TrackedTask,
     Usage,
     check_instance,
     terminate,
@@ -255,36 +255,18 @@ def _kvm_usable() -> bool:
     return False
 
 
-@dataclass(eq=False)
-class _Vm:
-    instance: str
-    workload: str
+@dataclass(eq=False, kw_only=True)
+class _Vm(TrackedTask):
+    driver: ClassVar[str] = "libvirt"
+
     dir: Path
-    started_at: float
-    exit_code: int | None = None
-    finished_at: float | None = None
-    message: str = ""
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     # Set before the first await of _finish, so the watcher and stop() record the exit once.
     finishing: bool = False
-    watcher: asyncio.Task[None] | None = None
     # (guest cpu time in ns, monotonic ns) of the previous usage() call, for a rate.
     cpu_sample: tuple[int, int] | None = None
     # The stats call in flight (at most one per VM, however slow libvirtd is) and the last result.
     stats: asyncio.Future[tuple[int, int]] | None = None
     last_usage: Usage = field(default_factory=Usage)
-
-    def info(self) -> TaskInfo:
-        return TaskInfo(
-            instance=self.instance,
-            workload=self.workload,
-            driver=LibvirtDriver.name,
-            state=TaskState.EXITED if self.done.is_set() else TaskState.RUNNING,
-            exit_code=self.exit_code,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            message=self.message,
-        )
 
 
 class LibvirtDriver(Driver):

@@ -51,7 +51,7 @@ from orka.runtime.base import (
     DriverHealth,
     RunSpec,
     TaskInfo,
-    TaskState,
+    TrackedTask,
     Usage,
     check_instance,
     terminate,
@@ -74,37 +74,18 @@ EXIT_FILE = "exit.json"
 EXIT_CODE_FILE = "exit_code"
 
 
-@dataclass(eq=False)
-class _Task:
-    instance: str
-    workload: str
+@dataclass(eq=False, kw_only=True)
+class _Task(TrackedTask):
+    driver: ClassVar[str] = "process"
+
     dir: Path
     pid: int
     start_ticks: int | None
-    started_at: float
     # Only set for children of this process; adopted tasks are polled instead.
     proc: asyncio.subprocess.Process | None = None
-    exit_code: int | None = None
-    finished_at: float | None = None
-    message: str = ""
     killed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    watcher: asyncio.Task[None] | None = None
     # Kept between usage() calls because psutil's cpu_percent measures since the last call.
     samples: dict[int, psutil.Process] = field(default_factory=dict)
-
-    def info(self) -> TaskInfo:
-        return TaskInfo(
-            instance=self.instance,
-            workload=self.workload,
-            driver=ProcessDriver.name,
-            state=TaskState.EXITED if self.done.is_set() else TaskState.RUNNING,
-            exit_code=self.exit_code,
-            pid=self.pid,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            message=self.message,
-        )
 
 
 class ProcessDriver(Driver):
