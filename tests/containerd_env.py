@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from orka.runtime.oci_archive import build
+from tests.subprocs import reap
 
 NAMESPACE = "orka"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -150,11 +151,7 @@ class ContainerdDaemon:
             self.ctd.clean_namespace()
         if self.proc is not None:
             self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            reap(self.proc, 10)
             self.proc = None
         if self.ctd is not None:
             # runc removes each container's cgroup but not the (now empty) parent we chose.

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocs import reap
+
 ETCD = Path(os.environ.get("ORKA_TEST_ETCD", "/usr/bin/etcd"))
 
 needs_etcd = pytest.mark.skipif(
@@ -107,11 +109,7 @@ class EtcdMember:
             proc.kill()
         else:
             proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        reap(proc, 10, 10)
 
 
 class EtcdCluster:

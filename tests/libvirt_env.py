@@ -45,6 +45,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocs import reap
+
 LIBVIRTD = shutil.which("libvirtd") or "/usr/sbin/libvirtd"
 VIRTLOGD = shutil.which("virtlogd") or "/usr/sbin/virtlogd"
 QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
@@ -154,11 +156,7 @@ class LibvirtDaemons:
         # libvirtd first: it holds connections to virtlogd.
         for proc in reversed(self.procs):
             proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            reap(proc, 15, 5)
         self.procs.clear()
         if self.kvm_mode is not None:
             mode, uid, gid = self.kvm_mode

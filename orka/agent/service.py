@@ -205,7 +205,8 @@ class Agent:
     # ---- adoption after a restart ----
 
     async def _adopt(self) -> None:
-        state = self.state_file.load(self.name)
+        # A file read: off the event loop, like the state file's writes.
+        state = await asyncio.to_thread(self.state_file.load, self.name)
         tasks = {}
         for driver in self.drivers.values():
             with contextlib.suppress(Exception):

@@ -8,8 +8,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import grpc
-
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.events import EventHub, Subscriber
@@ -240,7 +238,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     @stream(roles=ADMIN)
     async def WatchEvents(
-        self, request: pb.WatchEventsRequest, who: Identity, context: grpc.aio.ServicerContext
+        self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.Event]:
         await self.gate()
         if request.workload:

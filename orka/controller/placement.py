@@ -35,6 +35,13 @@ def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
     return apb.NodeCommand(node=inst.node, start=apb.StartInstance(assignment=assignment(inst, w)))
 
 
+def stop_command(node: str, instance: str, reason: str) -> apb.NodeCommand:
+    """Stop and remove an instance on a node."""
+    return apb.NodeCommand(
+        node=node, stop=apb.StopInstance(instance=instance, remove=True, reason=reason)
+    )
+
+
 @dataclass
 class PlacementConfig:
     batch_size: int = 256
@@ -151,7 +158,7 @@ class PlacementQueue:
             committed = await self._bind(bound)
             if unplaced:
                 await self._mark_unplaced(unplaced)
-            await self._start(committed, bound)
+            await self._start(committed)
         finally:
             for inst in batch:
                 self.inflight.discard(inst.name)
@@ -196,7 +203,7 @@ class PlacementQueue:
                 log.warning("release failed", error=err.message)
         return committed
 
-    async def _start(self, committed: list[Instance], bound: dict[str, str]) -> None:
+    async def _start(self, committed: list[Instance]) -> None:
         if not committed:
             return
         cmds = []

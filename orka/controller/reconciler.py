@@ -12,13 +12,12 @@ import contextlib
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import structlog
 
 from orka.api import agent_pb2 as apb
 from orka.controller.link import SchedulerLink
-from orka.controller.placement import PlacementQueue, start_command
+from orka.controller.placement import PlacementQueue, start_command, stop_command
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.models import (
@@ -50,11 +49,6 @@ def new_instance(w: Workload) -> Instance:
     return Instance(
         name=f"{w.name}-{secrets.token_hex(3)}", workload=w.name, generation=w.generation
     )
-
-
-@dataclass
-class _Sent:
-    at: float
 
 
 class Reconciler:
@@ -171,12 +165,7 @@ class Reconciler:
         """Delete the record; a finished task the node still keeps (logs, container) goes too."""
         node = self._node(inst.node) if inst.node else None
         if inst.terminal and node is not None and node.state is NodeState.READY:
-            self._removals.append(
-                apb.NodeCommand(
-                    node=inst.node,
-                    stop=apb.StopInstance(instance=inst.name, remove=True, reason="forgotten"),
-                )
-            )
+            self._removals.append(stop_command(inst.node, inst.name, "forgotten"))
         return Change("instances", inst.name, None)
 
     def plan(self) -> list[Change]:
@@ -389,14 +378,7 @@ class Reconciler:
             if inst.desired_stop:
                 if now - self._stops_sent.get(inst.name, -1e9) > RESEND_AFTER:
                     self._stops_sent[inst.name] = now
-                    cmds.append(
-                        apb.NodeCommand(
-                            node=inst.node,
-                            stop=apb.StopInstance(
-                                instance=inst.name, remove=True, reason=inst.message
-                            ),
-                        )
-                    )
+                    cmds.append(stop_command(inst.node, inst.name, inst.message))
             elif inst.phase is InstancePhase.SCHEDULED:
                 # The start may have been lost (controller restart between bind and start).
                 scheduled = inst.scheduled_at or 0.0
@@ -416,6 +398,10 @@ class Reconciler:
             for name in list(self._starts_sent):
                 if name not in self.repo.instances:
                     del self._starts_sent[name]
+            # A cleanup older than RESEND_AFTER acts as if never sent: drop it (bounded growth).
+            for key, at in list(self._cleanup_sent.items()):
+                if now - at >= RESEND_AFTER:
+                    del self._cleanup_sent[key]
         if cmds:
             await self._command(cmds)
 
@@ -437,9 +423,7 @@ class Reconciler:
             return None
         self._cleanup_sent[key] = now
         log.info("stopping unexpected instance", node=node, instance=instance, why=why)
-        return apb.NodeCommand(
-            node=node, stop=apb.StopInstance(instance=instance, remove=True, reason=why)
-        )
+        return stop_command(node, instance, why)
 
     # ---- what the scheduler tells us ----
 

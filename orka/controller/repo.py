@@ -17,7 +17,6 @@ applied state (the reconciler plans again from whatever landed).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ Kind = Literal["workloads", "instances", "nodes"]
 
 # etcd's default --max-txn-ops; larger commits are split into several transactions.
 MAX_TXN_OPS = 128
-Listener = Callable[[str, "Change"], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +170,3 @@ class Repo:
         """Refresh a cached object without a write (soft fields such as node usage)."""
         if isinstance(model, Node) and model.name in self.nodes:
             self.nodes[model.name] = model
-
-
-def now() -> float:
-    return time.time()

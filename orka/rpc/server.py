@@ -113,7 +113,7 @@ def stream(
         ) -> AsyncIterator[Resp]:
             try:
                 who = require_role(context, roles)
-                async for item in fn(self, request, who, context):
+                async for item in fn(self, request, who):
                     yield item
             except Exception as err:
                 code, message = _abort_code(err)

@@ -8,13 +8,16 @@ agent can re-adopt what still runs (`Driver.list`).
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -144,6 +147,80 @@ class Driver(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop watching tasks; tasks keep running so a restarted agent can re-adopt them."""
+
+
+TaskT = TypeVar("TaskT", bound=TrackedTask)
+
+
+class TrackingDriver(Driver, Generic[TaskT]):
+    """The `wait`/`stop`/`remove` every driver that keeps a `TrackedTask` per instance shares.
+
+    Subclasses set `_locks` (start, stop and remove of one instance must not interleave) and
+    supply how to find a task, how to end a running one and how to forget one.
+    """
+
+    _locks: defaultdict[str, asyncio.Lock]
+
+    @abstractmethod
+    async def _lookup(self, instance: str) -> TaskT | None:
+        """The task, re-adopted from the driver's own state if needed; None when unknown."""
+
+    @abstractmethod
+    async def _require(self, instance: str) -> TaskT:
+        """`_lookup`, raising NotFound when unknown."""
+
+    @abstractmethod
+    async def _stop_running(self, task: TaskT, grace: float) -> None:
+        """End a running task (under its lock), typically through `terminate`."""
+
+    @abstractmethod
+    async def _discard(self, instance: str, task: TaskT | None) -> None:
+        """Forget the (exited or unknown) instance and its runtime files (under its lock)."""
+
+    async def wait(self, instance: str) -> TaskInfo:
+        task = await self._require(instance)
+        await task.done.wait()
+        return task.info()
+
+    async def stop(self, instance: str, grace: float) -> TaskInfo:
+        task = await self._require(instance)
+        async with self._locks[instance]:
+            if not task.done.is_set():
+                await self._stop_running(task, grace)
+            return task.info()
+
+    async def remove(self, instance: str) -> None:
+        """Kill at once if still running: a graceful stop is the caller's `stop()` beforehand."""
+        check_instance(instance)
+        task = await self._lookup(instance)
+        if task is not None and not task.done.is_set():
+            await self.stop(instance, grace=0.0)
+        async with self._locks[instance]:
+            await self._discard(instance, task)
+        self._locks.pop(instance, None)
+
+
+async def cancel_watchers(tasks: Iterable[TrackedTask]) -> None:
+    """Cancel the tasks' watchers and wait for them to end (the tasks themselves keep running)."""
+    watchers = [t.watcher for t in tasks if t.watcher is not None]
+    for watcher in watchers:
+        watcher.cancel()
+    await asyncio.gather(*watchers, return_exceptions=True)
+
+
+def exit_message(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code > 128:
+        return f"terminated by signal {code - 128}"
+    return f"exited with code {code}"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write then rename, so a crash never leaves a half-written record behind (blocking)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 async def terminate(

@@ -82,13 +82,15 @@ from orka.errors import AlreadyExists, NotFound, RuntimeFailure
 from orka.models import WorkloadKind
 from orka.runtime import oci
 from orka.runtime.base import (
-    Driver,
     DriverHealth,
     RunSpec,
     TaskInfo,
     TrackedTask,
+    TrackingDriver,
     Usage,
+    cancel_watchers,
     check_instance,
+    exit_message,
     terminate,
 )
 
@@ -102,7 +104,6 @@ LABEL_INSTANCE = "orka.instance"
 LABEL_WORKLOAD = "orka.workload"
 LABEL_STARTED = "orka.started-at"
 SNAPSHOTTER_PLUGIN = "io.containerd.snapshotter.v1"
-SIGKILL_EXIT_CODE = 128 + signal.SIGKILL
 # containerd's own limit on container ids (identifiers.Validate).
 _MAX_ID = 76
 _CHUNK = 1 << 20
@@ -139,7 +140,7 @@ def _ts(stamp: Any) -> float | None:
     return seconds if seconds > 0 else None
 
 
-class ContainerdDriver(Driver):
+class ContainerdDriver(TrackingDriver[_Task]):
     name: ClassVar[str] = "containerd"
 
     def __init__(
@@ -157,7 +158,6 @@ class ContainerdDriver(Driver):
         self._root = Path(data_dir).resolve() / "instances"
         self.socket = socket
         self.namespace = namespace
-        self._snapshotter_opt = snapshotter
         self._snapshotter: str | None = None if snapshotter == "auto" else snapshotter
         self.runtime = runtime
         self.cgroup_parent = "/" + cgroup_parent.strip("/")
@@ -250,44 +250,6 @@ class ContainerdDriver(Driver):
             )
             return task.info()
 
-    async def wait(self, instance: str) -> TaskInfo:
-        task = await self._require(instance)
-        await task.done.wait()
-        return task.info()
-
-    async def stop(self, instance: str, grace: float) -> TaskInfo:
-        task = await self._require(instance)
-        async with self._locks[instance]:
-            if task.done.is_set():
-                return task.info()
-
-            async def kill() -> None:
-                task.killed = True
-                # all=True: every process of the container, not just its init.
-                await self._kill(instance, signal.SIGKILL, all_procs=True)
-
-            await terminate(
-                task.done.wait,
-                lambda: self._kill(instance, signal.SIGTERM),
-                kill,
-                grace,
-                _KILL_TIMEOUT,
-                f"containerd: task {instance!r}",
-            )
-            log.info("containerd.stopped", instance=instance, exit_code=task.exit_code)
-            return task.info()
-
-    async def remove(self, instance: str) -> None:
-        """Kill at once if still running (a graceful stop is the caller's `stop()` first)."""
-        check_instance(instance)
-        task = await self._lookup(instance)
-        if task is not None and not task.done.is_set():
-            await self.stop(instance, grace=0.0)
-        async with self._locks[instance]:
-            snapshotter = task.snapshotter if task else await self._resolve_snapshotter()
-            await self._delete(instance, snapshotter, keep_logs=False)
-        self._locks.pop(instance, None)
-
     async def list(self) -> list[TaskInfo]:
         resp = await self._containers().List(
             cpb.ListContainersRequest(filters=[f'labels."{LABEL_INSTANCE}"']),
@@ -324,10 +286,7 @@ class ContainerdDriver(Driver):
         if self._closed:
             return
         self._closed = True
-        watchers = [t.watcher for t in self._tasks.values() if t.watcher is not None]
-        for watcher in watchers:
-            watcher.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        await cancel_watchers(self._tasks.values())
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -483,7 +442,7 @@ class ContainerdDriver(Driver):
 
     async def _pull(self, image: str, name: str) -> None:
         """`ctr images pull`: containerd 1.6 has no gRPC pull (see the module docstring)."""
-        ctr = shutil.which(self._ctr)
+        ctr = await asyncio.to_thread(shutil.which, self._ctr)
         if ctr is None:
             raise RuntimeFailure(
                 f"containerd: image {image!r} is not present and {self._ctr!r} (needed to pull)"
@@ -740,7 +699,29 @@ class ContainerdDriver(Driver):
                 return
             raise
 
-    # -- tracking ----------------------------------------------------------------------------
+    # -- tracking (the `TrackingDriver` hooks first) -------------------------------------------
+
+    async def _stop_running(self, task: _Task, grace: float) -> None:
+        instance = task.instance
+
+        async def kill() -> None:
+            task.killed = True
+            # all=True: every process of the container, not just its init.
+            await self._kill(instance, signal.SIGKILL, all_procs=True)
+
+        await terminate(
+            task.done.wait,
+            lambda: self._kill(instance, signal.SIGTERM),
+            kill,
+            grace,
+            _KILL_TIMEOUT,
+            f"containerd: task {instance!r}",
+        )
+        log.info("containerd.stopped", instance=instance, exit_code=task.exit_code)
+
+    async def _discard(self, instance: str, task: _Task | None) -> None:
+        snapshotter = task.snapshotter if task else await self._resolve_snapshotter()
+        await self._delete(instance, snapshotter, keep_logs=False)
 
     async def _require(self, instance: str) -> _Task:
         task = await self._lookup(check_instance(instance))
@@ -795,7 +776,7 @@ class ContainerdDriver(Driver):
             task.pid = process.pid
             task.exit_code = process.exit_status
             task.finished_at = _ts(process.exited_at)
-            task.message = _exit_message(task.exit_code)
+            task.message = exit_message(task.exit_code)
             task.done.set()
         elif process.status == taskpb.CREATED:
             # Created but never started (we died in between): it will never run on its own.
@@ -835,7 +816,7 @@ class ContainerdDriver(Driver):
         elif code is None:
             task.message = "task vanished from containerd; exit code unknown"
         else:
-            task.message = _exit_message(code)
+            task.message = exit_message(code)
         task.done.set()
         log.info("containerd.exited", instance=task.instance, exit_code=code)
 
@@ -891,14 +872,6 @@ class ContainerdDriver(Driver):
         mem = _read_int(_CGROUP_ROOT / "memory" / rel / "memory.usage_in_bytes")
         ns = _read_int(_CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage")
         return mem, (ns / 1e9 if ns is not None else None)
-
-
-def _exit_message(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code > 128:
-        return f"terminated by signal {code - 128}"
-    return f"exited with code {code}"
 
 
 def _read_int(path: Path) -> int | None:

@@ -68,14 +68,16 @@ import structlog
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
 from orka.models import WorkloadKind
 from orka.runtime.base import (
-    Driver,
     DriverHealth,
     RunSpec,
     TaskInfo,
     TrackedTask,
+    TrackingDriver,
     Usage,
+    cancel_watchers,
     check_instance,
     terminate,
+    write_json,
 )
 
 log = structlog.get_logger(__name__)
@@ -269,7 +271,7 @@ class _Vm(TrackedTask):
     last_usage: Usage = field(default_factory=Usage)
 
 
-class LibvirtDriver(Driver):
+class LibvirtDriver(TrackingDriver[_Vm]):
     name: ClassVar[str] = "libvirt"
 
     def __init__(
@@ -351,42 +353,6 @@ class LibvirtDriver(Driver):
             )
             return vm.info()
 
-    async def wait(self, instance: str) -> TaskInfo:
-        vm = await self._require(instance)
-        await vm.done.wait()
-        return vm.info()
-
-    async def stop(self, instance: str, grace: float) -> TaskInfo:
-        vm = await self._require(instance)
-        async with self._locks[instance]:
-            if vm.done.is_set():
-                return vm.info()
-            name = domain_name(instance)
-            await terminate(
-                lambda: self._until_shutoff(vm),
-                lambda: self._call(self._shutdown, name),
-                lambda: self._call(self._destroy, name),
-                grace,
-                _DESTROY_TIMEOUT,
-                f"libvirt: domain {name!r}",
-            )
-            log.info("libvirt.stopped", instance=instance, exit_code=vm.exit_code)
-            return vm.info()
-
-    async def remove(self, instance: str) -> None:
-        """Destroy at once if still running: a graceful stop is the caller's `stop()` before."""
-        check_instance(instance)
-        vm = await self._lookup(instance)
-        if vm is not None and not vm.done.is_set():
-            await self.stop(instance, grace=0.0)
-        async with self._locks[instance]:
-            if vm is not None:
-                await self._forget(vm, keep_files=False)
-            else:
-                # Nothing we own under that name; still clear a leftover directory.
-                await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
-        self._locks.pop(instance, None)
-
     async def list(self) -> list[TaskInfo]:
         found = await self._call(self._scan)
         for meta in found:
@@ -430,17 +396,33 @@ class LibvirtDriver(Driver):
         if self._closed:
             return
         self._closed = True
-        watchers = [vm.watcher for vm in self._vms.values() if vm.watcher is not None]
-        for watcher in watchers:
-            watcher.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        await cancel_watchers(self._vms.values())
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 await self._call(conn.close)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    # -- tracking ----------------------------------------------------------------------------
+    # -- tracking (the `TrackingDriver` hooks first) -------------------------------------------
+
+    async def _stop_running(self, vm: _Vm, grace: float) -> None:
+        name = domain_name(vm.instance)
+        await terminate(
+            lambda: self._until_shutoff(vm),
+            lambda: self._call(self._shutdown, name),
+            lambda: self._call(self._destroy, name),
+            grace,
+            _DESTROY_TIMEOUT,
+            f"libvirt: domain {name!r}",
+        )
+        log.info("libvirt.stopped", instance=vm.instance, exit_code=vm.exit_code)
+
+    async def _discard(self, instance: str, vm: _Vm | None) -> None:
+        if vm is not None:
+            await self._forget(vm, keep_files=False)
+        else:
+            # Nothing we own under that name; still clear a leftover directory.
+            await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
 
     def _started(self, instance: str, pending: asyncio.Future[None]) -> None:
         if self._starting.get(instance) is pending:
@@ -536,7 +518,7 @@ class LibvirtDriver(Driver):
         if recorded is None:
             try:
                 await asyncio.to_thread(
-                    _write_json, vm.dir / EXIT_FILE, {"finished_at": vm.finished_at}
+                    write_json, vm.dir / EXIT_FILE, {"finished_at": vm.finished_at}
                 )
             except OSError as exc:
                 log.warning("libvirt.exit_record_failed", instance=vm.instance, error=str(exc))
@@ -764,13 +746,6 @@ def _existing(path: str, field_name: str) -> Path:
     if not os.access(p, os.R_OK):
         raise RuntimeFailure(f"libvirt: {field_name} {path} is not readable")
     return p
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    # Write then rename, so a crash never leaves a half-written record behind.
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _read_exit(task_dir: Path) -> float | None:

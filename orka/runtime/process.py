@@ -47,14 +47,17 @@ import structlog
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
 from orka.models import WorkloadKind
 from orka.runtime.base import (
-    Driver,
     DriverHealth,
     RunSpec,
     TaskInfo,
     TrackedTask,
+    TrackingDriver,
     Usage,
+    cancel_watchers,
     check_instance,
+    exit_message,
     terminate,
+    write_json,
 )
 
 log = structlog.get_logger(__name__)
@@ -88,7 +91,7 @@ class _Task(TrackedTask):
     samples: dict[int, psutil.Process] = field(default_factory=dict)
 
 
-class ProcessDriver(Driver):
+class ProcessDriver(TrackingDriver[_Task]):
     name: ClassVar[str] = "process"
 
     def __init__(self, data_dir: Path, poll_interval: float = 0.2) -> None:
@@ -166,53 +169,11 @@ class ProcessDriver(Driver):
                 "started_at": task.started_at,
                 "command": argv,
             }
-            await asyncio.to_thread(_write_json, task_dir / TASK_FILE, record)
+            await asyncio.to_thread(write_json, task_dir / TASK_FILE, record)
             self._tasks[instance] = task
             task.watcher = asyncio.create_task(self._watch_child(task), name=f"watch-{instance}")
             log.info("process.started", instance=instance, pid=task.pid, command=argv)
             return task.info()
-
-    async def wait(self, instance: str) -> TaskInfo:
-        task = await self._require(instance)
-        await task.done.wait()
-        return task.info()
-
-    async def stop(self, instance: str, grace: float) -> TaskInfo:
-        task = await self._require(instance)
-        async with self._locks[instance]:
-            if task.done.is_set():
-                return task.info()
-
-            async def term() -> None:
-                self._signal(task, signal.SIGTERM)
-
-            async def kill() -> None:
-                task.killed = True
-                self._signal(task, signal.SIGKILL)
-
-            await terminate(
-                task.done.wait,
-                term,
-                kill,
-                grace,
-                _KILL_TIMEOUT,
-                f"process: instance {instance!r} (pid {task.pid})",
-            )
-            log.info("process.stopped", instance=instance, exit_code=task.exit_code)
-            return task.info()
-
-    async def remove(self, instance: str) -> None:
-        """Kill at once if still running: a graceful stop is the caller's `stop()` beforehand."""
-        check_instance(instance)
-        task = await self._lookup(instance)
-        if task is not None and not task.done.is_set():
-            await self.stop(instance, grace=0.0)
-        async with self._locks[instance]:
-            task = self._tasks.pop(instance, None)
-            if task is not None and task.watcher is not None:
-                task.watcher.cancel()
-            await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
-        self._locks.pop(instance, None)
 
     async def list(self) -> list[TaskInfo]:
         unknown = await asyncio.to_thread(self._scan, set(self._tasks))
@@ -235,12 +196,34 @@ class ProcessDriver(Driver):
         if self._closed:
             return
         self._closed = True
-        watchers = [t.watcher for t in self._tasks.values() if t.watcher is not None]
-        for watcher in watchers:
-            watcher.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
+        await cancel_watchers(self._tasks.values())
 
-    # -- tracking ----------------------------------------------------------------------------
+    # -- tracking (the `TrackingDriver` hooks first) -------------------------------------------
+
+    async def _stop_running(self, task: _Task, grace: float) -> None:
+        async def term() -> None:
+            self._signal(task, signal.SIGTERM)
+
+        async def kill() -> None:
+            task.killed = True
+            self._signal(task, signal.SIGKILL)
+
+        await terminate(
+            task.done.wait,
+            term,
+            kill,
+            grace,
+            _KILL_TIMEOUT,
+            f"process: instance {task.instance!r} (pid {task.pid})",
+        )
+        log.info("process.stopped", instance=task.instance, exit_code=task.exit_code)
+
+    async def _discard(self, instance: str, task: _Task | None) -> None:
+        # What is tracked now, not what the caller looked up before taking the lock.
+        tracked = self._tasks.pop(instance, None)
+        if tracked is not None and tracked.watcher is not None:
+            tracked.watcher.cancel()
+        await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
 
     async def _require(self, instance: str) -> _Task:
         task = await self._lookup(check_instance(instance))
@@ -327,17 +310,15 @@ class ProcessDriver(Driver):
             task.message = "killed after the stop grace period"
         elif code is None:
             task.message = "exited while unwatched; exit code unknown"
-        elif code > 128:
-            task.message = f"terminated by signal {code - 128}"
         else:
-            task.message = f"exited with code {code}"
+            task.message = exit_message(code)
         exit_record = {
             "exit_code": task.exit_code,
             "finished_at": task.finished_at,
             "message": task.message,
         }
         try:
-            await asyncio.to_thread(_write_json, task.dir / EXIT_FILE, exit_record)
+            await asyncio.to_thread(write_json, task.dir / EXIT_FILE, exit_record)
         except OSError as exc:
             # Only a restarted agent loses by this; the live state stays right.
             log.warning("process.exit_record_failed", instance=task.instance, error=str(exc))
@@ -407,13 +388,6 @@ def _open_logs(task_dir: Path) -> tuple[int, int]:
         os.close(out)
         raise
     return out, err
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    # Write then rename, so a crash never leaves a half-written record behind.
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _read_record(task_dir: Path) -> dict[str, Any] | None:

@@ -215,19 +215,7 @@ class Pipeline:
         limit: int | None,
         checks: list[Callable[[PlacementRequest, NodeView], str | None]],
     ) -> Ranking:
-
-        rejections: dict[str, int] = {}
-        feasible: list[NodeView] = []
-        keep = feasible.append
-        for node in snapshot.nodes:
-            for check in checks:
-                reason = check(req, node)
-                if reason is not None:
-                    rejections[reason] = rejections.get(reason, 0) + 1
-                    break
-            else:
-                keep(node)
-
+        feasible, rejections = _filter(req, snapshot, checks)
         if not feasible:
             return Ranking((), rejections)
         totals = self._totals(req, feasible)
@@ -258,19 +246,32 @@ def _first(item: tuple[float, Group]) -> float:
     return item[0]
 
 
-def _rejections(
+def _filter(
     req: PlacementRequest,
     snapshot: Snapshot,
     checks: list[Callable[[PlacementRequest, NodeView], str | None]],
-) -> dict[str, int]:
+) -> tuple[list[NodeView], dict[str, int]]:
+    """The nodes every check passes, and how many nodes each first failing reason rejected."""
     rejections: dict[str, int] = {}
+    feasible: list[NodeView] = []
+    keep = feasible.append
     for node in snapshot.nodes:
         for check in checks:
             reason = check(req, node)
             if reason is not None:
                 rejections[reason] = rejections.get(reason, 0) + 1
                 break
-    return rejections
+        else:
+            keep(node)
+    return feasible, rejections
+
+
+def _rejections(
+    req: PlacementRequest,
+    snapshot: Snapshot,
+    checks: list[Callable[[PlacementRequest, NodeView], str | None]],
+) -> dict[str, int]:
+    return _filter(req, snapshot, checks)[1]
 
 
 def _index_of(snapshot: Snapshot) -> SnapshotIndex | None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from orka.models import (
     TERMINAL_PHASES,
-    InstancePhase,
     InstanceReport,
     Node,
     NodeState,
@@ -275,7 +274,3 @@ class Registry:
         if expired:
             self.changed()
         return expired
-
-
-def running_phase(phase: InstancePhase) -> bool:
-    return phase not in TERMINAL_PHASES

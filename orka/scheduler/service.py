@@ -209,10 +209,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self.hub.publish(update)
 
     def _publish_sync(self, node: NodeRecord) -> None:
-        sync = apb.NodeSync(node=node.name)
-        for report in node.reports.values():
-            sync.instances.append(convert.report_to_pb(report))
-        self.hub.publish(apb.ClusterUpdate(sync=sync))
+        self.hub.publish(_sync_update(node))
 
     def _set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
         if node.state is state:
@@ -234,7 +231,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self,
         request_iterator: AsyncIterator[apb.AgentMessage],
         who: Identity,
-        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[apb.SchedulerMessage]:
         session = AgentSession(who.name)
         reader = asyncio.create_task(self._read_agent(request_iterator, session))
@@ -420,11 +416,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             for node_name, instance in self.registry.expire_reservations(now):
                 node = self.registry.get(node_name)
                 if node is not None and node.session is not None:
-                    node.session.send(
-                        apb.SchedulerMessage(
-                            release=apb.ReleaseOffer(command_id=next_id("r"), instance=instance)
-                        )
-                    )
+                    node.session.send(_release_message(instance))
 
     # ---- placement ----
 
@@ -472,11 +464,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 self.registry.release(node, req.instance)
                 if why == "timed out":
                     why = "offer timed out"
-                    session.send(
-                        apb.SchedulerMessage(
-                            release=apb.ReleaseOffer(command_id=next_id("r"), instance=req.instance)
-                        )
-                    )
+                    session.send(_release_message(req.instance))
                 refusals[name] = f"refused: {why}" if not why.startswith("offer") else why
             if limit is None or len(ranking.candidates) < limit:
                 break
@@ -546,17 +534,14 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     @stream(roles={"controller"})
     async def Watch(
-        self, request: apb.WatchClusterRequest, who: Identity, context: grpc.aio.ServicerContext
+        self, request: apb.WatchClusterRequest, who: Identity
     ) -> AsyncIterator[apb.ClusterUpdates]:
         queue: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
         first = apb.ClusterUpdates()
         for node in self.registry:
             first.updates.append(apb.ClusterUpdate(node=self._node_pb.build(node)))
             if node.state in (NodeState.READY, NodeState.NOT_READY):
-                sync = apb.NodeSync(node=node.name)
-                for report in node.reports.values():
-                    sync.instances.append(convert.report_to_pb(report))
-                first.updates.append(apb.ClusterUpdate(sync=sync))
+                first.updates.append(_sync_update(node))
         self.hub.queues.add(queue)
         try:
             yield first
@@ -575,6 +560,21 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 yield batch
         finally:
             self.hub.queues.discard(queue)
+
+
+def _sync_update(node: NodeRecord) -> apb.ClusterUpdate:
+    """Everything the node reports holding, for the controller to reconcile against."""
+    sync = apb.NodeSync(node=node.name)
+    for report in node.reports.values():
+        sync.instances.append(convert.report_to_pb(report))
+    return apb.ClusterUpdate(sync=sync)
+
+
+def _release_message(instance: str) -> apb.SchedulerMessage:
+    """Tell an agent to drop its reservation for `instance`."""
+    return apb.SchedulerMessage(
+        release=apb.ReleaseOffer(command_id=next_id("r"), instance=instance)
+    )
 
 
 _PHASES = {convert.phase_to_pb(p): p for p in InstancePhase}
@@ -599,7 +599,3 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
     if phase in TERMINAL_PHASES:
         return hold is None
     return hold is not None and hold.expires_at is None
-
-
-def node_usage(node: NodeRecord) -> Resources:
-    return node.usage

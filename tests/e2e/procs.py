@@ -177,6 +177,15 @@ class ProcessCluster:
             svc.kill()
 
 
+async def nodes_ready(c: ProcessCluster, names: list[str]) -> bool:
+    """Whether the controller reports every one of `names` READY; False while it cannot answer."""
+    try:
+        nodes = await c.nodes()
+    except Exception:
+        return False
+    return all(nodes.get(n) == pb.Node.READY for n in names)
+
+
 def host_copies(workload: str) -> dict[str, int]:
     """Instance name -> pid of every live workload process on this host (not the wrappers)."""
     found: dict[str, int] = {}

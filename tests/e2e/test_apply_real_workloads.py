@@ -26,10 +26,9 @@ from typing import Any
 
 import pytest
 
-from orka.api import controller_pb2 as pb
 from orka.runtime.libvirt import domain_name
 from tests.containerd_env import Containerd, needs_containerd
-from tests.e2e.procs import ProcessCluster
+from tests.e2e.procs import ProcessCluster, nodes_ready
 from tests.integration.cluster import eventually
 from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
 
@@ -67,7 +66,7 @@ async def cluster(
     )
     await c.connect()
     try:
-        await eventually(lambda: _node_ready(c), timeout=60)
+        await eventually(lambda: nodes_ready(c, [NODE]), timeout=60)
         yield c
     except BaseException:
         print(c.logs())
@@ -77,13 +76,6 @@ async def cluster(
         # A killed agent leaves its containers and domains running by design (re-adoption).
         containerd.clean_namespace()
         libvirt_daemons.cleanup_domains()
-
-
-async def _node_ready(c: ProcessCluster) -> bool:
-    try:
-        return (await c.nodes()).get(NODE) == pb.Node.READY
-    except Exception:
-        return False
 
 
 async def orka(c: ProcessCluster, *args: str, timeout: float = 60.0) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orka.api import controller_pb2 as pb
-from tests.e2e.procs import ProcessCluster, host_copies, kill_host_copies
+from tests.e2e.procs import ProcessCluster, host_copies, kill_host_copies, nodes_ready
 from tests.integration.cluster import eventually
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +29,7 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[ProcessClust
         c.start_agent(name)
     await c.connect()
     try:
-        await eventually(lambda: _all_ready(c, NODES), timeout=30)
+        await eventually(lambda: nodes_ready(c, NODES), timeout=30)
         yield c
     except BaseException:
         print(c.logs())
@@ -37,14 +37,6 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[ProcessClust
     finally:
         await c.close()
         kill_host_copies(WORKLOAD)
-
-
-async def _all_ready(c: ProcessCluster, names: list[str]) -> bool:
-    try:
-        nodes = await c.nodes()
-    except Exception:
-        return False
-    return all(nodes.get(n) == pb.Node.READY for n in names)
 
 
 async def _spread(c: ProcessCluster, count: int, exclude: str = "") -> list[pb.Instance] | None:
@@ -63,8 +55,7 @@ def _host(count: int) -> dict[str, int] | None:
 async def test_heal_leave_delete(cluster: ProcessCluster) -> None:
     api = cluster.api
     assert api is not None
-    running = await _create_three(cluster)
-    copies = await eventually(lambda: _asyncify(_host(3)))
+    running, copies = await _three_on_host(cluster)
     assert set(copies) == {i.name for i in running}
 
     # SIGKILL one agent: its instance keeps running on the host, but comes back elsewhere.
@@ -81,7 +72,7 @@ async def test_heal_leave_delete(cluster: ProcessCluster) -> None:
     # The agent returns under the same name: it re-adopts the orphan, is told to stop it,
     # and the host ends with exactly `replicas` copies.
     cluster.start_agent(victim)
-    await eventually(lambda: _all_ready(cluster, NODES), timeout=30)
+    await eventually(lambda: nodes_ready(cluster, NODES), timeout=30)
     await eventually(lambda: _asyncify(_host(3)), timeout=30)
     running = await eventually(lambda: _running_without(cluster, 3, ""), timeout=30)
     assert set(host_copies(WORKLOAD)) == {i.name for i in running}
@@ -126,16 +117,19 @@ async def _create_three(c: ProcessCluster) -> list[pb.Instance]:
     return await eventually(lambda: _spread(c, 3), timeout=30)
 
 
+async def _three_on_host(c: ProcessCluster) -> tuple[list[pb.Instance], dict[str, int]]:
+    """`_create_three`, then the instance -> pid map once all three processes are on the host."""
+    running = await _create_three(c)
+    return running, await eventually(lambda: _asyncify(_host(3)))
+
+
 async def _asyncify(value: object) -> object:
     return value
 
 
 async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessCluster) -> None:
-    api = cluster.api
-    assert api is not None
-    running = await _create_three(cluster)
+    running, pids = await _three_on_host(cluster)
     before = {i.name: i.node for i in running}
-    pids = await eventually(lambda: _asyncify(_host(3)))
 
     cluster.services["controller"].signal(signal.SIGKILL)
     cluster.services["controller"].wait()
@@ -151,18 +145,15 @@ async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessC
 
 
 async def test_agent_restart_readopts_without_restarting(cluster: ProcessCluster) -> None:
-    api = cluster.api
-    assert api is not None
-    running = await _create_three(cluster)
+    running, pids = await _three_on_host(cluster)
     before = {i.name: i.node for i in running}
-    pids = await eventually(lambda: _asyncify(_host(3)))
 
     # SIGKILL the agent (its processes keep running) and bring it straight back.
     victim = running[0].node
     cluster.services[victim].signal(signal.SIGKILL)
     cluster.services[victim].wait()
     cluster.start_agent(victim)
-    await eventually(lambda: _all_ready(cluster, NODES), timeout=30)
+    await eventually(lambda: nodes_ready(cluster, NODES), timeout=30)
     # Wait past node_lost_after: had anything been declared lost, it would be replaced by now.
     await asyncio.sleep(6)
     after = await cluster.running(WORKLOAD)

@@ -23,7 +23,7 @@ import pytest
 
 from orka.api import controller_pb2 as pb
 from orka.security.issue import issue_cert
-from tests.e2e.procs import ProcessCluster, free_port
+from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
 from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
 
@@ -55,11 +55,6 @@ def agent_certs(certs: Path, names: list[str]) -> None:
     for name in names:
         if not (certs / f"agent-{name}.crt").exists():
             issue_cert(certs, "agent", name)
-
-
-async def all_ready(c: ProcessCluster, names: list[str]) -> bool:
-    nodes = await c.nodes()
-    return all(nodes.get(n) == pb.Node.READY for n in names)
 
 
 async def answers(c: ProcessCluster) -> bool:
@@ -142,7 +137,7 @@ async def test_leader_sigkill_while_placing_100(fake_cluster: ProcessCluster) ->
     c.start_controller("controller-b", port_b)
     for n in nodes:
         c.start_agent(n)
-    await eventually(lambda: all_ready(c, nodes), timeout=30)
+    await eventually(lambda: nodes_ready(c, nodes), timeout=30)
 
     # The standby redirects clearly.
     await c.connect(port_b)
@@ -194,7 +189,7 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
     for n in nodes:
         c.start_agent(n)
     await c.connect()
-    await eventually(lambda: all_ready(c, nodes), timeout=40)
+    await eventually(lambda: nodes_ready(c, nodes), timeout=40)
     assert c.api is not None
     workloads = {f"svc{i}": 10 for i in range(5)}
     for name, n in workloads.items():

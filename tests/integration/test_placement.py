@@ -61,13 +61,19 @@ async def unschedulable(c: Cluster, workload: str) -> list[str] | None:
     return list(w.status.unschedulable_reasons) or None
 
 
+async def _placed_past(c: Cluster, first: type[Agent]) -> list[pb.Instance]:
+    """A roomy node-1 of class `first` (spread ranks it first) and a small ordinary node-2;
+    one replica of "web", returned once RUNNING."""
+    await add(c, "node-1", first, cpu=4000)
+    await add(c, "node-2", cpu=1000)
+    assert c.api is not None
+    await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web")))
+    return await eventually(lambda: c.running("web"))
+
+
 async def test_refusal_moves_on_to_the_next_node(cluster: Cluster) -> None:
     # node-1 has the most free room, so spread ranks it first; it refuses.
-    await add(cluster, "node-1", RefusingAgent, cpu=4000)
-    await add(cluster, "node-2", cpu=1000)
-    assert cluster.api is not None
-    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web")))
-    running = await eventually(lambda: cluster.running("web"))
+    running = await _placed_past(cluster, RefusingAgent)
     assert [i.node for i in running] == ["node-2"]
 
 
@@ -85,11 +91,7 @@ async def test_all_refuse_gives_reasons_per_node(cluster: Cluster) -> None:
 
 
 async def test_offer_timeout_moves_on(cluster: Cluster) -> None:
-    await add(cluster, "node-1", SilentAgent, cpu=4000)
-    await add(cluster, "node-2", cpu=1000)
-    assert cluster.api is not None
-    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web")))
-    running = await eventually(lambda: cluster.running("web"))
+    running = await _placed_past(cluster, SilentAgent)
     assert [i.node for i in running] == ["node-2"]
 
 
