@@ -20,9 +20,17 @@ from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, OrkaError
-from orka.models import FAKE_DRIVER, KIND_DRIVER, Resources, WorkloadKind, WorkloadSpec
+from orka.models import (
+    FAKE_DRIVER,
+    KIND_DRIVER,
+    TERMINAL_PHASES,
+    Resources,
+    WorkloadKind,
+    WorkloadSpec,
+)
 from orka.rpc import convert
 from orka.rpc.client import secure_channel
+from orka.rpc.frames import drain
 from orka.runtime.base import Driver, TaskState
 from orka.runtime.registry import make_driver
 from orka.security.tls import TlsFiles
@@ -91,6 +99,9 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
     return msg
 
 
+_TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f}Mi"
 
@@ -112,7 +123,9 @@ class Agent:
         self.reservations: dict[str, tuple[Resources, float]] = {}
         self.state_file = StateFile(config.data_dir / "agent-state.json")
         self.interval = config.heartbeat_interval
-        self._outbox: asyncio.Queue[apb.AgentMessage] | None = None
+        self._outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
+        # instance -> its event message still in the outbox, so a newer state replaces it.
+        self._unsent_events: dict[str, apb.AgentMessage] = {}
         self._stopping = asyncio.Event()
         self._leaving = False
         self._stopped = False
@@ -253,7 +266,18 @@ class Agent:
 
     def _changed(self, inst: Supervised) -> None:
         self._save()
-        self._send(apb.AgentMessage(event=_status_of(inst)))
+        if self._outbox is None:
+            return  # registering sends every status
+        unsent = self._unsent_events.get(inst.name)
+        if unsent is not None and unsent.event.phase not in _TERMINAL_PB:
+            # Its previous state has not left yet (STARTING, when a driver reports RUNNING
+            # at once): send the newest in its place. Terminal states are never replaced, so
+            # an exit code or failure reason always reaches the scheduler.
+            unsent.event.CopyFrom(_status_of(inst))
+            return
+        msg = apb.AgentMessage(event=_status_of(inst))
+        self._unsent_events[inst.name] = msg
+        self._send(msg)
 
     def _save(self) -> None:
         # Built when the (coalesced) write happens, not once per change.
@@ -324,7 +348,8 @@ class Agent:
         async with secure_channel(target, self.tls) as channel:
             stub = apb_grpc.SchedulerStub(channel)
             call = stub.Connect()
-            outbox: asyncio.Queue[apb.AgentMessage] = asyncio.Queue()
+            outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
+            self._unsent_events.clear()
             await call.write(self._register_message())
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
@@ -349,11 +374,21 @@ class Agent:
                 self._outbox = None
 
     async def _writer(
-        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[apb.AgentMessage]
+        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[apb.AgentMessage | None]
     ) -> None:
+        unsent = self._unsent_events
         while True:
             msg = await outbox.get()
-            await call.write(msg)
+            if msg is None:
+                return
+            items, _ = drain(msg, outbox)
+            for item in items:
+                if item.WhichOneof("body") == "event" and unsent.get(item.event.name) is item:
+                    del unsent[item.event.name]  # leaving now: later changes need a new event
+            if len(items) == 1:
+                await call.write(msg)
+            else:
+                await call.write(apb.AgentMessage(batch=apb.AgentBatch(messages=items)))
 
     async def _heartbeats(self) -> None:
         """One heartbeat per interval, on a fixed schedule.
@@ -438,7 +473,11 @@ class Agent:
 
     def _on_message(self, msg: apb.SchedulerMessage) -> None:
         kind = msg.WhichOneof("body")
-        if kind == "offer":
+        if kind == "batch":
+            for inner in msg.batch.messages:
+                if inner.WhichOneof("body") != "batch":  # never nested; ignore if it were
+                    self._on_message(inner)
+        elif kind == "offer":
             self._on_offer(msg.offer)
         elif kind == "start":
             self._on_start(msg.start)

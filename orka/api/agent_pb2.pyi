@@ -111,21 +111,29 @@ class Leave(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class AgentBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[AgentMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[AgentMessage, _Mapping]]] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "event", "offer_reply", "ack", "leave")
+    __slots__ = ("register", "heartbeat", "event", "offer_reply", "ack", "leave", "batch")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     OFFER_REPLY_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     event: InstanceStatus
     offer_reply: OfferReply
     ack: CommandAck
     leave: Leave
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    batch: AgentBatch
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., event: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval")
@@ -173,19 +181,27 @@ class ReleaseOffer(_message.Message):
     instance: str
     def __init__(self, command_id: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
+class SchedulerBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[SchedulerMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
+
 class SchedulerMessage(_message.Message):
-    __slots__ = ("registered", "offer", "start", "stop", "release")
+    __slots__ = ("registered", "offer", "start", "stop", "release", "batch")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     offer: Offer
     start: StartInstance
     stop: StopInstance
     release: ReleaseOffer
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ...) -> None: ...
+    batch: SchedulerBatch
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("items",)

@@ -63,7 +63,7 @@ class AdminClient:
 
     def _connect(self, address: str) -> None:
         self.address = address
-        self._channel = secure_channel(address, admin_tls(self.certs))
+        self._channel = secure_channel(address, admin_tls(self.certs), bulk=True)
         self._stub = pb_grpc.ControllerStub(self._channel)
 
     async def _switch(self, address: str) -> None:

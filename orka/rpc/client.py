@@ -26,8 +26,12 @@ def split_targets(value: str, flag: str) -> list[str]:
     return targets
 
 
-def secure_channel(target: str, tls: TlsFiles) -> grpc.aio.Channel:
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=grpc_options())
+def secure_channel(target: str, tls: TlsFiles, bulk: bool = False) -> grpc.aio.Channel:
+    """A mutual-TLS channel; `bulk` for a client that downloads large replies (see
+    `grpc_options`)."""
+    return grpc.aio.secure_channel(
+        target, channel_credentials(tls), options=grpc_options(bulk=bulk)
+    )
 
 
 async def call(

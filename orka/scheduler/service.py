@@ -25,6 +25,7 @@ from orka.models import (
     WorkloadKind,
 )
 from orka.rpc import convert
+from orka.rpc.frames import drain
 from orka.rpc.server import start_server, stream, unary
 from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
 from orka.scheduler.registry import NodeRecord, Registry
@@ -239,7 +240,13 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 msg = await session.outbox.get()
                 if msg is None:
                     break
-                yield msg
+                items, closed = drain(msg, session.outbox)
+                if len(items) == 1:
+                    yield msg
+                else:
+                    yield apb.SchedulerMessage(batch=apb.SchedulerBatch(messages=items))
+                if closed:
+                    break
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -356,6 +363,11 @@ class Scheduler(apb_grpc.SchedulerServicer):
             node.draining = True
             self.registry.changed()
             self._publish_node(node)
+        elif kind == "batch":
+            for inner in msg.batch.messages:
+                if inner.WhichOneof("body") == "batch":
+                    raise Invalid("a batch must not hold another batch")
+                self._on_agent_message(node, session, inner)
         elif kind == "register":
             raise Invalid("register may only be sent once per stream")
         else:

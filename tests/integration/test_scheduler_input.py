@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def register(cpu: int = 1000) -> apb.AgentMessage:
     )
 
 
+def heartbeat() -> apb.AgentMessage:
+    return apb.AgentMessage(heartbeat=apb.Heartbeat())
+
+
+def batch(*messages: apb.AgentMessage) -> apb.AgentMessage:
+    return apb.AgentMessage(batch=apb.AgentBatch(messages=messages))
+
+
 async def stream_error(
     s: Scheduler, certs: Path, *messages: apb.AgentMessage
 ) -> grpc.aio.AioRpcError:
@@ -81,6 +90,11 @@ async def stream_error(
         ),
         ([register(), register()], "register may only be sent once"),
         ([register(), apb.AgentMessage()], "empty agent message"),
+        ([register(), batch(batch(heartbeat()))], "a batch must not hold another batch"),
+        (
+            [register(), batch(heartbeat(), apb.AgentMessage(event=apb.InstanceStatus(name="y")))],
+            "instance status y: phase: is required",
+        ),
     ],
 )
 async def test_bad_agent_messages_are_refused(
@@ -125,4 +139,22 @@ async def test_node_name_comes_from_the_certificate(scheduler: Scheduler, certs_
         reply = await call.read()
         assert reply.registered.node == "node-2"
         assert scheduler.registry.get("node-2") is not None
+        call.cancel()
+
+
+async def test_a_batch_is_applied_message_by_message(scheduler: Scheduler, certs_dir: Path) -> None:
+    channel, api = stub(scheduler, certs_dir, "agent", "node-3")
+    async with channel:
+        call = api.Connect()
+        await call.write(register())
+        await call.read()
+        running = apb.InstanceStatus(name="web-1", workload="web", phase=pb.Instance.RUNNING)
+        await call.write(batch(heartbeat(), apb.AgentMessage(event=running)))
+        node = scheduler.registry.get("node-3")
+        assert node is not None
+        for _ in range(200):
+            if "web-1" in node.reports:
+                break
+            await asyncio.sleep(0.01)
+        assert node.reports["web-1"].phase.value == "RUNNING"
         call.cancel()

@@ -1,0 +1,112 @@
+"""How the agent's outgoing messages are framed: unsent states are replaced by newer ones,
+terminal states never are, and what is queued together leaves in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from orka.agent.service import Agent, AgentConfig
+from orka.agent.supervisor import Supervised
+from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
+from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
+from orka.runtime.fake import FakeDriver
+from orka.security.tls import TlsFiles
+
+
+class RecordingCall:
+    """Stands in for the gRPC stream: keeps what the writer wrote."""
+
+    def __init__(self) -> None:
+        self.written: list[apb.AgentMessage] = []
+
+    async def write(self, msg: apb.AgentMessage) -> None:
+        self.written.append(msg)
+
+
+def make_agent(tmp_path: Path) -> tuple[Agent, Supervised, asyncio.Queue[apb.AgentMessage | None]]:
+    agent = Agent(
+        AgentConfig(name="n1", schedulers=["127.0.0.1:1"], data_dir=tmp_path, runtimes=["fake"]),
+        TlsFiles(tmp_path / "ca.crt", tmp_path / "n1.crt", tmp_path / "n1.key"),  # never dialled
+    )
+    outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
+    agent._outbox = outbox
+    spec = WorkloadSpec(name="web", kind=WorkloadKind.PROCESS, command=["x"])
+    inst = agent._new_instance("web-1", 1, spec, FakeDriver(tmp_path / "fake"))
+    return agent, inst, outbox
+
+
+def queued(outbox: asyncio.Queue[apb.AgentMessage | None]) -> list[apb.AgentMessage]:
+    out = []
+    while not outbox.empty():
+        msg = outbox.get_nowait()
+        assert msg is not None
+        out.append(msg)
+    return out
+
+
+def change(agent: Agent, inst: Supervised, phase: InstancePhase, reason: str = "") -> None:
+    inst.phase, inst.reason = phase, reason
+    agent._changed(inst)
+
+
+async def test_an_unsent_state_is_replaced_by_the_newest(tmp_path: Path) -> None:
+    agent, inst, outbox = make_agent(tmp_path)
+    change(agent, inst, InstancePhase.STARTING)
+    change(agent, inst, InstancePhase.RUNNING)
+    msgs = queued(outbox)
+    assert [m.event.phase for m in msgs] == [pb.Instance.RUNNING]
+    assert msgs[0].event.name == "web-1"
+
+
+async def test_terminal_states_are_never_replaced(tmp_path: Path) -> None:
+    agent, inst, outbox = make_agent(tmp_path)
+    change(agent, inst, InstancePhase.FAILED, "Error")
+    change(agent, inst, InstancePhase.STARTING)
+    msgs = queued(outbox)
+    assert [(m.event.phase, m.event.reason) for m in msgs] == [
+        (pb.Instance.FAILED, "Error"),
+        (pb.Instance.STARTING, ""),
+    ]
+
+
+async def test_queued_messages_leave_in_one_batch_and_later_changes_are_new(
+    tmp_path: Path,
+) -> None:
+    agent, inst, outbox = make_agent(tmp_path)
+    agent._ack("c1", True, "")
+    change(agent, inst, InstancePhase.STARTING)
+    change(agent, inst, InstancePhase.RUNNING)
+    call = RecordingCall()
+    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(call.written) == 1
+    batch = call.written[0].batch.messages
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
+    assert batch[1].event.phase == pb.Instance.RUNNING
+
+    # The event left: a later change goes out as a message of its own, alone.
+    change(agent, inst, InstancePhase.FAILED, "Error")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(call.written) == 2
+    assert call.written[1].event.phase == pb.Instance.FAILED
+    outbox.put_nowait(None)
+    await writer
+
+
+async def test_a_batch_from_the_scheduler_is_handled_in_order(tmp_path: Path) -> None:
+    agent, _, outbox = make_agent(tmp_path)
+    agent._on_message(
+        apb.SchedulerMessage(
+            batch=apb.SchedulerBatch(
+                messages=[
+                    apb.SchedulerMessage(release=apb.ReleaseOffer(command_id="r1", instance="a")),
+                    apb.SchedulerMessage(release=apb.ReleaseOffer(command_id="r2", instance="b")),
+                ]
+            )
+        )
+    )
+    assert [m.ack.command_id for m in queued(outbox)] == ["r1", "r2"]
