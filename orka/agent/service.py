@@ -284,9 +284,11 @@ class Agent:
         self.state_file.save(self._state)
 
     def _state(self) -> AgentState:
-        state = AgentState(node=self.name)
+        # Built from values this agent already holds as validated models: constructed
+        # without validating them again (this runs for every write of the state file).
+        state = AgentState.model_construct(node=self.name, instances={})
         for inst in self.instances.values():
-            state.instances[inst.name] = InstanceRecord(
+            state.instances[inst.name] = InstanceRecord.model_construct(
                 name=inst.name,
                 workload=inst.workload,
                 generation=inst.generation,

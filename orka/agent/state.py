@@ -9,7 +9,6 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 from pydantic import BaseModel, Field, ValidationError
@@ -107,12 +106,13 @@ class StateFile:
         while self._written < target:
             await self._written_event.wait()
 
-    def _take(self) -> dict[str, Any] | None:
+    def _take(self) -> bytes | None:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         state = pending() if callable(pending) else pending
-        return state.model_dump(mode="json")
+        # pydantic's own serialiser: several times cheaper than json.dump's pure-Python path.
+        return state.model_dump_json().encode()
 
     async def _writer(self) -> None:
         while True:
@@ -131,14 +131,14 @@ class StateFile:
             done, self._written_event = self._written_event, asyncio.Event()
             done.set()
 
-    def _write(self, data: dict[str, Any]) -> None:
+    def _write(self, data: bytes) -> None:
         with self._write_lock:
             if not self._dir_made:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._dir_made = True
             tmp = self.path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
-                json.dump(data, f, separators=(",", ":"))
+            with open(tmp, "wb") as f:
+                f.write(data)
             os.replace(tmp, self.path)
 
     async def flush(self) -> None:
