@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from orka import log
+from orka import eventloop, log
 from orka.cli.defaults import (
     DEFAULT_CONTROLLER,
     DEFAULT_SCHEDULER,
@@ -176,7 +176,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         data_dir.mkdir(parents=True, exist_ok=True)
         await GracefulStop(Controller(config, tls)).run()
 
-    asyncio.run(main())
+    eventloop.run(main())
     return 0
 
 
@@ -216,7 +216,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     async def main() -> None:
         await GracefulStop(Scheduler(config, tls)).run()
 
-    asyncio.run(main())
+    eventloop.run(main())
     return 0
 
 
@@ -265,7 +265,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         }
         await serve(agent.run, handlers)
 
-    asyncio.run(main())
+    asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
     return 0
 
 
