@@ -13,6 +13,7 @@ import contextlib
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 
@@ -161,7 +162,7 @@ class SqliteStore(Store):
                 await db.execute("BEGIN IMMEDIATE")
                 rows = await db.execute_fetchall("SELECT value FROM meta WHERE key = 'revision'")
                 revision = int(next(iter(rows))[0]) + 1
-                results = [await self._apply(db, p, revision) for p in prepared]
+                results = await self._apply(db, prepared, revision)
                 await db.execute("UPDATE meta SET value = ? WHERE key = 'revision'", (revision,))
                 await db.execute("COMMIT")
             except BaseException:
@@ -171,31 +172,28 @@ class SqliteStore(Store):
                 raise
             return results
 
-    async def _apply(self, db: aiosqlite.Connection, p: PreparedOp, revision: int) -> int:
-        op = p.op
-        if not isinstance(op, Put):
-            rows = await db.execute_fetchall(
-                "SELECT revision FROM items WHERE kind = ? AND name = ?", (op.kind, op.name)
-            )
-            current = next((int(r[0]) for r in rows), None)
-            check_precondition(op, current)
-        if isinstance(op, Delete):
-            await db.execute("DELETE FROM items WHERE kind = ? AND name = ?", (op.kind, op.name))
-            return 0
-        if isinstance(op, Create):
-            sql = "INSERT INTO items (kind, name, revision, value) VALUES (?, ?, ?, ?)"
-            await db.execute(sql, (op.kind, op.name, revision, p.encoded))
-        elif isinstance(op, Update):
-            sql = "UPDATE items SET revision = ?, value = ? WHERE kind = ? AND name = ?"
-            await db.execute(sql, (revision, p.encoded, op.kind, op.name))
-        else:
-            sql = (
-                "INSERT INTO items (kind, name, revision, value) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT (kind, name) DO UPDATE "
-                "SET revision = excluded.revision, value = excluded.value"
-            )
-            await db.execute(sql, (op.kind, op.name, revision, p.encoded))
-        return revision
+    async def _apply(
+        self, db: aiosqlite.Connection, prepared: list[PreparedOp], revision: int
+    ) -> list[int]:
+        """Check every precondition, then write: a few statements per commit rather than a
+        few per op, since each statement is a round trip to the connection's thread."""
+        checked = [p.op for p in prepared if not isinstance(p.op, Put)]
+        current = await _revisions(db, [(op.kind, op.name) for op in checked])
+        for op in checked:
+            check_precondition(op, current.get((op.kind, op.name)))
+        rows: dict[type, list[tuple[Any, ...]]] = {Delete: [], Create: [], Update: [], Put: []}
+        for p in prepared:
+            op = p.op
+            if isinstance(op, Delete):
+                rows[Delete].append((op.kind, op.name))
+            elif isinstance(op, Update):
+                rows[Update].append((revision, p.encoded, op.kind, op.name))
+            else:
+                rows[type(op)].append((op.kind, op.name, revision, p.encoded))
+        for kind, sql in _WRITES:
+            if rows[kind]:
+                await db.executemany(sql, rows[kind])
+        return [0 if isinstance(p.op, Delete) else revision for p in prepared]
 
     @staticmethod
     async def _rollback(db: aiosqlite.Connection) -> None:
@@ -204,3 +202,34 @@ class SqliteStore(Store):
         # or SQLite rolled back on its own, there is no transaction and ROLLBACK says so: fine.
         with contextlib.suppress(sqlite3.OperationalError):
             await db.execute("ROLLBACK")
+
+
+_WRITES: tuple[tuple[type, str], ...] = (
+    (Delete, "DELETE FROM items WHERE kind = ? AND name = ?"),
+    (Create, "INSERT INTO items (kind, name, revision, value) VALUES (?, ?, ?, ?)"),
+    (Update, "UPDATE items SET revision = ?, value = ? WHERE kind = ? AND name = ?"),
+    (
+        Put,
+        "INSERT INTO items (kind, name, revision, value) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (kind, name) DO UPDATE "
+        "SET revision = excluded.revision, value = excluded.value",
+    ),
+)
+
+# Keys per lookup: two bound variables each, far below SQLite's limit on variables.
+_LOOKUP_CHUNK = 400
+
+
+async def _revisions(
+    db: aiosqlite.Connection, keys: list[tuple[str, str]]
+) -> dict[tuple[str, str], int]:
+    """The current revision of each of `keys` that exists."""
+    found: dict[tuple[str, str], int] = {}
+    for lo in range(0, len(keys), _LOOKUP_CHUNK):
+        chunk = keys[lo : lo + _LOOKUP_CHUNK]
+        values = ", ".join("(?, ?)" for _ in chunk)
+        sql = f"SELECT kind, name, revision FROM items WHERE (kind, name) IN (VALUES {values})"
+        params = [part for key in chunk for part in key]
+        for kind, name, rev in await db.execute_fetchall(sql, params):
+            found[(kind, name)] = int(rev)
+    return found

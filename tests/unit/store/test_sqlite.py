@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import aiosqlite
 import pytest
 
+from orka.errors import Conflict
 from orka.store import Create, Item, Put, SqliteStore, Update
-from orka.store.base import PreparedOp
 from orka.store.sqlite import _prefix_end
 
 
@@ -45,23 +47,25 @@ async def test_failure_mid_transaction_leaves_nothing(
     path = tmp_path / "orka.db"
     async with SqliteStore(path) as s:
         await s.create("workload", "web", {"v": 1})
-        real_apply = SqliteStore._apply
+        real_executemany = aiosqlite.Connection.executemany
         calls = 0
 
-        async def exploding_apply(
-            self: SqliteStore, db: aiosqlite.Connection, p: PreparedOp, revision: int
-        ) -> int:
+        async def exploding_executemany(
+            self: aiosqlite.Connection, sql: str, rows: Iterable[Iterable[Any]]
+        ) -> aiosqlite.Cursor:
             nonlocal calls
             calls += 1
             if calls == 2:
                 raise OSError("disk on fire")
-            return await real_apply(self, db, p, revision)
+            return await real_executemany(self, sql, rows)
 
-        monkeypatch.setattr(SqliteStore, "_apply", exploding_apply)
+        # The commit writes its creates, then its updates: the second write fails.
+        monkeypatch.setattr(aiosqlite.Connection, "executemany", exploding_executemany)
         with pytest.raises(OSError, match="disk on fire"):
             await s.commit(
                 [Update("workload", "web", {"v": 2}, None), Create("workload", "db", {})]
             )
+        assert calls == 2
         monkeypatch.undo()
         assert await s.revision() == 1
         assert await s.list("workload") == [Item("workload", "web", 1, {"v": 1})]
@@ -123,3 +127,19 @@ async def test_cancelled_commit_is_rolled_back_or_complete(tmp_path: Path) -> No
 )
 def test_prefix_end(prefix: str, end: str | None) -> None:
     assert _prefix_end(prefix) == end
+
+
+async def test_large_commit_checks_every_key(tmp_path: Path) -> None:
+    """More keys than one precondition lookup holds: each is still checked, and one stale
+    revision among them leaves all of them as they were."""
+    async with SqliteStore(tmp_path / "orka.db") as s:
+        names = [f"w{i:04d}" for i in range(1000)]
+        await s.commit([Create("workload", n, {"v": 1}) for n in names])
+        stale = [Update("workload", n, {"v": 2}, 1) for n in names]
+        stale[-1] = Update("workload", names[-1], {"v": 2}, 7)
+        with pytest.raises(Conflict, match="'w0999': expected revision 7, current is 1"):
+            await s.commit(stale)
+        assert {i.value["v"] for i in await s.list("workload")} == {1}
+        await s.commit([Update("workload", n, {"v": 2}, 1) for n in names])
+        items = await s.list("workload")
+        assert len(items) == 1000 and {(i.revision, i.value["v"]) for i in items} == {(2, 2)}
