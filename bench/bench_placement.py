@@ -86,92 +86,151 @@ def etcd_server(work: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-async def run_once(
-    certs: Path, services: Services, workloads: int, replicas: int, timeout: float
-) -> dict[str, float]:
-    total = workloads * replicas
-    channel = admin_channel(certs, services.controller)
-    stub = pb_grpc.ControllerStub(channel)
-    created: dict[str, float] = {}
-    scheduled: dict[str, float] = {}
-    running: dict[str, float] = {}
-    done = asyncio.Event()
-    watch_ok = asyncio.Event()
+class Tracker:
+    """Follows WatchEvents: when each instance was first seen bound and RUNNING."""
 
-    async def watch() -> None:
-        stream = stub.WatchEvents(pb.WatchEventsRequest())
-        watch_ok.set()
+    def __init__(self, stub: pb_grpc.ControllerStub) -> None:
+        self.stub = stub
+        self.created: dict[str, float] = {}  # workload -> when CreateWorkload was called
+        self.scheduled: dict[str, float] = {}
+        self.running: dict[str, float] = {}
+        self.expected = 0
+        self.done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        ready = asyncio.Event()
+        self._task = asyncio.create_task(self._watch(ready))
+        await ready.wait()
+        await asyncio.sleep(0.3)  # let the subscription land before the first event
+
+    async def _watch(self, ready: asyncio.Event) -> None:
+        stream = self.stub.WatchEvents(pb.WatchEventsRequest())
+        ready.set()
         async for ev in stream:
             if not ev.HasField("instance"):
                 continue
             inst = ev.instance
             now = time.perf_counter()
-            if inst.node and inst.name not in scheduled:
-                scheduled[inst.name] = now
-            if inst.phase == pb.Instance.RUNNING and inst.name not in running:
-                running[inst.name] = now
-                if len(running) >= total:
-                    done.set()
-                    return
+            if inst.node and inst.name not in self.scheduled:
+                self.scheduled[inst.name] = now
+            if inst.phase == pb.Instance.RUNNING and inst.name not in self.running:
+                self.running[inst.name] = now
+                if len(self.running) >= self.expected:
+                    self.done.set()
         # The controller cuts off a subscriber that falls too far behind.
         raise RuntimeError("WatchEvents stream ended before every instance ran")
 
-    watcher = asyncio.create_task(watch())
-    await watch_ok.wait()
-    await asyncio.sleep(0.3)  # let the subscription land before the first event
-    spec_cpu, spec_mem = 100, 64 << 20
-
-    async def create(i: int) -> None:
-        name = f"wl-{i:03d}"
-        created[name] = time.perf_counter()
-        await stub.CreateWorkload(
+    async def create(self, name: str, replicas: int) -> None:
+        self.expected += replicas
+        self.done.clear()
+        self.created[name] = time.perf_counter()
+        await self.stub.CreateWorkload(
             pb.CreateWorkloadRequest(
                 spec=pb.WorkloadSpec(
                     name=name,
                     kind=pb.WorkloadSpec.PROCESS,
                     command=["sleep", "infinity"],
                     replicas=replicas,
-                    resources=pb.Resources(cpu_millis=spec_cpu, memory_bytes=spec_mem),
+                    resources=pb.Resources(cpu_millis=SPEC_CPU, memory_bytes=SPEC_MEMORY),
                 )
             )
         )
 
-    with (
-        CpuSampler(services.pid("scheduler")) as sched_cpu,
-        CpuSampler(services.pid("controller")) as ctl_cpu,
-    ):
-        start = time.perf_counter()
-        await asyncio.gather(*(create(i) for i in range(workloads)))
-        try:
-            await asyncio.wait_for(asyncio.shield(done.wait()), timeout)
-        except TimeoutError:
-            pass
-        if watcher.done() and watcher.exception() is not None:
-            raise watcher.exception()  # type: ignore[misc]
-        watcher.cancel()
-    await channel.close()
-    if not running:
-        raise RuntimeError(f"no instance RUNNING after {timeout}s")
+    async def wait(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self.done.wait()
+        if self._task is not None and self._task.done() and self._task.exception() is not None:
+            raise self._task.exception()  # type: ignore[misc]
 
-    def rel(name: str, t: float) -> float:
-        return t - created[name.rsplit("-", 1)[0]]
+    def latencies(self, prefix: str) -> list[float]:
+        return [
+            t - self.created[name.rsplit("-", 1)[0]]
+            for name, t in self.running.items()
+            if name.startswith(prefix)
+        ]
 
-    lat = [rel(n, t) for n, t in running.items()]
-    sched_end = max(scheduled.values()) - start
-    run_end = max(running.values()) - start
-    complete = len(running) >= total
-    # A run that timed out still reports its rates, over what it got done.
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+SPEC_CPU, SPEC_MEMORY = 100, 64 << 20
+
+
+async def run_once(
+    certs: Path,
+    services: Services,
+    workloads: int,
+    replicas: int,
+    timeout: float,
+    paced_rate: float,
+    paced_seconds: float,
+) -> dict[str, float]:
+    total = workloads * replicas
+    channel = admin_channel(certs, services.controller)
+    tracker = Tracker(pb_grpc.ControllerStub(channel))
+    await tracker.start()
+    try:
+        with (
+            CpuSampler(services.pid("scheduler")) as sched_cpu,
+            CpuSampler(services.pid("controller")) as ctl_cpu,
+        ):
+            start = time.perf_counter()
+            await asyncio.gather(
+                *(tracker.create(f"wl-{i:03d}", replicas) for i in range(workloads))
+            )
+            await tracker.wait(timeout)
+        running = dict(tracker.running)
+        if not running:
+            raise RuntimeError(f"no instance RUNNING after {timeout}s")
+        lat = tracker.latencies("wl-")
+        sched_end = max(tracker.scheduled.values()) - start
+        run_end = max(running.values()) - start
+        complete = len(running) >= total
+        # A run that timed out still reports its rates, over what it got done.
+        result: dict[str, float] = {
+            "instances": total,
+            "running_reached": len(running),
+            "complete": complete,
+            "scheduled_per_s": round(len(tracker.scheduled) / sched_end, 1),
+            "running_per_s": round(len(running) / run_end, 1),
+            "seconds_to_all_running": round(run_end, 2) if complete else None,
+            "p50_create_to_running_s": round(percentile(lat, 50), 3),
+            "p99_create_to_running_s": round(percentile(lat, 99), 3),
+            "scheduler_cpu_share": round(sched_cpu.cpu_share, 3),
+            "controller_cpu_share": round(ctl_cpu.cpu_share, 3),
+        }
+        if complete and paced_rate > 0:
+            result.update(await paced(tracker, paced_rate, paced_seconds, timeout))
+        return result
+    finally:
+        tracker.stop()
+        await channel.close()
+
+
+async def paced(tracker: Tracker, rate: float, seconds: float, timeout: float) -> dict[str, float]:
+    """Latency when instances arrive steadily instead of all at once: small workloads
+    created at `rate` instances/s for `seconds`, on the cluster the burst filled."""
+    per_workload = max(1, round(rate / 10))
+    count = max(1, round(rate * seconds / per_workload))
+    gap = per_workload / rate
+    loop = asyncio.get_running_loop()
+    first = loop.time()
+    creates = []
+    for i in range(count):
+        await asyncio.sleep(max(0.0, first + i * gap - loop.time()))
+        creates.append(asyncio.create_task(tracker.create(f"paced-{i:04d}", per_workload)))
+    await asyncio.gather(*creates)
+    await tracker.wait(timeout)
+    lat = tracker.latencies("paced-")
     return {
-        "instances": total,
-        "running_reached": len(running),
-        "complete": complete,
-        "scheduled_per_s": round(len(scheduled) / sched_end, 1),
-        "running_per_s": round(len(running) / run_end, 1),
-        "seconds_to_all_running": round(run_end, 2) if complete else None,
-        "p50_create_to_running_s": round(percentile(lat, 50), 3),
-        "p99_create_to_running_s": round(percentile(lat, 99), 3),
-        "scheduler_cpu_share": round(sched_cpu.cpu_share, 3),
-        "controller_cpu_share": round(ctl_cpu.cpu_share, 3),
+        "paced_rate_per_s": rate,
+        "paced_instances": count * per_workload,
+        "paced_running_reached": len(lat),
+        "paced_p50_create_to_running_s": round(percentile(lat, 50), 3),
+        "paced_p99_create_to_running_s": round(percentile(lat, 99), 3),
     }
 
 
@@ -182,14 +241,17 @@ def run(
     processes: int,
     store: str = "",
     timeout: float = 100.0,
+    paced_rate: float = 0.0,
+    paced_seconds: float = 10.0,
 ) -> dict[str, float]:
     certs = certs_dir(nodes)
     with workdir("placement") as work:
         services = Services(certs, work, store=store).start()
         hosts = []
         try:
-            # Each node offers room for 2.5x its share, so placement is never capacity-bound.
-            per_node = -(-workloads * replicas // nodes)
+            # Each node offers room for 2.5x its share (of the burst and the paced phase), so
+            # placement is never capacity-bound.
+            per_node = -(-(workloads * replicas + int(paced_rate * paced_seconds)) // nodes)
             hosts = start_agents(
                 certs,
                 services.scheduler,
@@ -204,7 +266,9 @@ def run(
                 channel = admin_channel(certs, services.controller)
                 await wait_nodes_ready(pb_grpc.ControllerStub(channel), nodes)
                 await channel.close()
-                return await run_once(certs, services, workloads, replicas, timeout)
+                return await run_once(
+                    certs, services, workloads, replicas, timeout, paced_rate, paced_seconds
+                )
 
             return asyncio.run(go())
         except grpc.aio.AioRpcError as err:
@@ -222,10 +286,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=100)
     p.add_argument("--processes", type=int, default=4, help="OS processes for the agents")
     p.add_argument("--no-etcd", action="store_true", help="skip the etcd variant")
+    p.add_argument(
+        "--paced-rate",
+        type=float,
+        default=250.0,
+        help="after the burst: instances/s created steadily, for latency below saturation (0: off)",
+    )
+    p.add_argument("--paced-seconds", type=float, default=10.0)
     p.add_argument("--smoke", action="store_true", help="20 nodes, 10 x 20 instances")
     args = p.parse_args(argv)
     if args.smoke:
         args.nodes, args.workloads, args.replicas, args.processes = 20, 10, 20, 2
+        args.paced_rate, args.paced_seconds = 20.0, 2.0
 
     result: dict[str, object] = {
         "bench": "placement",
@@ -233,7 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         "workloads": args.workloads,
         "replicas": args.replicas,
     }
-    sqlite = run(args.nodes, args.workloads, args.replicas, args.processes)
+    sqlite = run(
+        args.nodes,
+        args.workloads,
+        args.replicas,
+        args.processes,
+        paced_rate=args.paced_rate,
+        paced_seconds=args.paced_seconds,
+    )
     result["sqlite"] = sqlite
     table(
         f"placement, SQLite store: {args.nodes} nodes, "
