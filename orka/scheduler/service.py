@@ -29,7 +29,7 @@ from orka.rpc.frames import drain
 from orka.rpc.server import start_server, stream, unary
 from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
 from orka.scheduler.registry import NodeRecord, Registry
-from orka.scheduler.session import AgentSession, next_id
+from orka.scheduler.session import AgentSession, Reply, next_id, replies
 from orka.scheduler.snapshot import PlacementRequest
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
@@ -434,69 +434,119 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     @unary(roles={"controller"})
     async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
-        items = [(a, request_of(a)) for a in request.items]
-        results = await asyncio.gather(*(self._place_one(a, req) for a, req in items))
-        return apb.PlaceResponse(results=results)
+        attempts = [_Attempt(a, request_of(a)) for a in request.items]
+        # Round one: each instance's best node gets its offer, all sent before any reply is
+        # awaited, and the batch waits for them once. Reservations are made in turn, without
+        # an await in between, so each ranking sees the ones before it.
+        first = [(at, self._first_offer(at)) for at in attempts]
+        sent = [(at, offer) for at, offer in first if offer is not None]
+        answers = await replies(
+            [(offer[1], offer[2], offer[3]) for _, offer in sent], self.config.offer_timeout
+        )
+        for (at, (node, session, _, _)), reply in zip(sent, answers, strict=True):
+            if self._settle_offer(at, node, session, reply):
+                at.result = apb.PlaceResult(
+                    instance=at.req.instance, node=node.name, refusals=at.refusals
+                )
+        # The rest (refused, timed out, nothing reservable) go on one by one.
+        rest = [at for at in attempts if at.result is None]
+        if rest:
+            await asyncio.gather(*(self._place_rest(at) for at in rest))
+        return apb.PlaceResponse(results=[at.result for at in attempts])
 
-    async def _place_one(
-        self, assignment: apb.Assignment, req: PlacementRequest
-    ) -> apb.PlaceResult:
-        refusals: dict[str, str] = {}
-        tried: set[str] = set()
-        # The best few are almost always enough; all of them only when every one refused.
+    def _first_offer(
+        self, at: _Attempt
+    ) -> tuple[NodeRecord, AgentSession, str, asyncio.Future[Reply]] | None:
+        """Reserve on the best node that takes it and send the offer; None when none did."""
+        ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=RANK_FIRST)
+        for name in ranking.candidates:
+            offer = self._reserve_and_offer(at, name)
+            if offer is not None:
+                return offer
+        return None
+
+    def _reserve_and_offer(
+        self, at: _Attempt, name: str
+    ) -> tuple[NodeRecord, AgentSession, str, asyncio.Future[Reply]] | None:
+        at.tried.add(name)
+        node = self.registry.get(name)
+        if node is None:
+            at.refusals[name] = "gone"
+            return None
+        reason = self.registry.try_reserve(node, at.req, self.config.hold_seconds)
+        if reason is not None:
+            at.refusals[name] = reason
+            return None
+        session = node.session
+        assert session is not None  # try_reserve checked it
+        offer_id = next_id("o")
+        msg = apb.SchedulerMessage(
+            offer=apb.Offer(
+                offer_id=offer_id, assignment=at.assignment, hold_seconds=self.config.hold_seconds
+            )
+        )
+        return node, session, offer_id, session.expect(msg, offer_id)
+
+    def _settle_offer(
+        self, at: _Attempt, node: NodeRecord, session: AgentSession, reply: Reply
+    ) -> bool:
+        """True when the agent took it; otherwise free the reservation and say why not."""
+        if reply.ok:
+            return True
+        self.registry.release(node, at.req.instance)
+        why = reply.reason
+        if why == "timed out":
+            why = "offer timed out"
+            session.send(_release_message(at.req.instance))
+        at.refusals[node.name] = f"refused: {why}" if not why.startswith("offer") else why
+        return False
+
+    async def _place_rest(self, at: _Attempt) -> None:
+        """Offer to the next nodes in turn until one accepts; all of them only when the best
+        few (those not tried yet) refused."""
         limit: int | None = RANK_FIRST
         while True:
-            ranking = self.pipeline.rank(req, self.registry.snapshot(), limit=limit)
+            ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=limit)
             for name in ranking.candidates:
-                if name in tried:
+                if name in at.tried:
                     continue
-                tried.add(name)
-                node = self.registry.get(name)
-                if node is None:
-                    refusals[name] = "gone"
+                offer = self._reserve_and_offer(at, name)
+                if offer is None:
                     continue
-                reason = self.registry.try_reserve(node, req, self.config.hold_seconds)
-                if reason is not None:
-                    refusals[name] = reason
-                    continue
-                session = node.session
-                assert session is not None  # try_reserve checked it
-                offer_id = next_id("o")
-                msg = apb.SchedulerMessage(
-                    offer=apb.Offer(
-                        offer_id=offer_id,
-                        assignment=assignment,
-                        hold_seconds=self.config.hold_seconds,
+                node, session, key, fut = offer
+                (reply,) = await replies([(session, key, fut)], self.config.offer_timeout)
+                if self._settle_offer(at, node, session, reply):
+                    at.result = apb.PlaceResult(
+                        instance=at.req.instance, node=name, refusals=at.refusals
                     )
-                )
-                reply = await session.request(msg, offer_id, self.config.offer_timeout)
-                ok, why = reply.ok, reply.reason
-                if ok:
-                    return apb.PlaceResult(instance=req.instance, node=name, refusals=refusals)
-                self.registry.release(node, req.instance)
-                if why == "timed out":
-                    why = "offer timed out"
-                    session.send(_release_message(req.instance))
-                refusals[name] = f"refused: {why}" if not why.startswith("offer") else why
+                    return
             if limit is None or len(ranking.candidates) < limit:
                 break
             limit = None
         # Reason counts are only computed now that nothing took the instance.
         rejections = dict(ranking.rejections)
-        for reason in refusals.values():
+        for reason in at.refusals.values():
             rejections[reason] = rejections.get(reason, 0) + 1
-        return apb.PlaceResult(
-            instance=req.instance, reasons=format_reasons(rejections), refusals=refusals
+        at.result = apb.PlaceResult(
+            instance=at.req.instance, reasons=format_reasons(rejections), refusals=at.refusals
         )
 
     # ---- commands ----
 
     @unary(roles={"controller"})
     async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
-        results = await asyncio.gather(*(self._command(c) for c in request.commands))
+        sent = [self._send_command(c) for c in request.commands]
+        pending = [(s[1], s[2], s[3]) for s in sent if not isinstance(s, apb.CommandResult)]
+        answers = iter(await replies(pending, self.config.command_timeout))
+        results = [
+            s if isinstance(s, apb.CommandResult) else self._command_done(s, next(answers))
+            for s in sent
+        ]
         return apb.CommandResponse(results=results)
 
-    async def _command(self, cmd: apb.NodeCommand) -> apb.CommandResult:
+    def _send_command(
+        self, cmd: apb.NodeCommand
+    ) -> apb.CommandResult | tuple[apb.NodeCommand, AgentSession, str, asyncio.Future[Reply]]:
         node = self.registry.get(cmd.node)
         if node is None or node.session is None:
             return apb.CommandResult(
@@ -519,15 +569,23 @@ class Scheduler(apb_grpc.SchedulerServicer):
             msg.release.command_id = key
         else:
             return apb.CommandResult(ok=False, error="empty command")
-        reply = await node.session.request(msg, key, self.config.command_timeout)
-        ok, err = reply.ok, reply.reason
-        if which == "start":
-            hold = node.holds.get(cmd.start.assignment.instance)
-            if ok and hold is not None:
+        return cmd, node.session, key, node.session.expect(msg, key)
+
+    def _command_done(
+        self,
+        sent: tuple[apb.NodeCommand, AgentSession, str, asyncio.Future[Reply]],
+        reply: Reply,
+    ) -> apb.CommandResult:
+        cmd = sent[0]
+        if cmd.WhichOneof("command") == "start":
+            node = self.registry.get(cmd.node)
+            instance = cmd.start.assignment.instance
+            hold = node.holds.get(instance) if node is not None else None
+            if reply.ok and hold is not None:
                 hold.expires_at = None  # bound now: the hold lasts until the instance ends
-            elif not ok:
-                self.registry.release(node, cmd.start.assignment.instance)
-        return apb.CommandResult(ok=ok, error=err, unconfirmed=not reply.answered)
+            elif not reply.ok and node is not None:
+                self.registry.release(node, instance)
+        return apb.CommandResult(ok=reply.ok, error=reply.reason, unconfirmed=not reply.answered)
 
     @unary(roles={"controller"})
     async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:
@@ -572,6 +630,17 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 yield batch
         finally:
             self.hub.queues.discard(queue)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One instance of a Place batch: what was tried, why nodes said no, and the outcome."""
+
+    assignment: apb.Assignment
+    req: PlacementRequest
+    tried: set[str] = field(default_factory=set)
+    refusals: dict[str, str] = field(default_factory=dict)
+    result: apb.PlaceResult | None = None
 
 
 def _sync_update(node: NodeRecord) -> apb.ClusterUpdate:

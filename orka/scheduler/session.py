@@ -23,6 +23,25 @@ class Reply:
     answered: bool = True
 
 
+DISCONNECTED = Reply(False, "agent disconnected", answered=False)
+TIMED_OUT = Reply(False, "timed out", answered=False)
+
+
+async def replies(
+    pending: list[tuple[AgentSession, str, asyncio.Future[Reply]]], timeout: float
+) -> list[Reply]:
+    """The replies to many `expect`ed messages under one deadline: a batch waits once,
+    without a task or a timer per message."""
+    waiting = [fut for _, _, fut in pending if not fut.done()]
+    if waiting:
+        await asyncio.wait(waiting, timeout=timeout)
+    out = []
+    for session, key, fut in pending:
+        session.forget(key)
+        out.append(fut.result() if fut.done() else TIMED_OUT)
+    return out
+
+
 class AgentSession:
     def __init__(self, node: str) -> None:
         self.node = node
@@ -37,20 +56,30 @@ class AgentSession:
         if not self.closed:
             self.outbox.put_nowait(msg)
 
-    async def request(self, msg: apb.SchedulerMessage, key: str, timeout: float) -> Reply:
-        """Send and wait for the reply carrying `key` (an offer or command id)."""
-        if self.closed:
-            return Reply(False, "agent disconnected", answered=False)
+    def expect(self, msg: apb.SchedulerMessage, key: str) -> asyncio.Future[Reply]:
+        """Send, and return the future of the reply carrying `key` (an offer or command id).
+        The caller waits for it under its own deadline, then calls `forget(key)`."""
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self.waiting[key] = fut
-        self.send(msg)
+        if self.closed:
+            fut.set_result(DISCONNECTED)
+        else:
+            self.waiting[key] = fut
+            self.send(msg)
+        return fut
+
+    def forget(self, key: str) -> None:
+        self.waiting.pop(key, None)
+
+    async def request(self, msg: apb.SchedulerMessage, key: str, timeout: float) -> Reply:
+        """Send and wait for the reply carrying `key`."""
+        fut = self.expect(msg, key)
         try:
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
-            return Reply(False, "timed out", answered=False)
+            return TIMED_OUT
         finally:
-            self.waiting.pop(key, None)
+            self.forget(key)
 
     def resolve(self, key: str, ok: bool, reason: str) -> None:
         fut = self.waiting.get(key)
@@ -63,5 +92,5 @@ class AgentSession:
         self.closed = True
         for fut in self.waiting.values():
             if not fut.done():
-                fut.set_result(Reply(False, "agent disconnected", answered=False))
+                fut.set_result(DISCONNECTED)
         self.outbox.put_nowait(None)
