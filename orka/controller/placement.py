@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
 from orka.controller.link import SchedulerLink
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.models import Instance, InstancePhase, Workload
+from orka.models import Instance, InstancePhase, Workload, WorkloadSpec
 from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.placement")
@@ -26,9 +27,24 @@ log = structlog.get_logger("orka.controller.placement")
 
 def assignment(inst: Instance, w: Workload) -> apb.Assignment:
     """What a node is told to run for one instance; the same for offers and starts."""
-    return apb.Assignment(
-        instance=inst.name, generation=inst.generation, spec=convert.spec_to_pb(w.spec)
-    )
+    return apb.Assignment(instance=inst.name, generation=inst.generation, spec=_spec_msg(w.spec))
+
+
+# spec (by identity) -> its message, converted once per spec rather than twice per instance.
+# Specs are frozen models, so a spec's message never goes stale; holding the spec keeps its
+# id from being reused while cached. Messages here are shared: only ever copied from.
+_spec_msgs: dict[int, tuple[WorkloadSpec, pb.WorkloadSpec]] = {}
+
+
+def _spec_msg(spec: WorkloadSpec) -> pb.WorkloadSpec:
+    hit = _spec_msgs.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    if len(_spec_msgs) >= 1024:
+        _spec_msgs.clear()
+    msg = convert.spec_to_pb(spec)
+    _spec_msgs[id(spec)] = (spec, msg)
+    return msg
 
 
 def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:

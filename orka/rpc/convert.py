@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
@@ -41,6 +43,17 @@ def resources_to_pb(r: Resources) -> pb.Resources:
 
 
 def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
+    # Agents parse the same spec for every offer and start of a workload's instances, and the
+    # model is frozen, so one validated model per distinct message serves them all.
+    return _spec_from_bytes(msg.SerializeToString(deterministic=True))
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec_from_bytes(data: bytes) -> WorkloadSpec:
+    return _parse_spec(pb.WorkloadSpec.FromString(data))
+
+
+def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
     if msg.kind == pb.WorkloadSpec.KIND_UNSPECIFIED:
         raise Invalid("spec.kind: is required (PROCESS, CONTAINER or VM)")
     if msg.kind not in (pb.WorkloadSpec.PROCESS, pb.WorkloadSpec.CONTAINER, pb.WorkloadSpec.VM):

@@ -79,15 +79,18 @@ class WatchHub:
             q.put_nowait(None)
 
 
+_KINDS = {pb.WorkloadSpec.Kind.Value(k.value): k for k in WorkloadKind}
+
+
 def request_of(a: apb.Assignment) -> PlacementRequest:
     spec = a.spec
-    kind = pb.WorkloadSpec.Kind.Name(spec.kind)
-    if kind not in WorkloadKind.__members__:
+    kind = _KINDS.get(spec.kind)
+    if kind is None:
         raise Invalid(f"assignment {a.instance}: spec.kind is required")
     return PlacementRequest(
         instance=a.instance,
         workload=spec.name,
-        kind=WorkloadKind(kind),
+        kind=kind,
         cpu_millis=spec.resources.cpu_millis,
         memory_bytes=spec.resources.memory_bytes,
         node_selector=dict(spec.node_selector),
