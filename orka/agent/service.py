@@ -15,11 +15,12 @@ import grpc
 import psutil
 import structlog
 
-from orka.agent.state import AgentState, InstanceRecord, StateFile
+from orka.agent.state import StateFile
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, OrkaError
+from orka.memo import ByIdentity
 from orka.models import (
     FAKE_DRIVER,
     KIND_DRIVER,
@@ -98,6 +99,10 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
     msg.resources.memory_bytes = res.memory_bytes
     return msg
 
+
+_spec_json: ByIdentity[WorkloadSpec, dict[str, Any]] = ByIdentity(
+    lambda spec: spec.model_dump(mode="json")
+)
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
 
@@ -283,25 +288,25 @@ class Agent:
         # Built when the (coalesced) write happens, not once per change.
         self.state_file.save(self._state)
 
-    def _state(self) -> AgentState:
-        # Built from values this agent already holds as validated models: constructed
-        # without validating them again (this runs for every write of the state file).
-        state = AgentState.model_construct(node=self.name, instances={})
+    def _state(self) -> dict[str, Any]:
+        """The state file's content, in AgentState's JSON layout, built from plain values:
+        this runs for every write, and each spec is dumped only once (specs are frozen)."""
+        instances = {}
         for inst in self.instances.values():
-            state.instances[inst.name] = InstanceRecord.model_construct(
-                name=inst.name,
-                workload=inst.workload,
-                generation=inst.generation,
-                spec=inst.spec,
-                phase=inst.phase,
-                restarts=inst.restarts,
-                exit_code=inst.exit_code,
-                started_at=inst.started_at,
-                finished_at=inst.finished_at,
-                reason=inst.reason,
-                message=inst.message,
-            )
-        return state
+            instances[inst.name] = {
+                "name": inst.name,
+                "workload": inst.workload,
+                "generation": inst.generation,
+                "spec": _spec_json(inst.spec),
+                "phase": inst.phase.value,
+                "restarts": inst.restarts,
+                "exit_code": inst.exit_code,
+                "started_at": inst.started_at,
+                "finished_at": inst.finished_at,
+                "reason": inst.reason,
+                "message": inst.message,
+            }
+        return {"node": self.name, "instances": instances}
 
     # ---- the stream ----
 

@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 from pydantic import BaseModel, Field, ValidationError
@@ -37,6 +38,10 @@ class AgentState(BaseModel):
     instances: dict[str, InstanceRecord] = Field(default_factory=dict)
 
 
+# What `StateFile.save` takes: the state, or a function that builds it at write time.
+StateSource = AgentState | dict[str, Any] | Callable[[], AgentState | dict[str, Any]]
+
+
 class StateFile:
     """Written atomically (temp file + rename) and coalesced, never from the event loop.
 
@@ -60,7 +65,7 @@ class StateFile:
         self.path = path
         self.delay = delay
         self._dirty = asyncio.Event()
-        self._pending: AgentState | Callable[[], AgentState] | None = None
+        self._pending: StateSource | None = None
         self._task: asyncio.Task[None] | None = None
         self._dir_made = False
         # Generations of saves requested and written, so `persist` can wait for its own.
@@ -87,8 +92,9 @@ class StateFile:
             return AgentState(node=node)
         return state
 
-    def save(self, state: AgentState | Callable[[], AgentState]) -> None:
-        """Schedule a write of `state` (or of what the function returns at write time)."""
+    def save(self, state: StateSource) -> None:
+        """Schedule a write of `state` (or of what the function returns at write time): an
+        AgentState, or a dict in its JSON layout."""
         self._pending = state
         self._requested += 1
         self._dirty.set()
@@ -111,8 +117,10 @@ class StateFile:
         if pending is None:
             return None
         state = pending() if callable(pending) else pending
-        # pydantic's own serialiser: several times cheaper than json.dump's pure-Python path.
-        return state.model_dump_json().encode()
+        if isinstance(state, AgentState):
+            return state.model_dump_json().encode()
+        # json.dumps, not json.dump: only the one-shot form takes the C encoder.
+        return json.dumps(state, separators=(",", ":")).encode()
 
     async def _writer(self) -> None:
         while True:

@@ -19,6 +19,7 @@ from orka.api import controller_pb2 as pb
 from orka.controller.link import SchedulerLink
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
+from orka.memo import ByIdentity
 from orka.models import Instance, InstancePhase, Workload, WorkloadSpec
 from orka.rpc import convert
 
@@ -30,21 +31,9 @@ def assignment(inst: Instance, w: Workload) -> apb.Assignment:
     return apb.Assignment(instance=inst.name, generation=inst.generation, spec=_spec_msg(w.spec))
 
 
-# spec (by identity) -> its message, converted once per spec rather than twice per instance.
-# Specs are frozen models, so a spec's message never goes stale; holding the spec keeps its
-# id from being reused while cached. Messages here are shared: only ever copied from.
-_spec_msgs: dict[int, tuple[WorkloadSpec, pb.WorkloadSpec]] = {}
-
-
-def _spec_msg(spec: WorkloadSpec) -> pb.WorkloadSpec:
-    hit = _spec_msgs.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    if len(_spec_msgs) >= 1024:
-        _spec_msgs.clear()
-    msg = convert.spec_to_pb(spec)
-    _spec_msgs[id(spec)] = (spec, msg)
-    return msg
+# Converted once per spec rather than twice per instance. The messages are shared: only ever
+# copied from (as the Assignment constructor does).
+_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(convert.spec_to_pb)
 
 
 def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:

@@ -1,12 +1,15 @@
-"""How the agent's outgoing messages are framed: unsent states are replaced by newer ones,
-terminal states never are, and what is queued together leaves in one batch."""
+"""What the agent writes: its outgoing messages (unsent states are replaced by newer ones,
+terminal states never are, what is queued together leaves in one batch) and its state file's
+content."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from orka.agent.service import Agent, AgentConfig
+from orka.agent.state import AgentState, InstanceRecord
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -110,3 +113,23 @@ async def test_a_batch_from_the_scheduler_is_handled_in_order(tmp_path: Path) ->
         )
     )
     assert [m.ack.command_id for m in queued(outbox)] == ["r1", "r2"]
+
+
+async def test_state_file_content_reads_back_as_the_agent_state(tmp_path: Path) -> None:
+    agent, inst, _ = make_agent(tmp_path)
+    inst.phase, inst.restarts, inst.exit_code, inst.started_at = InstancePhase.FAILED, 2, 3, 5.0
+    data = json.loads(json.dumps(agent._state()))
+    state = AgentState.model_validate(data)
+    assert state.node == "n1"
+    assert state.instances == {
+        "web-1": InstanceRecord(
+            name="web-1",
+            workload="web",
+            generation=1,
+            spec=inst.spec,
+            phase=InstancePhase.FAILED,
+            restarts=2,
+            exit_code=3,
+            started_at=5.0,
+        )
+    }
