@@ -14,7 +14,7 @@ from orka.controller.events import EventHub, Subscriber
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
-from orka.errors import AlreadyExists, Invalid, NotFound, OrkaError
+from orka.errors import AlreadyExists, Invalid, NotFound, OrkaError, ResourceExhausted
 from orka.models import InstancePhase, Node, Workload, check_name
 from orka.rpc import convert
 from orka.rpc.server import stream, unary
@@ -249,6 +249,11 @@ class ControllerApi(pb_grpc.ControllerServicer):
             while True:
                 event = await sub.queue.get()
                 if event is None:
+                    if sub.cut_off:
+                        raise ResourceExhausted(
+                            f"this subscriber fell {sub.cut_off} events behind and was cut off;"
+                            " subscribe again (and list what changed meanwhile)"
+                        )
                     return
                 yield event
         except asyncio.CancelledError:

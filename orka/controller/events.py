@@ -12,14 +12,19 @@ from orka.controller.repo import Change
 from orka.models import Instance, Node, Workload
 from orka.rpc import convert
 
-# A subscriber that falls this far behind is cut off rather than growing without bound.
-MAX_BACKLOG = 10_000
+# A subscriber that falls this far behind is cut off rather than growing without bound. One
+# burst of creates can queue tens of thousands of events at once (100 workloads of 100
+# replicas: 10,100 ADDED events before any is sent), so the bound is well above that; at a
+# few hundred bytes an event it is tens of MiB per subscriber at worst.
+MAX_BACKLOG = 100_000
 
 
 class Subscriber:
     def __init__(self, workload: str) -> None:
         self.workload = workload
         self.queue: asyncio.Queue[pb.Event | None] = asyncio.Queue()
+        # How far behind it was when it was cut off; 0 while it keeps up.
+        self.cut_off = 0
 
     def wants(self, value: BaseModel) -> bool:
         if not self.workload:
@@ -53,6 +58,7 @@ class EventHub:
                 continue
             if sub.queue.qsize() >= MAX_BACKLOG:
                 self.subscribers.discard(sub)
+                sub.cut_off = sub.queue.qsize()
                 sub.queue.put_nowait(None)
                 continue
             sub.queue.put_nowait(event)

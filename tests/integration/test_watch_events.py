@@ -1,0 +1,83 @@
+"""WatchEvents as a client sees it: the changes of what it asked for, in order, and a clear
+error (not a silent end) for a subscriber that fell too far behind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orka.api import controller_pb2 as pb
+from orka.controller import events
+from tests.integration.cluster import Cluster
+
+
+@pytest.fixture
+async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
+    c = Cluster(certs_dir, tmp_path)
+    try:
+        await c.start(agents=2, runtimes=["fake"])
+        yield c
+    finally:
+        await c.stop()
+
+
+def spec(name: str, replicas: int) -> pb.WorkloadSpec:
+    return pb.WorkloadSpec(
+        name=name,
+        kind=pb.WorkloadSpec.PROCESS,
+        command=["sleep", "100"],
+        replicas=replicas,
+        resources=pb.Resources(cpu_millis=10, memory_bytes=1 << 20),
+    )
+
+
+async def test_a_workload_subscriber_sees_its_instances_through_running(cluster: Cluster) -> None:
+    assert cluster.api is not None
+    stream = cluster.api.WatchEvents(pb.WatchEventsRequest(workload="web"))
+    seen: list[pb.Event] = []
+
+    async def read() -> None:
+        async for ev in stream:
+            seen.append(ev)
+            running = {e.instance.name for e in seen if e.instance.phase == pb.Instance.RUNNING}
+            if len(running) == 2:
+                return
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.2)  # subscribed before the changes happen
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("other", 1)))
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
+    async with asyncio.timeout(30):
+        await reader
+    stream.cancel()
+
+    assert seen[0].type == pb.Event.ADDED and seen[0].workload.spec.name == "web"
+    assert all(e.workload.spec.name == "web" or e.instance.workload == "web" for e in seen)
+    for name in {e.instance.name for e in seen if e.HasField("instance")}:
+        phases = [e.instance.phase for e in seen if e.instance.name == name]
+        assert phases[0] == pb.Instance.PENDING and phases[-1] == pb.Instance.RUNNING
+        # Phases only move forward (a PENDING instance may be MODIFIED while still PENDING).
+        assert phases == sorted(phases)
+
+
+async def test_a_subscriber_that_falls_behind_gets_resource_exhausted(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cluster.api is not None
+    monkeypatch.setattr(events, "MAX_BACKLOG", 5)
+    stream = cluster.api.WatchEvents(pb.WatchEventsRequest())
+    await asyncio.sleep(0.3)  # subscribed (the call starts at once), but reading nothing yet
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 10)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async with asyncio.timeout(30):
+            async for _ in stream:
+                pass
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fell 5 events behind" in (info.value.details() or "")
+    # Everything else carried on: the workload was stored and placed.
+    instances = await cluster.instances("web")
+    assert len(instances) == 10
