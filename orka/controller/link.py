@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import structlog
@@ -71,9 +71,8 @@ class SchedulerLink:
         while True:
             try:
                 stub = self._ensure()
-                stream = stub.Watch(apb.WatchClusterRequest())
                 first = True
-                async for batch in stream:
+                async for updates in _merged(stub.Watch(apb.WatchClusterRequest())):
                     if first:
                         log.info("scheduler feed connected", target=self.current)
                         self.connected.set()
@@ -81,7 +80,7 @@ class SchedulerLink:
                         attempt = 0
                         if self.on_connect is not None:
                             self.on_connect()
-                    await self.on_updates(batch.updates)
+                    await self.on_updates(updates)
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
@@ -127,3 +126,47 @@ class SchedulerLink:
         resp = await self._call("SetNode", req, 10.0)
         assert isinstance(resp, pb.Node)
         return resp
+
+
+# Updates handed over in one call at most; the store commits them in chunks anyway.
+MAX_MERGED = 5000
+
+
+async def _merged(
+    stream: AsyncIterator[apb.ClusterUpdates],
+) -> AsyncIterator[list[apb.ClusterUpdate]]:
+    """The feed's messages, with those that arrived while the previous ones were being handled
+    joined into one list, in order: a controller that falls behind catches up in a few large
+    commits instead of many small ones."""
+    arrived: asyncio.Queue[apb.ClusterUpdates | BaseException | None] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for batch in stream:
+                arrived.put_nowait(batch)
+        except Exception as err:  # handed to the consumer, which raises it in order
+            arrived.put_nowait(err)
+        else:
+            arrived.put_nowait(None)
+
+    reader = asyncio.create_task(read(), name="scheduler-feed-reader")
+    try:
+        while True:
+            item = await arrived.get()
+            updates: list[apb.ClusterUpdate] = []
+            while True:
+                if item is None:
+                    if updates:
+                        yield updates
+                    return
+                if isinstance(item, BaseException):
+                    if updates:
+                        yield updates
+                    raise item
+                updates.extend(item.updates)
+                if len(updates) >= MAX_MERGED or arrived.empty():
+                    break
+                item = arrived.get_nowait()
+            yield updates
+    finally:
+        reader.cancel()
