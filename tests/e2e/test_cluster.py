@@ -152,7 +152,16 @@ async def test_agent_restart_readopts_without_restarting(cluster: ProcessCluster
     victim = running[0].node
     cluster.services[victim].signal(signal.SIGKILL)
     cluster.services[victim].wait()
+    log = cluster.services[victim].log
+    registrations = log.read_text().count('"registered"')
     cluster.start_agent(victim)
+
+    async def registered_again() -> bool:
+        # The node never stopped being READY (it was gone for less than two heartbeats): the
+        # restarted agent's own log says when it is back on the stream.
+        return log.read_text().count('"registered"') > registrations
+
+    await eventually(registered_again, timeout=30)
     await eventually(lambda: nodes_ready(cluster, NODES), timeout=30)
     # Wait past node_lost_after: had anything been declared lost, it would be replaced by now.
     await asyncio.sleep(6)
