@@ -26,14 +26,13 @@ from orka.security.tls import TlsFiles
 
 
 class CountingAgent(Agent):
-    """The real agent; only counts the heartbeats it hands to its stream."""
+    """The real agent; only counts the heartbeats it builds (alone or in a frame)."""
 
     heartbeats = 0
 
-    def _send(self, msg: apb.AgentMessage) -> None:
-        if self._outbox is not None and msg.HasField("heartbeat"):
-            CountingAgent.heartbeats += 1
-        super()._send(msg)
+    def _heartbeat_message(self) -> apb.AgentMessage:
+        CountingAgent.heartbeats += 1
+        return super()._heartbeat_message()
 
 
 def say(obj: dict[str, object]) -> None:

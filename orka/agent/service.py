@@ -77,6 +77,10 @@ def detect_capacity() -> Resources:
 
 # Heartbeats carry every instance's status once in this many beats (changes go as events).
 FULL_STATUS_EVERY = 10
+# Usage is read from the drivers once in this many intervals.
+USAGE_EVERY = 5
+# A heartbeat due within this share of an interval leaves early with a frame being sent anyway.
+EARLY_BEAT = 0.5
 
 
 def _status_of(inst: Supervised) -> apb.InstanceStatus:
@@ -128,6 +132,10 @@ class Agent:
         self.reservations: dict[str, tuple[Resources, float]] = {}
         self.state_file = StateFile(config.data_dir / "agent-state.json")
         self.interval = config.heartbeat_interval
+        # The heartbeat schedule (event loop time of the next beat), shared with the writer.
+        self._next_beat = float("inf")
+        self._beat = 0
+        self._usage_now = Resources()
         self._outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
         # instance -> its event message still in the outbox, so a newer state replaces it.
         self._unsent_events: dict[str, apb.AgentMessage] = {}
@@ -384,6 +392,7 @@ class Agent:
         self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[apb.AgentMessage | None]
     ) -> None:
         unsent = self._unsent_events
+        loop = asyncio.get_running_loop()
         while True:
             msg = await outbox.get()
             if msg is None:
@@ -392,6 +401,14 @@ class Agent:
             for item in items:
                 if item.WhichOneof("body") == "event" and unsent.get(item.event.name) is item:
                     del unsent[item.event.name]  # leaving now: later changes need a new event
+            now = loop.time()
+            if now >= self._next_beat - self.interval * EARLY_BEAT and not any(
+                item.WhichOneof("body") == "heartbeat" for item in items
+            ):
+                # The next heartbeat is due soon: it rides in this frame rather than costing
+                # a write (and the scheduler a read) of its own a moment later.
+                items.append(self._heartbeat_message())
+                self._next_beat = now + self.interval
             if len(items) == 1:
                 await call.write(msg)
             else:
@@ -405,29 +422,36 @@ class Agent:
         FULL_STATUS_EVERY beats (a safety net, cheap for the scheduler when nothing changed).
         The schedule does not drift: a beat that was late (a busy loop) does not push the
         next one back by the same amount, which is what would turn a node NOT_READY.
+        A beat may also leave early, in a frame the writer is sending anyway (`_writer`);
+        the schedule then starts again from that beat.
         """
         loop = asyncio.get_running_loop()
-        beat = 0
-        usage = Resources()
-        next_at = loop.time()
+        self._next_beat = loop.time()
+        usage_at = -1e9
         while True:
-            if beat % 5 == 0:
-                usage = await self._usage()
-            self._expire_reservations()
-            hb = apb.Heartbeat(
-                usage=convert.resources_to_pb(usage),
-                allocated=convert.resources_to_pb(self._allocated()),
-                sent_at=time.time(),
-            )
-            if beat % FULL_STATUS_EVERY == FULL_STATUS_EVERY - 1:
-                hb.instances.extend(_status_of(inst) for inst in self.instances.values())
-            beat += 1
-            self._send(apb.AgentMessage(heartbeat=hb))
             now = loop.time()
-            next_at += self.interval
-            if next_at < now:
-                next_at = now  # far behind: send the next one at once, but do not burst
-            await asyncio.sleep(next_at - now)
+            if now >= self._next_beat:
+                if now - usage_at >= USAGE_EVERY * self.interval:
+                    usage_at = now
+                    self._usage_now = await self._usage()
+                self._send(self._heartbeat_message())
+                now = loop.time()
+                self._next_beat += self.interval
+                if self._next_beat < now:
+                    self._next_beat = now  # far behind: the next one at once, but no burst
+            await asyncio.sleep(max(0.0, self._next_beat - now))
+
+    def _heartbeat_message(self) -> apb.AgentMessage:
+        self._expire_reservations()
+        hb = apb.Heartbeat(
+            usage=convert.resources_to_pb(self._usage_now),
+            allocated=convert.resources_to_pb(self._allocated()),
+            sent_at=time.time(),
+        )
+        if self._beat % FULL_STATUS_EVERY == FULL_STATUS_EVERY - 1:
+            hb.instances.extend(_status_of(inst) for inst in self.instances.values())
+        self._beat += 1
+        return apb.AgentMessage(heartbeat=hb)
 
     async def _usage(self) -> Resources:
         cpu = mem = 0

@@ -133,3 +133,27 @@ async def test_state_file_content_reads_back_as_the_agent_state(tmp_path: Path) 
             started_at=5.0,
         )
     }
+
+
+async def test_a_heartbeat_due_soon_rides_in_a_frame_being_sent(tmp_path: Path) -> None:
+    agent, _, outbox = make_agent(tmp_path)
+    loop = asyncio.get_running_loop()
+    call = RecordingCall()
+    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+
+    # Not due for most of an interval: the frame goes alone.
+    agent._next_beat = loop.time() + 0.9 * agent.interval
+    agent._ack("c1", True, "")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [m.WhichOneof("body") for m in call.written] == ["ack"]
+
+    # Due within half an interval: it joins the frame, and the schedule restarts from it.
+    agent._next_beat = loop.time() + 0.3 * agent.interval
+    agent._ack("c2", True, "")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [m.WhichOneof("body") for m in call.written[1].batch.messages] == ["ack", "heartbeat"]
+    assert agent._next_beat >= loop.time() + 0.9 * agent.interval
+    outbox.put_nowait(None)
+    await writer
