@@ -398,13 +398,14 @@ class Agent:
             if msg is None:
                 return
             items, _ = drain(msg, outbox)
+            has_beat = False
             for item in items:
-                if item.WhichOneof("body") == "event" and unsent.get(item.event.name) is item:
+                body = item.WhichOneof("body")
+                if body == "event" and unsent.get(item.event.name) is item:
                     del unsent[item.event.name]  # leaving now: later changes need a new event
+                has_beat = has_beat or body == "heartbeat"
             now = loop.time()
-            if now >= self._next_beat - self.interval * EARLY_BEAT and not any(
-                item.WhichOneof("body") == "heartbeat" for item in items
-            ):
+            if not has_beat and now >= self._next_beat - self.interval * EARLY_BEAT:
                 # The next heartbeat is due soon: it rides in this frame rather than costing
                 # a write (and the scheduler a read) of its own a moment later.
                 items.append(self._heartbeat_message())

@@ -70,17 +70,6 @@ class AgentSession:
     def forget(self, key: str) -> None:
         self.waiting.pop(key, None)
 
-    async def request(self, msg: apb.SchedulerMessage, key: str, timeout: float) -> Reply:
-        """Send and wait for the reply carrying `key`."""
-        fut = self.expect(msg, key)
-        try:
-            async with asyncio.timeout(timeout):
-                return await fut
-        except TimeoutError:
-            return TIMED_OUT
-        finally:
-            self.forget(key)
-
     def resolve(self, key: str, ok: bool, reason: str) -> None:
         fut = self.waiting.get(key)
         if fut is not None and not fut.done():
