@@ -253,18 +253,23 @@ _WRITES: tuple[tuple[type, str], ...] = (
     ),
 )
 
-# Keys per lookup: two bound variables each, far below SQLite's limit on variables.
-_LOOKUP_CHUNK = 400
+# Names per lookup: far below SQLite's limit on bound variables.
+_LOOKUP_CHUNK = 500
 
 
 def _revisions(conn: sqlite3.Connection, keys: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
     """The current revision of each of `keys` that exists."""
+    # One `kind = ? AND name IN (...)` per kind: SQLite looks that up by the primary key,
+    # while a row-value `(kind, name) IN (VALUES ...)` scans the whole table (3.40).
+    by_kind: dict[str, list[str]] = {}
+    for kind, name in keys:
+        by_kind.setdefault(kind, []).append(name)
     found: dict[tuple[str, str], int] = {}
-    for lo in range(0, len(keys), _LOOKUP_CHUNK):
-        chunk = keys[lo : lo + _LOOKUP_CHUNK]
-        values = ", ".join("(?, ?)" for _ in chunk)
-        sql = f"SELECT kind, name, revision FROM items WHERE (kind, name) IN (VALUES {values})"
-        params = [part for key in chunk for part in key]
-        for kind, name, rev in conn.execute(sql, params).fetchall():
-            found[(kind, name)] = int(rev)
+    for kind, names in by_kind.items():
+        for lo in range(0, len(names), _LOOKUP_CHUNK):
+            chunk = names[lo : lo + _LOOKUP_CHUNK]
+            marks = ", ".join("?" * len(chunk))
+            sql = f"SELECT name, revision FROM items WHERE kind = ? AND name IN ({marks})"
+            for name, rev in conn.execute(sql, [kind, *chunk]).fetchall():
+                found[(kind, name)] = int(rev)
     return found

@@ -132,3 +132,30 @@ async def test_large_commit_checks_every_key(tmp_path: Path) -> None:
         await s.commit([Update("workload", n, {"v": 2}, 1) for n in names])
         items = await s.list("workload")
         assert len(items) == 1000 and {(i.revision, i.value["v"]) for i in items} == {(2, 2)}
+
+
+async def test_commit_looks_keys_up_by_primary_key(tmp_path: Path) -> None:
+    """A commit's precondition lookups must not scan the table: with thousands of instances
+    stored, a scan per commit cost more than the rest of the commit together."""
+    async with SqliteStore(tmp_path / "orka.db") as s:
+        await s.commit([Create("instance", f"i{n:04d}", {}) for n in range(600)])
+        await s.commit([Create("workload", "web", {})])
+        statements: list[str] = []
+        await s._on_writer(lambda c: c.set_trace_callback(statements.append))
+        # Both kinds, and more instance names than one lookup statement holds.
+        await s.commit(
+            [Update("instance", f"i{n:04d}", {"v": 2}, 1) for n in range(600)]
+            + [Update("workload", "web", {"v": 2}, 2), Create("workload", "db", {})]
+        )
+        await s._on_writer(lambda c: c.set_trace_callback(None))
+        lookups = [q for q in statements if q.startswith("SELECT") and "FROM items" in q]
+        assert len(lookups) >= 2
+
+        def plans(c: sqlite3.Connection) -> list[str]:
+            return [
+                " / ".join(row[3] for row in c.execute(f"EXPLAIN QUERY PLAN {q}")) for q in lookups
+            ]
+
+        for plan in await s._on_writer(plans):
+            assert "USING PRIMARY KEY" in plan and "SCAN items" not in plan, plan
+        assert {(i.name, i.revision) for i in await s.list("workload")} == {("web", 3), ("db", 3)}
