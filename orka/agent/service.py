@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import time
@@ -104,9 +105,9 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
     return msg
 
 
-_spec_json: ByIdentity[WorkloadSpec, dict[str, Any]] = ByIdentity(
-    lambda spec: spec.model_dump(mode="json")
-)
+# A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
+_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(lambda spec: spec.model_dump_json())
+
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
 
@@ -296,25 +297,31 @@ class Agent:
         # Built when the (coalesced) write happens, not once per change.
         self.state_file.save(self._state)
 
-    def _state(self) -> dict[str, Any]:
-        """The state file's content, in AgentState's JSON layout, built from plain values:
-        this runs for every write, and each spec is dumped only once (specs are frozen)."""
-        instances = {}
+    def _state(self) -> str:
+        """The state file's content: AgentState's JSON layout, written here because this runs
+        for every write. Only each instance's few status fields are encoded each time; its
+        spec, most of the text, is spliced in from `_spec_json`."""
+        entries = []
         for inst in self.instances.values():
-            instances[inst.name] = {
-                "name": inst.name,
-                "workload": inst.workload,
-                "generation": inst.generation,
-                "spec": _spec_json(inst.spec),
-                "phase": inst.phase.value,
-                "restarts": inst.restarts,
-                "exit_code": inst.exit_code,
-                "started_at": inst.started_at,
-                "finished_at": inst.finished_at,
-                "reason": inst.reason,
-                "message": inst.message,
-            }
-        return {"node": self.name, "instances": instances}
+            status = json.dumps(
+                {
+                    "name": inst.name,
+                    "workload": inst.workload,
+                    "generation": inst.generation,
+                    "phase": inst.phase.value,
+                    "restarts": inst.restarts,
+                    "exit_code": inst.exit_code,
+                    "started_at": inst.started_at,
+                    "finished_at": inst.finished_at,
+                    "reason": inst.reason,
+                    "message": inst.message,
+                },
+                separators=(",", ":"),
+            )
+            entries.append(
+                f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}'
+            )
+        return f'{{"node":{json.dumps(self.name)},"instances":{{{",".join(entries)}}}}}'
 
     # ---- the stream ----
 
@@ -561,18 +568,23 @@ class Agent:
         assert driver_name is not None  # _admit checked
         inst = self._new_instance(a.instance, a.generation, spec, self.healthy[driver_name])
         self._save()
-        self._ack(start.command_id, True, "")
-        task = asyncio.create_task(self._start_recorded(inst))
+        task = asyncio.create_task(self._start_recorded(inst, start.command_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _start_recorded(self, inst: Supervised) -> None:
+    async def _start_recorded(self, inst: Supervised, command_id: str) -> None:
         """Start only once the state file records the instance (write-ahead): an agent
         killed right after a start must find it on restart, or the task would be an orphan
-        removed and started again elsewhere."""
+        removed and started again elsewhere.
+
+        The ack follows the record, so an acknowledged start is one a restarted agent knows
+        of; and it leaves in the same frame as the instance's first state (STARTING, or
+        RUNNING from a driver that starts at once), which the supervisor sets before the
+        writer runs again."""
         await self.state_file.persist()
         if not inst.stopping and self.instances.get(inst.name) is inst:
             inst.start()
+        self._ack(command_id, True, "")
 
     async def _on_stop(self, stop: apb.StopInstance) -> None:
         inst = self.instances.get(stop.instance)

@@ -38,8 +38,10 @@ class AgentState(BaseModel):
     instances: dict[str, InstanceRecord] = Field(default_factory=dict)
 
 
-# What `StateFile.save` takes: the state, or a function that builds it at write time.
-StateSource = AgentState | dict[str, Any] | Callable[[], AgentState | dict[str, Any]]
+# What `StateFile.save` takes: the state (a model, a dict in its JSON layout, or that JSON
+# text already encoded), or a function that builds one of those at write time.
+StateValue = AgentState | dict[str, Any] | str
+StateSource = StateValue | Callable[[], StateValue]
 
 
 class StateFile:
@@ -93,8 +95,7 @@ class StateFile:
         return state
 
     def save(self, state: StateSource) -> None:
-        """Schedule a write of `state` (or of what the function returns at write time): an
-        AgentState, or a dict in its JSON layout."""
+        """Schedule a write of `state` (or of what the function returns at write time)."""
         self._pending = state
         self._requested += 1
         self._dirty.set()
@@ -119,6 +120,8 @@ class StateFile:
         state = pending() if callable(pending) else pending
         if isinstance(state, AgentState):
             return state.model_dump_json().encode()
+        if isinstance(state, str):
+            return state.encode()
         # json.dumps, not json.dump: only the one-shot form takes the C encoder.
         return json.dumps(state, separators=(",", ":")).encode()
 

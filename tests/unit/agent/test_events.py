@@ -118,7 +118,7 @@ async def test_a_batch_from_the_scheduler_is_handled_in_order(tmp_path: Path) ->
 async def test_state_file_content_reads_back_as_the_agent_state(tmp_path: Path) -> None:
     agent, inst, _ = make_agent(tmp_path)
     inst.phase, inst.restarts, inst.exit_code, inst.started_at = InstancePhase.FAILED, 2, 3, 5.0
-    data = json.loads(json.dumps(agent._state()))
+    data = json.loads(agent._state())
     state = AgentState.model_validate(data)
     assert state.node == "n1"
     assert state.instances == {
@@ -157,3 +157,38 @@ async def test_a_heartbeat_due_soon_rides_in_a_frame_being_sent(tmp_path: Path) 
     assert agent._next_beat >= loop.time() + 0.9 * agent.interval
     outbox.put_nowait(None)
     await writer
+
+
+async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
+    tmp_path: Path,
+) -> None:
+    agent, _, outbox = make_agent(tmp_path)
+    agent.healthy["fake"] = FakeDriver(tmp_path / "fake")
+    call = RecordingCall()
+    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    spec = pb.WorkloadSpec(name="db", kind=pb.WorkloadSpec.PROCESS, command=["x"])
+    agent._on_message(
+        apb.SchedulerMessage(
+            start=apb.StartInstance(
+                command_id="s1", assignment=apb.Assignment(instance="db-1", generation=1, spec=spec)
+            )
+        )
+    )
+    # Nothing is acknowledged before the state file holds the instance.
+    assert call.written == [] and outbox.empty()
+    await agent.state_file.persist()
+    for _ in range(10):
+        if call.written:
+            break
+        await asyncio.sleep(0.01)
+    on_disk = AgentState.model_validate_json(agent.state_file.path.read_text())
+    assert "db-1" in on_disk.instances
+    # One frame: the ack and the instance's first state (the fake driver runs it at once).
+    assert len(call.written) == 1
+    batch = call.written[0].batch.messages
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
+    assert (batch[0].ack.command_id, batch[0].ack.ok) == ("s1", True)
+    assert (batch[1].event.name, batch[1].event.phase) == ("db-1", pb.Instance.RUNNING)
+    outbox.put_nowait(None)
+    await writer
+    await agent.instances["db-1"].close()
