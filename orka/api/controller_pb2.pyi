@@ -348,3 +348,9 @@ class Event(_message.Message):
     instance: Instance
     node: Node
     def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., time: _Optional[float] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[Event]
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...

@@ -100,6 +100,11 @@ class ControllerStub:
                 request_serializer=controller__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=controller__pb2.Event.FromString,
                 _registered_method=True)
+        self.WatchEventBatches = channel.unary_stream(
+                '/orka.v1.Controller/WatchEventBatches',
+                request_serializer=controller__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=controller__pb2.EventBatch.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -183,6 +188,13 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEventBatches(self, request, context):
+        """The same events as WatchEvents, in the same order, several per message when they pile up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +262,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=controller__pb2.WatchEventsRequest.FromString,
                     response_serializer=controller__pb2.Event.SerializeToString,
+            ),
+            'WatchEventBatches': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEventBatches,
+                    request_deserializer=controller__pb2.WatchEventsRequest.FromString,
+                    response_serializer=controller__pb2.EventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -603,6 +620,33 @@ class Controller:
             '/orka.v1.Controller/WatchEvents',
             controller__pb2.WatchEventsRequest.SerializeToString,
             controller__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEventBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/orka.v1.Controller/WatchEventBatches',
+            controller__pb2.WatchEventsRequest.SerializeToString,
+            controller__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,

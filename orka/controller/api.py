@@ -17,10 +17,14 @@ from orka.controller.repo import Change, Repo
 from orka.errors import AlreadyExists, Invalid, NotFound, OrkaError, ResourceExhausted
 from orka.models import InstancePhase, Node, Workload, check_name
 from orka.rpc import convert
+from orka.rpc.frames import drain
 from orka.rpc.server import stream, unary
 from orka.security.identity import Identity
 
 ADMIN = {"admin"}
+# Events per WatchEventBatches message: a burst's backlog goes in a few messages, each far
+# below gRPC's 4 MiB limit (an event is a few hundred bytes).
+MAX_EVENT_BATCH = 1000
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -240,6 +244,21 @@ class ControllerApi(pb_grpc.ControllerServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.Event]:
+        async for events in self._watch(request, limit=1):
+            yield events[0]
+
+    @stream(roles=ADMIN)
+    async def WatchEventBatches(
+        self, request: pb.WatchEventsRequest, who: Identity
+    ) -> AsyncIterator[pb.EventBatch]:
+        async for events in self._watch(request, limit=MAX_EVENT_BATCH):
+            yield pb.EventBatch(events=events)
+
+    async def _watch(
+        self, request: pb.WatchEventsRequest, limit: int
+    ) -> AsyncIterator[list[pb.Event]]:
+        """The subscriber's events, up to `limit` at a time: whatever is queued when the
+        previous ones have been sent."""
         await self.gate()
         if request.workload:
             _name(request.workload, "workload")
@@ -247,15 +266,17 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.events.subscribers.add(sub)
         try:
             while True:
-                event = await sub.queue.get()
-                if event is None:
+                first = await sub.queue.get()
+                events, closed = ([], True) if first is None else drain(first, sub.queue, limit)
+                if events:
+                    yield events
+                if closed:
                     if sub.cut_off:
                         raise ResourceExhausted(
                             f"this subscriber fell {sub.cut_off} events behind and was cut off;"
                             " subscribe again (and list what changed meanwhile)"
                         )
                     return
-                yield event
         except asyncio.CancelledError:
             raise
         finally:

@@ -16,11 +16,11 @@ MAX_FRAME = 64
 M = TypeVar("M")
 
 
-def drain(first: M, queue: asyncio.Queue[M | None]) -> tuple[list[M], bool]:
-    """`first` and what else is queued right now (up to MAX_FRAME), in order, and whether
+def drain(first: M, queue: asyncio.Queue[M | None], limit: int = MAX_FRAME) -> tuple[list[M], bool]:
+    """`first` and what else is queued right now (up to `limit`), in order, and whether
     the queue's close marker (None) was among them."""
     items = [first]
-    while len(items) < MAX_FRAME and not queue.empty():
+    while len(items) < limit and not queue.empty():
         more = queue.get_nowait()
         if more is None:
             return items, True

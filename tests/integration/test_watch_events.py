@@ -1,5 +1,5 @@
-"""WatchEvents as a client sees it: the changes of what it asked for, in order, and a clear
-error (not a silent end) for a subscriber that fell too far behind."""
+"""WatchEvents and WatchEventBatches as a client sees them: the changes of what it asked for,
+in order, and a clear error (not a silent end) for a subscriber that fell too far behind."""
 
 from __future__ import annotations
 
@@ -81,3 +81,72 @@ async def test_a_subscriber_that_falls_behind_gets_resource_exhausted(
     # Everything else carried on: the workload was stored and placed.
     instances = await cluster.instances("web")
     assert len(instances) == 10
+
+
+def _key(ev: pb.Event) -> tuple[int, str, str, int]:
+    which = ev.WhichOneof("object")
+    if which == "instance":
+        return (ev.type, which, ev.instance.name, ev.instance.phase)
+    if which == "workload":
+        return (ev.type, which, ev.workload.spec.name, ev.workload.status.running)
+    return (ev.type, which or "", ev.node.name, ev.node.state)
+
+
+async def test_batches_carry_the_same_events_in_the_same_order(cluster: Cluster) -> None:
+    assert cluster.api is not None
+    single = cluster.api.WatchEvents(pb.WatchEventsRequest(workload="web"))
+    batched = cluster.api.WatchEventBatches(pb.WatchEventsRequest(workload="web"))
+    one_by_one: list[pb.Event] = []
+    batches: list[list[pb.Event]] = []
+
+    def all_running(events: list[pb.Event]) -> bool:
+        phases = {e.instance.name: e.instance.phase for e in events if e.HasField("instance")}
+        return len(phases) == 20 and set(phases.values()) == {pb.Instance.RUNNING}
+
+    async def read_single() -> None:
+        async for ev in single:
+            one_by_one.append(ev)
+            if all_running(one_by_one):
+                return
+
+    async def read_batched() -> None:
+        async for batch in batched:
+            batches.append(list(batch.events))
+            if all_running([e for b in batches for e in b]):
+                return
+
+    readers = [asyncio.create_task(read_single()), asyncio.create_task(read_batched())]
+    await asyncio.sleep(0.3)  # both subscribed before the changes happen
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("other", 1)))
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 20)))
+    async with asyncio.timeout(30):
+        await asyncio.gather(*readers)
+    single.cancel()
+    batched.cancel()
+
+    flat = [e for b in batches for e in b]
+    assert [_key(e) for e in flat] == [_key(e) for e in one_by_one]
+    assert [e.time for e in flat] == [e.time for e in one_by_one]  # the very same events
+    # The 20 instances are stored in one commit: their ADDED events travel together.
+    assert max(len(b) for b in batches) >= 20
+    assert all(b for b in batches)  # never an empty message
+
+
+async def test_a_batch_subscriber_that_falls_behind_gets_resource_exhausted(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert cluster.api is not None
+    monkeypatch.setattr(events, "MAX_BACKLOG", 5)
+    stream = cluster.api.WatchEventBatches(pb.WatchEventsRequest())
+    await asyncio.sleep(0.3)  # subscribed, but reading nothing yet
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 10)))
+    received: list[pb.Event] = []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async with asyncio.timeout(30):
+            async for batch in stream:
+                received += batch.events
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fell 5 events behind" in (info.value.details() or "")
+    # The 5 queued at the cut-off still arrived (after any taken off the queue before), the
+    # workload first.
+    assert len(received) >= 5 and received[0].workload.spec.name == "web"
