@@ -249,3 +249,53 @@ async def test_not_found_and_already_exists(grpcurl: Grpcurl) -> None:
     assert await _workload_names(grpcurl) == ["web"]
     # The rejected duplicate changed nothing.
     assert (await grpcurl.call("GetWorkload", {"name": "web"})).json()["spec"]["replicas"] == 2
+
+
+def _json_stream(text: str) -> list[Any]:
+    """grpcurl prints each streamed message as its own JSON document."""
+    decoder, docs, pos = json.JSONDecoder(), [], 0
+    while pos < len(text):
+        if text[pos].isspace():
+            pos += 1
+            continue
+        doc, pos = decoder.raw_decode(text, pos)
+        docs.append(doc)
+    return docs
+
+
+@pytest.mark.parametrize("rpc", ["WatchEvents", "WatchEventBatches"])
+async def test_watch_streams_the_changes_of_a_workload(
+    grpcurl: Grpcurl, cluster: Cluster, rpc: str
+) -> None:
+    assert cluster.controller is not None
+    hub = cluster.controller.events
+    watch = asyncio.create_task(
+        grpcurl.run(
+            "-connect-timeout",
+            "10",
+            "-max-time",
+            "6",
+            "-d",
+            json.dumps({"workload": "web"}),
+            grpcurl.target,
+            f"{SERVICE}/{rpc}",
+        )
+    )
+
+    async def subscribed() -> bool:
+        return bool(hub.subscribers)
+
+    await eventually(subscribed)
+    assert (await grpcurl.call("CreateWorkload", {"spec": web_spec()})).code == 0
+    result = await watch
+    # The stream never ends by itself: grpcurl's -max-time does.
+    assert result.status() == "DeadlineExceeded", result.err
+    docs = _json_stream(result.out)
+    events = [e for d in docs for e in d["events"]] if rpc == "WatchEventBatches" else docs
+    assert events[0]["type"] == "ADDED" and events[0]["workload"]["spec"]["name"] == "web"
+    phases: dict[str, list[str]] = {}
+    for e in events:
+        if "instance" in e:
+            phases.setdefault(e["instance"]["name"], []).append(e["instance"]["phase"])
+    assert len(phases) == 2
+    assert all(p[0] == "PENDING" and p[-1] == "RUNNING" for p in phases.values()), phases
