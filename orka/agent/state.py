@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, Field, ValidationError
 
+from orka.agent import offload
 from orka.models import InstancePhase, WorkloadSpec
 
 log = structlog.get_logger("orka.agent.state")
@@ -75,8 +76,6 @@ class StateFile:
         self._written = 0
         self._urgent = asyncio.Event()
         self._written_event = asyncio.Event()
-        # A cancelled to_thread call keeps running; this keeps two writes from interleaving.
-        self._write_lock = threading.Lock()
 
     def load(self, node: str) -> AgentState:
         try:
@@ -137,20 +136,21 @@ class StateFile:
             generation = self._requested
             data = self._take()
             if data is not None:
-                await asyncio.to_thread(self._write, data)
+                await offload.run(functools.partial(self._write, data))
             self._written = generation
             done, self._written_event = self._written_event, asyncio.Event()
             done.set()
 
     def _write(self, data: bytes) -> None:
-        with self._write_lock:
-            if not self._dir_made:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._dir_made = True
-            tmp = self.path.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
+        # On the offload thread, which runs writes one at a time and in order: a write whose
+        # waiter was cancelled still finishes before the next one starts.
+        if not self._dir_made:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._dir_made = True
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.path)
 
     async def flush(self) -> None:
         if self._task is not None:
@@ -159,4 +159,4 @@ class StateFile:
         self._dirty.clear()
         data = self._take()
         if data is not None:
-            await asyncio.to_thread(self._write, data)
+            await offload.run(functools.partial(self._write, data))
