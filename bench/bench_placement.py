@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--paced-rate",
         type=float,
-        default=250.0,
-        help="after the burst: instances/s created steadily, for latency below saturation (0: off)",
+        default=1000.0,
+        help="after the burst: instances/s created steadily, for latency at that rate (0: off);"
+        " the default is the placement target's rate",
     )
     p.add_argument("--paced-seconds", type=float, default=10.0)
     p.add_argument(

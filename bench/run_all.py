@@ -92,9 +92,11 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ratio("placement_running_per_echo_msg", place["running_per_s"])
         ratio("placement_scheduled_per_echo_msg", place["scheduled_per_s"])
         targets["placement_sqlite>=1000/s"] = place["running_per_s"] >= 1000
-        targets["placement_p99<=2s"] = place["p99_create_to_running_s"] <= 2.0
+        # All 10,000 created in one go: the last waits for the 9,999 before it, so this holds
+        # only above ~5,000 placements/s.
+        targets["placement_burst_p99<=2s"] = place["p99_create_to_running_s"] <= 2.0
     if "paced_p99_create_to_running_s" in place:
-        # Not the target (that is the burst above); shows latency below saturation.
+        # Instances created steadily at the placement target's rate (1,000/s by default).
         rate = place["paced_rate_per_s"]
         targets[f"placement_p99<=2s_at_{rate:.0f}/s_paced"] = (
             place["paced_p99_create_to_running_s"] <= 2.0
