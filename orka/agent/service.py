@@ -581,7 +581,15 @@ class Agent:
         of; and it leaves in the same frame as the instance's first state (STARTING, or
         RUNNING from a driver that starts at once), which the supervisor sets before the
         writer runs again."""
-        await self.state_file.persist()
+        try:
+            await self.state_file.persist()
+        except OSError as err:
+            # Unrecorded, it must not run: refused, the controller places it again.
+            if self.instances.get(inst.name) is inst:
+                del self.instances[inst.name]
+                self._save()
+            self._ack(command_id, False, f"cannot record the instance in the state file: {err}")
+            return
         if not inst.stopping and self.instances.get(inst.name) is inst:
             inst.start()
         self._ack(command_id, True, "")

@@ -76,6 +76,8 @@ class StateFile:
         self._written = 0
         self._urgent = asyncio.Event()
         self._written_event = asyncio.Event()
+        # How the last write ended: None, or why it failed.
+        self._error: OSError | None = None
 
     def load(self, node: str) -> AgentState:
         try:
@@ -104,13 +106,16 @@ class StateFile:
     async def persist(self) -> None:
         """Return once everything saved so far is on disk, written now rather than after the
         delay. The agent calls it before it starts a task, so a task never runs unrecorded: a
-        crash right after the start still finds it in the file and re-adopts it."""
+        crash right after the start still finds it in the file and re-adopts it. Raises the
+        OSError of the write if it failed (a full or read-only disk)."""
         target = self._requested
         if self._written >= target or self._task is None:
             return
         self._urgent.set()
         while self._written < target:
             await self._written_event.wait()
+        if self._error is not None:
+            raise self._error
 
     def _take(self) -> bytes | None:
         pending, self._pending = self._pending, None
@@ -136,7 +141,13 @@ class StateFile:
             generation = self._requested
             data = self._take()
             if data is not None:
-                await offload.run(functools.partial(self._write, data))
+                try:
+                    await offload.run(functools.partial(self._write, data))
+                    self._error = None
+                except OSError as err:
+                    # Waiters hear of it (see persist); the next change tries again.
+                    log.error("could not write the state file", path=str(self.path), error=str(err))
+                    self._error = err
             self._written = generation
             done, self._written_event = self._written_event, asyncio.Event()
             done.set()

@@ -49,6 +49,14 @@ def queued(outbox: asyncio.Queue[apb.AgentMessage | None]) -> list[apb.AgentMess
     return out
 
 
+def send_start(agent: Agent, instance: str, command_id: str) -> None:
+    spec = pb.WorkloadSpec(name="db", kind=pb.WorkloadSpec.PROCESS, command=["x"])
+    assignment = apb.Assignment(instance=instance, generation=1, spec=spec)
+    agent._on_message(
+        apb.SchedulerMessage(start=apb.StartInstance(command_id=command_id, assignment=assignment))
+    )
+
+
 def change(agent: Agent, inst: Supervised, phase: InstancePhase, reason: str = "") -> None:
     inst.phase, inst.reason = phase, reason
     agent._changed(inst)
@@ -166,14 +174,7 @@ async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
     agent.healthy["fake"] = FakeDriver(tmp_path / "fake")
     call = RecordingCall()
     writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
-    spec = pb.WorkloadSpec(name="db", kind=pb.WorkloadSpec.PROCESS, command=["x"])
-    agent._on_message(
-        apb.SchedulerMessage(
-            start=apb.StartInstance(
-                command_id="s1", assignment=apb.Assignment(instance="db-1", generation=1, spec=spec)
-            )
-        )
-    )
+    send_start(agent, "db-1", "s1")
     # Nothing is acknowledged before the state file holds the instance.
     assert call.written == [] and outbox.empty()
     await agent.state_file.persist()
@@ -192,3 +193,25 @@ async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
     outbox.put_nowait(None)
     await writer
     await agent.instances["db-1"].close()
+
+
+async def test_a_start_the_state_file_cannot_record_is_refused(tmp_path: Path) -> None:
+    agent, _, outbox = make_agent(tmp_path)
+    agent.healthy["fake"] = FakeDriver(tmp_path / "fake")
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the directory should be")
+    agent.state_file.path = blocker / "agent-state.json"
+    call = RecordingCall()
+    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    send_start(agent, "db-1", "s1")
+    for _ in range(100):
+        if call.written:
+            break
+        await asyncio.sleep(0.01)
+    assert [m.WhichOneof("body") for m in call.written] == ["ack"]
+    ack = call.written[0].ack
+    assert (ack.command_id, ack.ok) == ("s1", False)
+    assert "cannot record the instance in the state file" in ack.error
+    assert "db-1" not in agent.instances  # never started, not kept
+    outbox.put_nowait(None)
+    await writer

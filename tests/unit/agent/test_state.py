@@ -121,3 +121,20 @@ async def test_saves_are_coalesced_after_the_delay(tmp_path: Path) -> None:
     await f.persist()
     assert len(StateFile(tmp_path / "s.json").load("n1").instances) == 20
     await f.flush()
+
+
+async def test_a_failed_write_is_raised_to_persist_and_the_next_one_recovers(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the directory should be")
+    sf = StateFile(blocker / "state.json", delay=10.0)
+    sf.save(state("n1", "web-1"))
+    with pytest.raises(OSError):
+        await sf.persist()
+    # The writer is still there: once the disk is fixed, the next change is written.
+    blocker.unlink()
+    sf.save(state("n1", "web-1", "web-2"))
+    await sf.persist()
+    assert set(StateFile(sf.path).load("n1").instances) == {"web-1", "web-2"}
+    await sf.flush()
