@@ -29,7 +29,7 @@ from orka.rpc.frames import drain
 from orka.rpc.server import start_server, stream, unary
 from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
 from orka.scheduler.registry import NodeRecord, Registry
-from orka.scheduler.session import AgentSession, Reply, next_id, replies
+from orka.scheduler.session import AgentSession, Expected, Reply, next_id, replies
 from orka.scheduler.snapshot import PlacementRequest
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
@@ -443,11 +443,9 @@ class Scheduler(apb_grpc.SchedulerServicer):
         # an await in between, so each ranking sees the ones before it.
         first = [(at, self._first_offer(at)) for at in attempts]
         sent = [(at, offer) for at, offer in first if offer is not None]
-        answers = await replies(
-            [(offer[1], offer[2], offer[3]) for _, offer in sent], self.config.offer_timeout
-        )
-        for (at, (node, session, _, _)), reply in zip(sent, answers, strict=True):
-            if self._settle_offer(at, node, session, reply):
+        answers = await replies([e for _, (_, e) in sent], self.config.offer_timeout)
+        for (at, (node, e)), reply in zip(sent, answers, strict=True):
+            if self._settle_offer(at, node, e.session, reply):
                 at.result = apb.PlaceResult(
                     instance=at.req.instance, node=node.name, refusals=at.refusals
                 )
@@ -457,9 +455,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             await asyncio.gather(*(self._place_rest(at) for at in rest))
         return apb.PlaceResponse(results=[at.result for at in attempts])
 
-    def _first_offer(
-        self, at: _Attempt
-    ) -> tuple[NodeRecord, AgentSession, str, asyncio.Future[Reply]] | None:
+    def _first_offer(self, at: _Attempt) -> tuple[NodeRecord, Expected] | None:
         """Reserve on the best node that takes it and send the offer; None when none did."""
         ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=RANK_FIRST)
         for name in ranking.candidates:
@@ -468,9 +464,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 return offer
         return None
 
-    def _reserve_and_offer(
-        self, at: _Attempt, name: str
-    ) -> tuple[NodeRecord, AgentSession, str, asyncio.Future[Reply]] | None:
+    def _reserve_and_offer(self, at: _Attempt, name: str) -> tuple[NodeRecord, Expected] | None:
         at.tried.add(name)
         node = self.registry.get(name)
         if node is None:
@@ -488,7 +482,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 offer_id=offer_id, assignment=at.assignment, hold_seconds=self.config.hold_seconds
             )
         )
-        return node, session, offer_id, session.expect(msg, offer_id)
+        return node, session.expect(msg, offer_id)
 
     def _settle_offer(
         self, at: _Attempt, node: NodeRecord, session: AgentSession, reply: Reply
@@ -516,9 +510,9 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 offer = self._reserve_and_offer(at, name)
                 if offer is None:
                     continue
-                node, session, key, fut = offer
-                (reply,) = await replies([(session, key, fut)], self.config.offer_timeout)
-                if self._settle_offer(at, node, session, reply):
+                node, e = offer
+                (reply,) = await replies([e], self.config.offer_timeout)
+                if self._settle_offer(at, node, e.session, reply):
                     at.result = apb.PlaceResult(
                         instance=at.req.instance, node=name, refusals=at.refusals
                     )
@@ -539,7 +533,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
     @unary(roles={"controller"})
     async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
         sent = [self._send_command(c) for c in request.commands]
-        pending = [(s[1], s[2], s[3]) for s in sent if not isinstance(s, apb.CommandResult)]
+        pending = [s[1] for s in sent if not isinstance(s, apb.CommandResult)]
         answers = iter(await replies(pending, self.config.command_timeout))
         results = [
             s if isinstance(s, apb.CommandResult) else self._command_done(s, next(answers))
@@ -549,7 +543,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     def _send_command(
         self, cmd: apb.NodeCommand
-    ) -> apb.CommandResult | tuple[apb.NodeCommand, AgentSession, str, asyncio.Future[Reply]]:
+    ) -> apb.CommandResult | tuple[apb.NodeCommand, Expected]:
         node = self.registry.get(cmd.node)
         if node is None or node.session is None:
             return apb.CommandResult(
@@ -572,12 +566,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
             msg.release.command_id = key
         else:
             return apb.CommandResult(ok=False, error="empty command")
-        return cmd, node.session, key, node.session.expect(msg, key)
+        return cmd, node.session.expect(msg, key)
 
     def _command_done(
-        self,
-        sent: tuple[apb.NodeCommand, AgentSession, str, asyncio.Future[Reply]],
-        reply: Reply,
+        self, sent: tuple[apb.NodeCommand, Expected], reply: Reply
     ) -> apb.CommandResult:
         cmd = sent[0]
         if cmd.WhichOneof("command") == "start":

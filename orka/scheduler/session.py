@@ -27,18 +27,25 @@ DISCONNECTED = Reply(False, "agent disconnected", answered=False)
 TIMED_OUT = Reply(False, "timed out", answered=False)
 
 
-async def replies(
-    pending: list[tuple[AgentSession, str, asyncio.Future[Reply]]], timeout: float
-) -> list[Reply]:
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """A message sent with `AgentSession.expect`, whose reply is awaited through `replies`."""
+
+    session: AgentSession
+    key: str
+    reply: asyncio.Future[Reply]
+
+
+async def replies(pending: list[Expected], timeout: float) -> list[Reply]:
     """The replies to many `expect`ed messages under one deadline: a batch waits once,
     without a task or a timer per message."""
-    waiting = [fut for _, _, fut in pending if not fut.done()]
+    waiting = [e.reply for e in pending if not e.reply.done()]
     if waiting:
         await asyncio.wait(waiting, timeout=timeout)
     out = []
-    for session, key, fut in pending:
-        session.forget(key)
-        out.append(fut.result() if fut.done() else TIMED_OUT)
+    for e in pending:
+        e.session.forget(e.key)
+        out.append(e.reply.result() if e.reply.done() else TIMED_OUT)
     return out
 
 
@@ -56,16 +63,16 @@ class AgentSession:
         if not self.closed:
             self.outbox.put_nowait(msg)
 
-    def expect(self, msg: apb.SchedulerMessage, key: str) -> asyncio.Future[Reply]:
-        """Send, and return the future of the reply carrying `key` (an offer or command id).
-        The caller waits for it under its own deadline, then calls `forget(key)`."""
+    def expect(self, msg: apb.SchedulerMessage, key: str) -> Expected:
+        """Send a message whose reply carries `key` (an offer or command id); wait for the
+        reply with `replies`, which also forgets the key."""
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         if self.closed:
             fut.set_result(DISCONNECTED)
         else:
             self.waiting[key] = fut
             self.send(msg)
-        return fut
+        return Expected(self, key, fut)
 
     def forget(self, key: str) -> None:
         self.waiting.pop(key, None)
