@@ -108,6 +108,10 @@ class Tracker:
         # ... and when the RUNNING event reached this subscriber.
         self.delivered: dict[str, float] = {}
         self.expected = 0
+        # Nodes the controller saw leave READY while the benchmark ran: a scheduler too busy
+        # placing to read heartbeats would show here (the heartbeat benchmark's figure, under
+        # placement load).
+        self.not_ready: set[str] = set()
         self.done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -133,6 +137,10 @@ class Tracker:
         raise RuntimeError("the event stream ended before every instance ran")
 
     def _seen(self, ev: pb.Event) -> None:
+        if ev.HasField("node"):
+            if ev.node.state != pb.Node.READY:
+                self.not_ready.add(ev.node.name)
+            return
         if not ev.HasField("instance"):
             return
         inst = ev.instance
@@ -236,6 +244,7 @@ async def run_once(
             "controller_cpu_share": round(ctl_cpu.cpu_share, 3),
             "agents_cpu_share": round(sum(c.cpu_share for c in agents_cpu), 3),
             "bench_process_cpu_share": round(own_cpu.cpu_share, 3),
+            "nodes_not_ready_seen": len(tracker.not_ready),
         }
         if complete and paced_rate > 0:
             result.update(await paced(tracker, paced_rate, paced_seconds, timeout))
