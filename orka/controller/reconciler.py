@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import structlog
 
@@ -43,6 +43,8 @@ START_GRACE = 15.0
 KEEP_FINISHED = 5
 # Incremental passes plan only changed workloads; a full pass runs at least this often.
 FULL_PASS_EVERY = 2.0
+# Nodes whose instances are lost: replaced elsewhere.
+_NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 
 
 def new_instance(w: Workload) -> Instance:
@@ -201,7 +203,7 @@ class Reconciler:
         remaining = 0
         for inst in insts.values():
             node = self._node(inst.node) if inst.node else None
-            gone = inst.node and (node is None or node.state in (NodeState.LOST, NodeState.LEFT))
+            gone = inst.node and (node is None or node.state in _NODE_GONE)
             unplaced = inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
             if inst.terminal or unplaced or gone:
                 changes.append(self._forget(inst))
@@ -214,6 +216,8 @@ class Reconciler:
         return changes
 
     def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
+        if self._settled(w, insts):
+            return self._status_change(w, insts.values(), now)
         changes: list[Change] = []
         updated: dict[str, Instance] = {}
 
@@ -221,12 +225,16 @@ class Reconciler:
             updated[inst.name] = inst
             changes.append(Change("instances", inst.name, inst))
 
+        def merged() -> dict[str, Instance]:
+            # Most passes change nothing here: the workload's own table stands as is.
+            return {**insts, **updated} if updated else insts
+
         # 1. Instances on lost or departed nodes are LOST; replacements follow below.
         for inst in insts.values():
             if inst.terminal or not inst.node:
                 continue
             node = self._node(inst.node)
-            if node is not None and node.state in (NodeState.LOST, NodeState.LEFT):
+            if node is not None and node.state in _NODE_GONE:
                 put(
                     inst.model_copy(
                         update={
@@ -238,7 +246,7 @@ class Reconciler:
                         }
                     )
                 )
-        current = {**insts, **updated}
+        current = merged()
 
         # 2. Replacements that now run let their predecessors stop.
         for inst in current.values():
@@ -249,15 +257,25 @@ class Reconciler:
                     put(inst.model_copy(update={"replaced_by": ""}))
                 elif succ.phase is InstancePhase.RUNNING:
                     put(_stop(inst, f"replaced by {succ.name}"))
-        current = {**insts, **updated}
+        current = merged()
 
         # 3. Old generations (rolling update) and draining nodes: surge one replacement each.
         replacing = [
             i for i in current.values() if i.replaced_by and not i.desired_stop and not i.terminal
         ]
-        for inst in sorted(current.values(), key=lambda i: i.created_at):
+        # Only an outdated instance or one on a draining node has anything to do below; they
+        # are few, so they alone are sorted (oldest first), not the whole workload each pass.
+        todo = []
+        for inst in current.values():
             if inst.terminal or inst.desired_stop or inst.replaced_by:
                 continue
+            if inst.generation != w.generation:
+                todo.append(inst)
+            elif inst.phase is not InstancePhase.PENDING:
+                node = self._node(inst.node)
+                if node is not None and node.draining:
+                    todo.append(inst)
+        for inst in sorted(todo, key=lambda i: i.created_at):
             if inst.phase is InstancePhase.PENDING:
                 if inst.generation != w.generation:
                     put(inst.model_copy(update={"generation": w.generation}))
@@ -273,7 +291,7 @@ class Reconciler:
             put(succ)
             put(inst.model_copy(update={"replaced_by": succ.name}))
             replacing.append(inst)
-        current = {**insts, **updated}
+        current = merged()
 
         # 4. Count what serves the workload, then add or remove to match replicas.
         active = [
@@ -305,7 +323,7 @@ class Reconciler:
             extras = sorted(active, key=lambda i: (order.get(i.phase, 1), -i.created_at))[:-missing]
             for inst in extras:
                 put(_stop(inst, "scaled down"))
-        current = {**insts, **updated}
+        current = merged()
 
         # 5. Stopped-on-request and never-placed ones are removed; history is trimmed.
         # Completed replicas stand for their replica: trimming them would start them again.
@@ -325,31 +343,58 @@ class Reconciler:
             changes.append(self._forget(inst))
 
         # 6. Status.
-        status = self._status(w, current.values())
-        if status != w.status:
-            changes.append(
-                Change(
-                    "workloads", w.name, w.model_copy(update={"status": status, "updated_at": now})
-                )
-            )
-        return changes
+        return changes + self._status_change(w, current.values(), now)
+
+    def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
+        """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
+        replicas, none finished, stopping, replaced or of an old generation, none on a node
+        that is lost, gone or draining. Most workloads are so on most passes (a full pass
+        looks at every one), and one loop tells, where the steps take six."""
+        if len(insts) != w.spec.replicas:
+            return False
+        generation = w.generation
+        for i in insts.values():
+            if (
+                i.phase in TERMINAL_PHASES
+                or i.desired_stop
+                or i.replaced_by
+                or i.generation != generation
+            ):
+                return False
+            if i.node:
+                node = self._node(i.node)
+                if node is not None and (node.draining or node.state in _NODE_GONE):
+                    return False
+        return True
+
+    def _status_change(self, w: Workload, insts: Iterable[Instance], now: float) -> list[Change]:
+        status = self._status(w, insts)
+        if status == w.status:
+            return []
+        return [
+            Change("workloads", w.name, w.model_copy(update={"status": status, "updated_at": now}))
+        ]
 
     def _node_unsettled(self, inst: Instance) -> bool:
         node = self._node(inst.node)
         return node is not None and node.state is NodeState.READY
 
-    def _status(self, w: Workload, insts: Sequence[Instance] | object) -> WorkloadStatus:
+    def _status(self, w: Workload, insts: Iterable[Instance]) -> WorkloadStatus:
         placed = running = 0
-        reasons: list[str] = []
-        # Oldest first, so the reasons keep a stable order from one pass to the next.
-        for i in sorted(insts, key=lambda i: (i.created_at, i.name)):  # type: ignore[arg-type]
+        unplaced: list[Instance] = []
+        for i in insts:
             if i.terminal or i.desired_stop or i.replaced_by:
                 continue
             if i.node:
                 placed += 1
             if i.phase is InstancePhase.RUNNING:
                 running += 1
-            if i.phase is InstancePhase.PENDING and i.message and i.message not in reasons:
+            if i.phase is InstancePhase.PENDING and i.message:
+                unplaced.append(i)
+        # Oldest first, so the reasons keep a stable order from one pass to the next.
+        reasons: list[str] = []
+        for i in sorted(unplaced, key=lambda i: (i.created_at, i.name)):
+            if i.message not in reasons:
                 reasons.append(i.message)
         message = ""
         if reasons:
