@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import node_name
-from orka import log
+from orka import gctune, log
 from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2 as apb
 from orka.security.tls import TlsFiles
@@ -96,4 +96,5 @@ if __name__ == "__main__":
     p.add_argument("--labels", default="")
     # Structured logs go to stderr; stdout is the line protocol above.
     log.configure(level="warning", service="bench-agents")
+    gctune.tune()  # as `orka agent` does
     asyncio.run(main(p.parse_args()))

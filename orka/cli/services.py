@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from orka import eventloop, log
+from orka import eventloop, gctune, log
 from orka.cli.defaults import (
     DEFAULT_CONTROLLER,
     DEFAULT_SCHEDULER,
@@ -176,6 +176,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         data_dir.mkdir(parents=True, exist_ok=True)
         await GracefulStop(Controller(config, tls)).run()
 
+    gctune.tune()
     eventloop.run(main())
     return 0
 
@@ -216,6 +217,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     async def main() -> None:
         await GracefulStop(Scheduler(config, tls)).run()
 
+    gctune.tune()
     eventloop.run(main())
     return 0
 
@@ -265,6 +267,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         }
         await serve(agent.run, handlers)
 
+    gctune.tune()
     asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
     return 0
 
