@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 from pydantic import ValidationError
 
@@ -274,6 +275,16 @@ def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
         message=msg.message,
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         restarts=msg.restarts,
-        started_at=msg.started_at or None,
-        finished_at=msg.finished_at or None,
+        started_at=_time(msg.started_at, f"instance status {msg.name}: started_at"),
+        finished_at=_time(msg.finished_at, f"instance status {msg.name}: finished_at"),
     )
+
+
+def _time(seconds: float, what: str) -> float | None:
+    """An agent's Unix time; 0 means unknown. NaN or infinity is no time, and could not even
+    be stored (the store's JSON has no such numbers)."""
+    if not seconds:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise Invalid(f"{what}: must be a time in seconds since 1970, got {seconds!r}")
+    return seconds

@@ -92,6 +92,30 @@ REFUSED_REGISTRATIONS = ("node.capacity must not be negative",)
             [register(), apb.AgentMessage(event=apb.InstanceStatus(phase=pb.Instance.RUNNING))],
             "name is required",
         ),
+        (
+            [
+                register(),
+                apb.AgentMessage(
+                    event=apb.InstanceStatus(
+                        name="z", phase=pb.Instance.RUNNING, started_at=float("nan")
+                    )
+                ),
+            ],
+            "instance status z: started_at: must be a time in seconds since 1970, got nan",
+        ),
+        (
+            [
+                register(),
+                apb.AgentMessage(
+                    heartbeat=apb.Heartbeat(
+                        instances=[
+                            apb.InstanceStatus(name="z", phase=pb.Instance.FAILED, finished_at=-1)
+                        ]
+                    )
+                ),
+            ],
+            "instance status z: finished_at: must be a time in seconds since 1970, got -1.0",
+        ),
         ([register(), register()], "register may only be sent once"),
         ([register(), apb.AgentMessage()], "empty agent message"),
         ([register(), batch(batch(heartbeat()))], "a batch must not hold another batch"),
