@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from orka.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from orka.models import Instance, Node, Workload
-from orka.store.base import Create, Delete, Op, Store, Update
+from orka.store.base import Create, Delete, JsonText, Op, Store, Update
 
 Kind = Literal["workloads", "instances", "nodes"]
 
@@ -126,9 +126,9 @@ class Repo:
                 if rev is not None:
                     ops.append(Delete(kind, name, expected_revision=rev))
             elif c.create or rev is None:
-                ops.append(Create(kind, name, c.value.model_dump(mode="json")))
+                ops.append(Create(kind, name, JsonText(c.value.model_dump_json())))
             else:
-                ops.append(Update(kind, name, c.value.model_dump(mode="json"), rev))
+                ops.append(Update(kind, name, JsonText(c.value.model_dump_json()), rev))
         for lo in range(0, len(ops), self.max_txn_ops):
             chunk = ops[lo : lo + self.max_txn_ops]
             try:

@@ -25,6 +25,19 @@ _KIND_RE = re.compile(r"[a-z_]+")
 
 
 @dataclass(frozen=True, slots=True)
+class JsonText:
+    """A value already encoded as one JSON object, written as is: what pydantic's
+    `model_dump_json` gives, in a quarter of the time of `model_dump` and `json.dumps` (the
+    controller writes every instance three times on its way to RUNNING). The encoder must be
+    a strict one: readers get `json.loads` of the text."""
+
+    text: str
+
+
+Value = dict[str, Any] | JsonText
+
+
+@dataclass(frozen=True, slots=True)
 class Item:
     kind: str
     name: str
@@ -42,7 +55,7 @@ class Create:
 
     kind: str
     name: str
-    value: dict[str, Any]
+    value: Value
     lease: int = 0
 
 
@@ -53,7 +66,7 @@ class Update:
 
     kind: str
     name: str
-    value: dict[str, Any]
+    value: Value
     expected_revision: int | None
 
 
@@ -72,7 +85,7 @@ class Put:
 
     kind: str
     name: str
-    value: dict[str, Any]
+    value: Value
     lease: int = 0
 
 
@@ -129,6 +142,10 @@ def validate_key(kind: str, name: str) -> None:
 
 
 def encode_value(kind: str, name: str, value: Any) -> str:
+    if isinstance(value, JsonText):
+        if not value.text.startswith("{"):
+            raise Invalid(f"{ref(kind, name)}: value must be a JSON object")
+        return value.text
     if not isinstance(value, dict):
         raise Invalid(f"{ref(kind, name)}: value must be a JSON object, got {type(value).__name__}")
     try:

@@ -16,7 +16,7 @@ import pytest
 
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
 from orka.store import Create, Delete, Item, MemoryStore, Put, SqliteStore, Store, Update
-from orka.store.base import Unsupported
+from orka.store.base import JsonText, Unsupported
 
 BACKENDS: dict[str, Callable[[Path], Store]] = {
     "memory": lambda _tmp: MemoryStore(),
@@ -344,6 +344,7 @@ async def test_fifty_retrying_cas_incrementers_lose_no_update(store: Store) -> N
         (Create("workload", "x", [1, 2]), "JSON object"),  # type: ignore[arg-type]
         (Put("workload", "x", {"f": object()}), "JSON"),
         (Put("workload", "x", {"f": float("nan")}), "JSON"),
+        (Put("workload", "x", JsonText("[1, 2]")), "JSON object"),
         (Update("workload", "x", {}, expected_revision=-1), "expected_revision"),
         (Delete("workload", "x", expected_revision=True), "expected_revision"),
     ],
@@ -355,6 +356,15 @@ async def test_invalid_ops_are_rejected_before_anything_runs(
     with pytest.raises(Invalid, match=match):
         await store.commit([Put("workload", "ok", {}), op])
     assert await store.revision() == r0
+
+
+async def test_encoded_values_are_stored_as_given_and_read_back_as_objects(store: Store) -> None:
+    rev = (await store.commit([Create("workload", "a", JsonText('{"n":1,"s":"x"}'))]))[0]
+    await store.commit([Update("workload", "a", JsonText('{"n":2}'), expected_revision=rev)])
+    await store.commit([Put("workload", "b", JsonText("{}"))])
+    a, b = await store.get("workload", "a"), await store.get("workload", "b")
+    assert a is not None and a.value == {"n": 2}
+    assert b is not None and b.value == {}
 
 
 async def test_same_key_twice_in_one_commit_is_invalid(store: Store) -> None:
