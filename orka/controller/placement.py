@@ -58,8 +58,8 @@ class PlacementConfig:
     # large under a backlog. Large batches are what lets the scheduler put several offers
     # (and later starts) to one node in one frame: with fewer instances per batch than
     # nodes, spreading gives each node at most one, so every instance costs four frames on
-    # the agent streams. 4,096 on 1,000 nodes: 1,244-1,323 -> 1,805-1,941 /s to RUNNING
-    # (bench/RESULTS.md); the scheduler ranks a whole batch without yielding (about 0.3 s).
+    # the agent streams. 4,096 on 1,000 nodes: 1,188-1,323 -> 1,668-1,941 /s to RUNNING
+    # (bench/RESULTS.md); the scheduler ranks a whole batch without yielding (up to 0.5 s).
     batch_size: int = 4096
     # ... and at most this many bytes of assignments (each carries its workload's spec), so
     # a batch of large specs stays far below the gRPC message limit (64 MiB).

@@ -43,7 +43,7 @@ START_GRACE = 15.0
 KEEP_FINISHED = 5
 # Incremental passes plan only changed workloads; a full pass runs at least this often.
 FULL_PASS_EVERY = 2.0
-# Nodes whose instances are lost: replaced elsewhere.
+# Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 
 
@@ -348,7 +348,7 @@ class Reconciler:
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
         replicas, none finished, stopping, replaced or of an old generation, none on a node
-        that is lost, gone or draining. Most workloads are so on most passes (a full pass
+        that is lost, departed or draining. Most workloads are so on most passes (a full pass
         looks at every one), and one loop tells, where the steps take six."""
         if len(insts) != w.spec.replicas:
             return False

@@ -28,8 +28,9 @@ _KIND_RE = re.compile(r"[a-z_]+")
 class JsonText:
     """A value already encoded as one JSON object, written as is: what pydantic's
     `model_dump_json` gives, in a quarter of the time of `model_dump` and `json.dumps` (the
-    controller writes every instance three times on its way to RUNNING). The encoder must be
-    a strict one: readers get `json.loads` of the text."""
+    controller writes every instance three times on its way to RUNNING). Only checked to be
+    an object, so the producer must write valid JSON, as pydantic does (NaN and infinity
+    become null); readers get `json.loads` of the text."""
 
     text: str
 
