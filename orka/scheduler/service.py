@@ -39,6 +39,11 @@ log = structlog.get_logger("orka.scheduler")
 SERVICE_NAME = "orka.v1.Scheduler"
 # Candidates ranked per placement before falling back to ranking every feasible node.
 RANK_FIRST = 8
+# A Place batch's first round ranks this many instances, then lets the event loop run
+# (agents' heartbeats and replies are read meanwhile): with thousands of nodes one decision
+# takes a few hundred microseconds, and a batch of thousands ranked in one go stopped
+# the scheduler for seconds, long enough to mark healthy nodes NOT_READY.
+PLACE_CHUNK = 256
 
 
 @dataclass
@@ -439,9 +444,18 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
         attempts = [_Attempt(a, request_of(a)) for a in request.items]
         # Round one: each instance's best node gets its offer, all sent before any reply is
-        # awaited, and the batch waits for them once. Reservations are made in turn, without
-        # an await in between, so each ranking sees the ones before it.
-        first = [(at, self._first_offer(at)) for at in attempts]
+        # awaited, and the batch waits for them once. Each ranking sees the reservations made
+        # before it (they are made at once, on the live records). The offers are held until
+        # the whole round is ranked, then sent together: the round yields to the event loop
+        # every PLACE_CHUNK instances, and a node's offers still leave in one frame.
+        held: list[tuple[AgentSession, apb.SchedulerMessage]] = []
+        first = []
+        for i, at in enumerate(attempts, 1):
+            first.append((at, self._first_offer(at, held)))
+            if i % PLACE_CHUNK == 0 and i < len(attempts):
+                await asyncio.sleep(0)
+        for session, msg in held:
+            session.send(msg)
         sent = [(at, offer) for at, offer in first if offer is not None]
         answers = await replies([e for _, (_, e) in sent], self.config.offer_timeout)
         for (at, (node, e)), reply in zip(sent, answers, strict=True):
@@ -455,16 +469,25 @@ class Scheduler(apb_grpc.SchedulerServicer):
             await asyncio.gather(*(self._place_rest(at) for at in rest))
         return apb.PlaceResponse(results=[at.result for at in attempts])
 
-    def _first_offer(self, at: _Attempt) -> tuple[NodeRecord, Expected] | None:
-        """Reserve on the best node that takes it and send the offer; None when none did."""
+    def _first_offer(
+        self, at: _Attempt, held: list[tuple[AgentSession, apb.SchedulerMessage]]
+    ) -> tuple[NodeRecord, Expected] | None:
+        """Reserve on the best node that takes it and hold the offer in `held` for the caller
+        to send; None when no node could be reserved."""
         ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=RANK_FIRST)
         for name in ranking.candidates:
-            offer = self._reserve_and_offer(at, name)
+            offer = self._reserve_and_offer(at, name, held)
             if offer is not None:
                 return offer
         return None
 
-    def _reserve_and_offer(self, at: _Attempt, name: str) -> tuple[NodeRecord, Expected] | None:
+    def _reserve_and_offer(
+        self,
+        at: _Attempt,
+        name: str,
+        held: list[tuple[AgentSession, apb.SchedulerMessage]] | None = None,
+    ) -> tuple[NodeRecord, Expected] | None:
+        """Reserve on `name` and offer it the instance: sent at once, or appended to `held`."""
         at.tried.add(name)
         node = self.registry.get(name)
         if node is None:
@@ -482,7 +505,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 offer_id=offer_id, assignment=at.assignment, hold_seconds=self.config.hold_seconds
             )
         )
-        return node, session.expect(msg, offer_id)
+        expected = session.expect(msg, offer_id, send=held is None)
+        if held is not None:
+            held.append((session, msg))
+        return node, expected
 
     def _settle_offer(
         self, at: _Attempt, node: NodeRecord, session: AgentSession, reply: Reply

@@ -63,15 +63,17 @@ class AgentSession:
         if not self.closed:
             self.outbox.put_nowait(msg)
 
-    def expect(self, msg: apb.SchedulerMessage, key: str) -> Expected:
+    def expect(self, msg: apb.SchedulerMessage, key: str, send: bool = True) -> Expected:
         """Send a message whose reply carries `key` (an offer or command id); wait for the
-        reply with `replies`, which also forgets the key."""
+        reply with `replies`, which also forgets the key. `send=False`: the caller sends
+        `msg` itself, later (a reply cannot come before it)."""
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         if self.closed:
             fut.set_result(DISCONNECTED)
         else:
             self.waiting[key] = fut
-            self.send(msg)
+            if send:
+                self.send(msg)
         return Expected(self, key, fut)
 
     def forget(self, key: str) -> None:
