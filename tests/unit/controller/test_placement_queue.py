@@ -9,7 +9,15 @@ import pytest
 
 from orka.controller.placement import PlacementConfig, PlacementQueue, _Backoff, _spec_bytes
 from orka.controller.repo import Change, Repo
-from orka.models import Instance, InstancePhase, Workload, WorkloadKind, WorkloadSpec
+from orka.models import (
+    Instance,
+    InstancePhase,
+    Node,
+    NodeState,
+    Workload,
+    WorkloadKind,
+    WorkloadSpec,
+)
 from orka.store.memory import MemoryStore
 
 
@@ -89,3 +97,36 @@ async def test_take_drops_what_is_no_longer_pending_and_keeps_what_backs_off(rep
     assert [i.name for i in batch] == [names[0], names[2]]
     # The one backing off waits its turn; the bound and the unknown ones are forgotten.
     assert list(q.pending) == [names[1]]
+
+
+async def set_nodes(repo: Repo, ready: int, lost: int = 0) -> None:
+    def plan() -> list[Change]:
+        states = [NodeState.READY] * ready + [NodeState.LOST] * lost
+        return [
+            Change("nodes", f"n{i}", Node(name=f"n{i}", state=state))
+            for i, state in enumerate(states)
+        ]
+
+    await repo.mutate(plan)
+
+
+@pytest.mark.parametrize(
+    ("ready", "lost", "limit"),
+    [
+        (0, 0, 100),  # no node known yet: the plain cap
+        (10, 0, 100),  # 1000 / 10 = 100
+        (40, 0, 25),
+        (40, 500, 25),  # nodes that are not READY do not count
+        (500, 0, 5),  # 1000 / 500 = 2, but never under min_batch_size
+    ],
+)
+async def test_the_batch_shrinks_as_the_ready_nodes_grow(
+    repo: Repo, ready: int, lost: int, limit: int
+) -> None:
+    await set_nodes(repo, ready, lost)
+    q = queue(repo, batch_size=100, batch_node_product=1000, min_batch_size=5)
+    assert q._batch_limit() == limit
+    names = await add(repo, spec("web"), 150)
+    for n in names:
+        q.add(n)
+    assert len(q._take(time.monotonic())) == limit
