@@ -9,7 +9,6 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import structlog
 from pydantic import BaseModel, Field, ValidationError
@@ -39,9 +38,9 @@ class AgentState(BaseModel):
     instances: dict[str, InstanceRecord] = Field(default_factory=dict)
 
 
-# What `StateFile.save` takes: the state (a model, a dict in its JSON layout, or that JSON
-# text already encoded), or a function that builds one of those at write time.
-StateValue = AgentState | dict[str, Any] | str
+# What `StateFile.save` takes: the state (a model, or its JSON text already encoded, as the
+# agent writes it), or a function that builds one of those at write time.
+StateValue = AgentState | str
 StateSource = StateValue | Callable[[], StateValue]
 
 
@@ -124,10 +123,7 @@ class StateFile:
         state = pending() if callable(pending) else pending
         if isinstance(state, AgentState):
             return state.model_dump_json().encode()
-        if isinstance(state, str):
-            return state.encode()
-        # json.dumps, not json.dump: only the one-shot form takes the C encoder.
-        return json.dumps(state, separators=(",", ":")).encode()
+        return state.encode()
 
     async def _writer(self) -> None:
         while True:

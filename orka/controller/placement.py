@@ -147,6 +147,8 @@ class PlacementQueue:
         return max(min(cfg.batch_size, by_nodes), min(cfg.min_batch_size, cfg.batch_size))
 
     def _take(self, now: float) -> list[Instance]:
+        if not self.pending:
+            return []  # the common wake-up: spare counting the nodes
         batch: list[Instance] = []
         size = 0
         limit = self._batch_limit()
