@@ -16,6 +16,11 @@ MAX_REPLICAS = 1000
 MAX_NAME_LENGTH = 63
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,252})$")
+# A user or group a process workload runs as: a name (POSIX portable user names, as useradd
+# takes them) or a numeric id. Nothing else, so no NUL, control character or path reaches
+# getpwnam or a log line; 32 is the longest name useradd accepts.
+MAX_ACCOUNT_LENGTH = 32
+_ACCOUNT_RE = re.compile(r"^(?:[0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,30}[A-Za-z0-9_.$-]?)$")
 
 
 class WorkloadKind(StrEnum):
@@ -85,6 +90,23 @@ def check_name(value: str, field: str = "name") -> str:
     return value
 
 
+def check_account(value: str) -> str:
+    """A user or group: a name or a numeric id, bounded, nothing a lookup or a log could trip on.
+
+    The error quotes at most MAX_ACCOUNT_LENGTH characters of the value, never all of it."""
+    if value and not _ACCOUNT_RE.match(value):
+        shown = repr(value[:MAX_ACCOUNT_LENGTH]) + (
+            "..." if len(value) > MAX_ACCOUNT_LENGTH else ""
+        )
+        raise ValueError(
+            "must be a user or group name (letters, digits, '_', '.', '-', at most"
+            f" {MAX_ACCOUNT_LENGTH} characters) or a numeric id, got {shown}"
+        )
+    if value.isdigit() and int(value) > 0xFFFFFFFE:
+        raise ValueError(f"numeric id {value} is out of range")
+    return value
+
+
 class Resources(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -135,6 +157,10 @@ class WorkloadSpec(BaseModel):
     max_per_node: int = Field(default=0, ge=0)
     # Seconds between SIGTERM and SIGKILL when an instance is stopped.
     stop_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
+    # Who a PROCESS instance runs as (name or numeric id); empty: the agent's --workload-user.
+    user: str = ""
+    # Its group; empty: the user's primary group.
+    group: str = ""
 
     @field_validator("name")
     @classmethod
@@ -149,6 +175,11 @@ class WorkloadSpec(BaseModel):
                 raise ValueError(f"env key {key!r} must be non-empty without '=' or NUL")
         return v
 
+    @field_validator("user", "group")
+    @classmethod
+    def _account(cls, v: str) -> str:
+        return check_account(v)
+
     @field_validator("node_selector")
     @classmethod
     def _selector(cls, v: dict[str, str]) -> dict[str, str]:
@@ -161,6 +192,9 @@ class WorkloadSpec(BaseModel):
     def _kind_needs(self) -> WorkloadSpec:
         if self.kind is WorkloadKind.PROCESS and not self.command:
             raise ValueError("command is required for a PROCESS workload")
+        if self.kind is not WorkloadKind.PROCESS and (self.user or self.group):
+            # Only the process driver switches users; silently ignoring it would be worse.
+            raise ValueError("user and group apply to PROCESS workloads only")
         if self.kind is WorkloadKind.CONTAINER and not self.image:
             raise ValueError("image is required for a CONTAINER workload")
         if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):

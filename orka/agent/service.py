@@ -34,6 +34,7 @@ from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import drain
 from orka.runtime.base import Driver, TaskState
+from orka.runtime.identity import DEFAULT_WORKLOAD_USER
 from orka.runtime.registry import make_driver
 from orka.security.tls import TlsFiles
 
@@ -56,6 +57,12 @@ class AgentConfig:
     reconnect_max: float = 5.0
     # Per-driver keyword options for make_driver, e.g. {"containerd": {"socket": "/x.sock"}}.
     driver_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Process workloads: who they run as when the spec names no user, whether root may be
+    # named at all, and the cgroup under which each instance gets its own (default orka/<name>).
+    workload_user: str = DEFAULT_WORKLOAD_USER
+    workload_group: str = ""
+    allow_root_workloads: bool = False
+    cgroup_parent: str = ""
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -150,12 +157,14 @@ class Agent:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        # Traversable only: workloads reach their own work dir (see orka.runtime.process) but
+        # can list nothing here, and every file the agent keeps here is 0600.
+        self.config.data_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        self.config.data_dir.chmod(0o711)
+        (self.config.data_dir / "runtime").mkdir(mode=0o711, exist_ok=True)
         for name in self.config.runtimes:
             driver = make_driver(
-                name,
-                self.config.data_dir / "runtime" / name,
-                **self.config.driver_options.get(name, {}),
+                name, self.config.data_dir / "runtime" / name, **self._driver_options(name)
             )
             self.drivers[name] = driver
             health = await driver.health()
@@ -167,6 +176,16 @@ class Agent:
             raise Invalid(f"--runtime: no healthy driver among {', '.join(self.config.runtimes)}")
         await self._adopt()
         self._main = asyncio.create_task(self._connect_loop(), name="agent-stream")
+
+    def _driver_options(self, name: str) -> dict[str, Any]:
+        options = dict(self.config.driver_options.get(name, {}))
+        if name == "process":
+            c = self.config
+            options.setdefault("user", c.workload_user)
+            options.setdefault("group", c.workload_group)
+            options.setdefault("allow_root", c.allow_root_workloads)
+            options.setdefault("cgroup_parent", c.cgroup_parent or f"orka/{self.name}")
+        return options
 
     async def run(self) -> None:
         await self.start()
@@ -494,8 +513,12 @@ class Agent:
         """Our own check of an offer; returns why not, or None to accept."""
         if self._leaving or self._stopping.is_set():
             return "node is shutting down"
-        if self._driver_name(spec.kind) is None:
+        driver_name = self._driver_name(spec.kind)
+        if driver_name is None:
             return f"no healthy {KIND_DRIVER[spec.kind]} driver"
+        refusal = self.healthy[driver_name].admit(spec)
+        if refusal is not None:
+            return refusal
         used = self._allocated()
         if name in self.reservations:
             used = used - self.reservations[name][0]

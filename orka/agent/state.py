@@ -155,7 +155,9 @@ class StateFile:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._dir_made = True
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        # 0600: specs hold env values (secrets); only the agent's user may read them.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, self.path)
 

@@ -125,9 +125,12 @@ class Supervised:
                 self.exit_code = code
                 self.finished_at = info.finished_at or time.time()
                 ran = self.finished_at - (self.started_at or self.finished_at)
+                # A driver's own reason (OOMKilled) says more than the exit code.
+                failed_reason = info.reason or "Error"
+                text = f"{info.message} (exit code {code})" if info.reason else _exit_text(code)
                 if not self._should_restart(code):
                     phase = InstancePhase.SUCCEEDED if code == 0 else InstancePhase.FAILED
-                    self._set(phase, "Completed" if code == 0 else "Error", _exit_text(code))
+                    self._set(phase, "Completed" if code == 0 else failed_reason, text)
                     return
                 if ran >= HEALTHY_RUN:
                     backoff = BACKOFF_START
@@ -135,7 +138,8 @@ class Supervised:
                 self._set(
                     InstancePhase.STARTING,
                     "BackOff",
-                    f"{_exit_text(code)}; restarting in {backoff:.0f}s",
+                    f"{info.reason + ': ' if info.reason else ''}{text};"
+                    f" restarting in {backoff:.0f}s",
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)

@@ -255,6 +255,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         labels=labels,
         leave_timeout=args.leave_timeout,
         driver_options=driver_options,
+        workload_user=_account("--workload-user", args.workload_user),
+        workload_group=_account("--workload-group", args.workload_group or ""),
+        allow_root_workloads=bool(args.allow_root_workloads),
+        cgroup_parent=_cgroup_parent(args.cgroup_parent or ""),
     )
 
     async def main() -> None:
@@ -270,6 +274,22 @@ def cmd_agent(args: argparse.Namespace) -> int:
     gctune.tune()
     asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
     return 0
+
+
+def _account(flag: str, value: str) -> str:
+    from orka.models import check_account
+
+    try:
+        return check_account(value)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+
+
+def _cgroup_parent(value: str) -> str:
+    parts = value.strip("/").split("/") if value.strip("/") else []
+    if any(p in ("", ".", "..") or not p.isprintable() for p in parts) or len(value) > 200:
+        raise UsageError(f"--cgroup-parent: {value[:200]!r} is not a relative cgroup path")
+    return "/".join(parts)
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -376,6 +396,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=60.0,
         metavar="S",
         help="on SIGTERM, wait this long for instances to move (60)",
+    )
+    add_flag(
+        p,
+        "--workload-user",
+        default="nobody",
+        metavar="USER",
+        help="user (name or id) process workloads run as when their spec names none (nobody)",
+    )
+    add_flag(p, "--workload-group", metavar="GROUP", help="its group (default: its own)")
+    add_flag(
+        p,
+        "--allow-root-workloads",
+        action="store_true",
+        default=False,
+        help="let process workloads run as root (refused by default)",
+    )
+    add_flag(
+        p,
+        "--cgroup-parent",
+        metavar="PATH",
+        help="cgroup under which each process instance gets its own (default orka/<name>)",
     )
     add_flag(
         p,

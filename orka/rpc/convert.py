@@ -83,6 +83,8 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         "restart_policy": policy,
         "working_dir": msg.working_dir,
         "max_per_node": msg.max_per_node,
+        "user": msg.user,
+        "group": msg.group,
     }
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
@@ -108,6 +110,8 @@ def spec_to_pb(spec: WorkloadSpec) -> pb.WorkloadSpec:
         working_dir=spec.working_dir,
         max_per_node=spec.max_per_node,
         stop_grace_seconds=spec.stop_grace_seconds,
+        user=spec.user,
+        group=spec.group,
     )
     if spec.vm is not None:
         msg.vm.CopyFrom(

@@ -61,6 +61,8 @@ class TaskInfo(BaseModel):
     started_at: float
     finished_at: float | None = None
     message: str = ""
+    # Why it ended when the driver knows more than the exit code (e.g. "OOMKilled").
+    reason: str = ""
 
 
 class DriverHealth(BaseModel):
@@ -90,6 +92,7 @@ class TrackedTask:
     exit_code: int | None = None
     finished_at: float | None = None
     message: str = ""
+    reason: str = ""
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task[None] | None = None
 
@@ -104,6 +107,7 @@ class TrackedTask:
             started_at=self.started_at,
             finished_at=self.finished_at,
             message=self.message,
+            reason=self.reason,
         )
 
 
@@ -115,6 +119,10 @@ class Driver(ABC):
     @abstractmethod
     async def health(self) -> DriverHealth:
         """Whether the driver can start tasks now, and which workload kinds it serves."""
+
+    def admit(self, spec: WorkloadSpec) -> str | None:
+        """Why this node cannot run `spec` (e.g. a user it may not switch to), or None."""
+        return None
 
     @abstractmethod
     async def start(self, run: RunSpec) -> TaskInfo:
@@ -219,7 +227,10 @@ def exit_message(code: int | None) -> str:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write then rename, so a crash never leaves a half-written record behind (blocking)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
+    # 0600: records may name what a task runs; only the agent reads them.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w") as f:
+        f.write(json.dumps(data))
     os.replace(tmp, path)
 
 

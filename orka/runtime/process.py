@@ -1,9 +1,19 @@
 """The `process` driver: plain child processes, no root needed (the embedded default).
 
-Layout per instance, under `<data_dir>/instances/<instance>/`:
-`task.json` (pid, kernel start time, workload, started_at), `stdout.log`, `stderr.log`,
+Layout per instance: `<data_dir>/instances/<instance>/` (0700, the agent's only) holds
+`task.json` (pid, kernel start time, workload, started_at), `stdout.log`, `stderr.log` (0600),
 `exit_code` (written by the wrapper) and `exit.json` (written once the driver saw the exit).
-It is also the working directory unless the spec names one.
+The working directory, unless the spec names one, is `<data_dir>/work/<instance>/` (0700,
+owned by the user the instance runs as); `work/` and the directories above it inside the data
+dir are traversable only (0711), so a workload reaches its own directory and lists nothing.
+
+Isolation (when the agent is root; see `identity.py`, `cgroups.py` and `launch.py`). Each
+instance runs as the spec's `user`/`group`, or the agent's default user (`nobody`), never root
+unless the node allows it; in its own cgroup with `memory.max`/`cpu.max` (or v1's equivalents)
+from its resources, joined before the command execs; with a private /tmp where the platform
+allows a mount namespace. An OOM kill is reported as reason `OOMKilled`, exit code 137. An
+unprivileged agent runs workloads as itself, and without limits when no cgroup is writable
+(it logs so once).
 
 Surviving the agent. Every task runs in its own session (`start_new_session=True`), like Nomad's
 executor, so SIGKILLing the agent leaves tasks running; a new driver on the same data dir finds
@@ -23,8 +33,7 @@ ones are polled (`poll_interval`, one small /proc read each).
 When a task's main command ends, whatever it left running in its process group is killed, as a
 container runtime does when a container's init exits.
 
-Not enforced: `resources.cpu_millis` and `memory_bytes` (plain processes have no cgroup here);
-`usage()` only reports what the process tree uses. Linux only (`/proc`).
+`usage()` reports what the process tree uses. Linux only (`/proc`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -45,7 +56,8 @@ import psutil
 import structlog
 
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
-from orka.models import WorkloadKind
+from orka.models import WorkloadKind, WorkloadSpec
+from orka.runtime import launch
 from orka.runtime.base import (
     DriverHealth,
     RunSpec,
@@ -59,6 +71,8 @@ from orka.runtime.base import (
     terminate,
     write_json,
 )
+from orka.runtime.cgroups import Cgroups, detect
+from orka.runtime.identity import DEFAULT_WORKLOAD_USER, Identity, IdentityRefused, UserPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +89,10 @@ _KILL_TIMEOUT = 5.0
 TASK_FILE = "task.json"
 EXIT_FILE = "exit.json"
 EXIT_CODE_FILE = "exit_code"
+OOM_REASON = "OOMKilled"
+# The launcher runs as a script: isolated mode (-I: no PYTHON* variables from the workload's
+# env, no user site) and no site module (-S: it needs only the standard library; faster start).
+_LAUNCH = [sys.executable, "-I", "-S", launch.__file__]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -87,6 +105,7 @@ class _Task(TrackedTask):
     # Only set for children of this process; adopted tasks are polled instead.
     proc: asyncio.subprocess.Process | None = None
     killed: bool = False
+    memory_limit: int = 0
     # Kept between usage() calls because psutil's cpu_percent measures since the last call.
     samples: dict[int, psutil.Process] = field(default_factory=dict)
 
@@ -94,8 +113,26 @@ class _Task(TrackedTask):
 class ProcessDriver(TrackingDriver[_Task]):
     name: ClassVar[str] = "process"
 
-    def __init__(self, data_dir: Path, poll_interval: float = 0.2) -> None:
-        self._root = Path(data_dir) / "instances"
+    def __init__(
+        self,
+        data_dir: Path,
+        poll_interval: float = 0.2,
+        *,
+        user: str = DEFAULT_WORKLOAD_USER,
+        group: str = "",
+        allow_root: bool = False,
+        cgroup_parent: str = "orka",
+        private_tmp: bool = True,
+    ) -> None:
+        self._data = Path(data_dir)
+        self._root = self._data / "instances"
+        self._work = self._data / "work"
+        self._policy = UserPolicy(default_user=user, default_group=group, allow_root=allow_root)
+        self._cgroup_parent = cgroup_parent
+        self._cgroups: Cgroups | None = None
+        self._cgroups_checked = False
+        # None until probed: whether this platform lets us give an instance its own /tmp.
+        self._private_tmp: bool | None = None if private_tmp else False
         self._poll = poll_interval
         self._tasks: dict[str, _Task] = {}
         # Start, stop and remove of one instance must not interleave.
@@ -109,12 +146,57 @@ class ProcessDriver(TrackingDriver[_Task]):
         if not os.access(SHELL, os.X_OK):
             return DriverHealth(healthy=False, message=f"{SHELL} is missing", kinds=kinds)
         try:
-            await asyncio.to_thread(self._root.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(self._probe_isolation)
         except OSError as exc:
             return DriverHealth(healthy=False, message=f"data dir: {exc}", kinds=kinds)
         if not os.access(self._root, os.W_OK):
             return DriverHealth(healthy=False, message=f"{self._root} is not writable", kinds=kinds)
+        if self._cgroups is None:
+            return DriverHealth(
+                healthy=True, message="resource limits are not enforced", kinds=kinds
+            )
         return DriverHealth(healthy=True, kinds=kinds)
+
+    def admit(self, spec: WorkloadSpec) -> str | None:
+        try:
+            self._policy.resolve(spec)
+        except IdentityRefused as exc:
+            return str(exc)
+        return None
+
+    @property
+    def cgroups(self) -> Cgroups | None:
+        return self._cgroups
+
+    def _make_dirs(self) -> None:
+        """Records and logs private to the agent; the way to work dirs traversable only."""
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._root.chmod(0o700)
+        self._work.mkdir(exist_ok=True)
+        self._work.chmod(0o711)
+        self._data.chmod(0o711)
+
+    def _probe_isolation(self) -> None:
+        """Once: our dirs, which cgroups we can manage, whether a private /tmp works (blocking)."""
+        if self._cgroups_checked:
+            return
+        self._make_dirs()
+        self._cgroups_checked = True
+        self._cgroups, why = detect(self._cgroup_parent)
+        if self._cgroups is None:
+            log.warning("process.limits_not_enforced", reason=why)
+        else:
+            log.info("process.cgroups", version=self._cgroups.version, parent=self._cgroup_parent)
+        if self._private_tmp is None:
+            if os.geteuid() != 0:
+                self._private_tmp = False
+            else:
+                probe = subprocess.run(
+                    [*_LAUNCH, "--probe", "--"], capture_output=True, timeout=10, check=False
+                )
+                self._private_tmp = probe.returncode == 0
+            if not self._private_tmp:
+                log.warning("process.no_private_tmp", reason="no mount namespace allowed here")
 
     async def start(self, run: RunSpec) -> TaskInfo:
         instance = check_instance(run.instance)
@@ -125,8 +207,19 @@ class ProcessDriver(TrackingDriver[_Task]):
                     raise AlreadyExists(f"process: instance {instance!r} is already running")
                 # A restart of an exited instance reuses its directory and appends to its logs.
                 self._tasks.pop(instance, None)
+            try:
+                identity = self._policy.resolve(run.spec)
+            except IdentityRefused as exc:
+                raise RuntimeFailure(f"process: {exc}") from None
+            try:
+                await asyncio.to_thread(self._probe_isolation)
+            except OSError as exc:
+                raise RuntimeFailure(f"process: data dir: {exc}") from None
             task_dir = self._root / instance
-            argv, cwd, env = await asyncio.to_thread(_prepare, run, task_dir)
+            argv, cwd, env = await asyncio.to_thread(
+                _prepare, run, task_dir, self._work / instance, identity
+            )
+            argv = await asyncio.to_thread(self._isolate, run, identity, argv)
             out, err = _open_logs(task_dir)
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -160,6 +253,7 @@ class ProcessDriver(TrackingDriver[_Task]):
                 start_ticks=_start_ticks(proc.pid),
                 started_at=time.time(),
                 proc=proc,
+                memory_limit=run.spec.resources.memory_bytes,
             )
             record = {
                 "instance": instance,
@@ -167,13 +261,43 @@ class ProcessDriver(TrackingDriver[_Task]):
                 "pid": task.pid,
                 "start_ticks": task.start_ticks,
                 "started_at": task.started_at,
+                "memory_limit": task.memory_limit,
+                "user": identity.user,
+                "uid": identity.uid,
                 "command": argv,
             }
             await asyncio.to_thread(write_json, task_dir / TASK_FILE, record)
             self._tasks[instance] = task
             task.watcher = asyncio.create_task(self._watch_child(task), name=f"watch-{instance}")
-            log.info("process.started", instance=instance, pid=task.pid, command=argv)
+            log.info(
+                "process.started", instance=instance, pid=task.pid, uid=identity.uid, command=argv
+            )
             return task.info()
+
+    def _isolate(self, run: RunSpec, identity: Identity, argv: list[str]) -> list[str]:
+        """The command behind the launcher that sets up its cgroup, /tmp and user (blocking).
+
+        Without anything to set up (an unprivileged agent, no cgroups), the command as is.
+        """
+        prefix: list[str] = []
+        cg = self._cgroups
+        if cg is not None:
+            try:
+                cg.create(run.instance, run.spec.resources)
+            except OSError as exc:
+                cg.remove(run.instance)
+                raise RuntimeFailure(
+                    f"process: cannot set up the cgroup of {run.instance!r}: {exc}"
+                ) from None
+            for path in cg.procs_files(run.instance):
+                prefix += ["--cgroup-procs", str(path)]
+        if self._private_tmp:
+            prefix += ["--private-tmp", "--tmp-size", str(run.spec.resources.memory_bytes)]
+        if identity.switch:
+            prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
+        if not prefix:
+            return argv
+        return [*_LAUNCH, *prefix, "--", *argv]
 
     async def list(self) -> list[TaskInfo]:
         unknown = await asyncio.to_thread(self._scan, set(self._tasks))
@@ -223,7 +347,10 @@ class ProcessDriver(TrackingDriver[_Task]):
         tracked = self._tasks.pop(instance, None)
         if tracked is not None and tracked.watcher is not None:
             tracked.watcher.cancel()
+        if self._cgroups is not None:
+            await asyncio.to_thread(self._cgroups.remove, instance)
         await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
+        await asyncio.to_thread(shutil.rmtree, self._work / instance, True)
 
     async def _require(self, instance: str) -> _Task:
         task = await self._lookup(check_instance(instance))
@@ -266,6 +393,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             pid=int(record["pid"]),
             start_ticks=record.get("start_ticks"),
             started_at=float(record.get("started_at", 0.0)),
+            memory_limit=int(record.get("memory_limit") or 0),
         )
         self._tasks[instance] = task
         exit_record = record.get("exit")
@@ -273,6 +401,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             task.exit_code = exit_record.get("exit_code")
             task.finished_at = exit_record.get("finished_at")
             task.message = str(exit_record.get("message", ""))
+            task.reason = str(exit_record.get("reason", ""))
             task.done.set()
         elif _alive(task.pid, task.start_ticks):
             log.info("process.adopted", instance=instance, pid=task.pid)
@@ -299,14 +428,22 @@ class ProcessDriver(TrackingDriver[_Task]):
         if task.done.is_set():
             return
         _sweep_group(task.pid, task.start_ticks)
+        oom_kills = 0
+        if self._cgroups is not None:
+            # Read before the cgroup goes; removing it also kills what escaped the group.
+            oom_kills = await asyncio.to_thread(self._cgroups.oom_kills, task.instance)
+            await asyncio.to_thread(self._cgroups.remove, task.instance)
         recorded, recorded_at = await asyncio.to_thread(_read_exit_code, task.dir)
         if code is None:
             code = recorded
-        if code is None and task.killed:
+        if code is None and (task.killed or oom_kills):
             code = SIGKILL_EXIT_CODE
         task.exit_code = code
         task.finished_at = recorded_at if task.proc is None and recorded_at else time.time()
-        if task.killed:
+        if oom_kills and code == SIGKILL_EXIT_CODE and not task.killed:
+            task.reason = OOM_REASON
+            task.message = f"killed by the OOM killer at its memory limit ({task.memory_limit} B)"
+        elif task.killed:
             task.message = "killed after the stop grace period"
         elif code is None:
             task.message = "exited while unwatched; exit code unknown"
@@ -316,6 +453,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             "exit_code": task.exit_code,
             "finished_at": task.finished_at,
             "message": task.message,
+            "reason": task.reason,
         }
         try:
             await asyncio.to_thread(write_json, task.dir / EXIT_FILE, exit_record)
@@ -323,7 +461,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             # Only a restarted agent loses by this; the live state stays right.
             log.warning("process.exit_record_failed", instance=task.instance, error=str(exc))
         task.done.set()
-        log.info("process.exited", instance=task.instance, exit_code=code)
+        log.info("process.exited", instance=task.instance, exit_code=code, reason=task.reason)
 
     def _signal(self, task: _Task, sig: signal.Signals) -> None:
         if task.proc is not None:
@@ -340,19 +478,26 @@ class ProcessDriver(TrackingDriver[_Task]):
 # -- helpers that touch the filesystem (called from threads where they may be slow) ----------
 
 
-def _prepare(run: RunSpec, task_dir: Path) -> tuple[list[str], str, dict[str, str]]:
+def _prepare(
+    run: RunSpec, task_dir: Path, work_dir: Path, identity: Identity
+) -> tuple[list[str], str, dict[str, str]]:
     spec = run.spec
     argv = list(spec.command)
     if not argv:
         raise RuntimeFailure("process: the workload has no command to run")
-    task_dir.mkdir(parents=True, exist_ok=True)
-    cwd = spec.working_dir or str(task_dir)
+    task_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    work_dir.mkdir(mode=0o700, exist_ok=True)
+    if identity.switch:
+        os.chown(work_dir, identity.uid, identity.gid)
+    cwd = spec.working_dir or str(work_dir)
     if not Path(cwd).is_dir():
         raise RuntimeFailure(f"process: working_dir {cwd!r} is not a directory")
     # A minimal environment: the agent's own (secrets, sockets) must not leak into tasks.
+    # Another user gets its own dir as HOME, not the agent's.
+    home = str(work_dir) if identity.switch else os.environ.get("HOME", str(work_dir))
     env = {
         "PATH": os.environ.get("PATH", os.defpath),
-        "HOME": os.environ.get("HOME", str(task_dir)),
+        "HOME": home,
         "ORKA_INSTANCE": run.instance,
         "ORKA_WORKLOAD": run.workload,
     }
@@ -381,12 +526,17 @@ def _resolve(command: str, path: str, cwd: str) -> str:
 
 def _open_logs(task_dir: Path) -> tuple[int, int]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-    out = os.open(task_dir / "stdout.log", flags, 0o644)
+    # Written by the agent and read by it only: they may hold what the workload printed of
+    # its secrets.
+    out = os.open(task_dir / "stdout.log", flags, 0o600)
     try:
-        err = os.open(task_dir / "stderr.log", flags, 0o644)
+        err = os.open(task_dir / "stderr.log", flags, 0o600)
     except OSError:
         os.close(out)
         raise
+    # Logs kept from an earlier run of the instance (or an older agent) get the same mode.
+    os.fchmod(out, 0o600)
+    os.fchmod(err, 0o600)
     return out, err
 
 

@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import signal
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec
+from orka.runtime.cgroups import detect
 from orka.runtime.process import ProcessDriver
 
 
@@ -50,11 +52,46 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-async def make_process_driver(data_dir: Path) -> AsyncIterator[Callable[[], ProcessDriver]]:
+def cgroup_parent() -> Iterator[str]:
+    """A cgroup parent of this test's own (engineers and CI jobs share the host), removed after."""
+    parent = f"orka-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield parent
+    remove_cgroup_parent(parent)
+
+
+def remove_cgroup_parent(parent: str) -> None:
+    _, mounts = detect_mounts()
+    for root in mounts:
+        base = root / parent
+        if not base.is_dir():
+            continue
+        for child in sorted(base.iterdir()):
+            if child.is_dir():
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+        with contextlib.suppress(OSError):
+            base.rmdir()
+
+
+def detect_mounts() -> tuple[int, list[Path]]:
+    """(cgroup version, the roots an instance cgroup is under) as `detect` would pick them."""
+    cg, _ = detect("")
+    if cg is None:
+        return 0, []
+    return cg.version, [d.parent for d in cg.dirs("x")]
+
+
+@pytest.fixture
+async def make_process_driver(
+    data_dir: Path, cgroup_parent: str
+) -> AsyncIterator[Callable[..., ProcessDriver]]:
+    """Drivers on the test's data dir. Tests that write into pytest's tmp dirs (0700 root)
+    run their workloads as root (`user="root", allow_root=True`), which tests of isolation
+    itself never do."""
     drivers: list[ProcessDriver] = []
 
-    def make() -> ProcessDriver:
-        driver = ProcessDriver(data_dir, poll_interval=0.05)
+    def make(**options: object) -> ProcessDriver:
+        driver = ProcessDriver(data_dir, poll_interval=0.05, cgroup_parent=cgroup_parent, **options)
         drivers.append(driver)
         return driver
 

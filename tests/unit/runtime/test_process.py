@@ -62,14 +62,15 @@ async def test_env_and_working_dir(make_process_driver: MakeDriver, tmp_path: Pa
     assert out.read_text().splitlines() == ["hello web-0", str(work), "unset"]
 
 
-async def test_default_working_dir_is_instance_dir(
+async def test_default_working_dir_is_instance_work_dir(
     make_process_driver: MakeDriver, data_dir: Path
 ) -> None:
+    # Its own dir under work/, apart from the agent's records and logs (instances/).
     driver = make_process_driver()
     await driver.start(run_spec(command=["pwd"]))
     await asyncio.wait_for(driver.wait("web-0"), 5)
     out, _ = driver.log_paths("web-0")
-    assert out.read_text().strip() == str(data_dir / "instances" / "web-0")
+    assert out.read_text().strip() == str(data_dir / "work" / "web-0")
 
 
 async def test_stop_returns_within_grace(make_process_driver: MakeDriver) -> None:

@@ -1,0 +1,115 @@
+"""Set up one process instance's isolation, then exec its command: the step between the
+agent's wrapper shell and the workload.
+
+Run as a plain script (`python -I -S launch.py ...`), standard library only, so that it starts
+fast and imports nothing from the workload's environment. It is a fresh single-threaded process,
+which is what makes the privileged steps safe here (a `preexec_fn` in the multi-threaded agent
+is not). In order, each before the workload's first instruction:
+
+1. join the instance's cgroup(s): write our pid to each `--cgroup-procs` file;
+2. `--private-tmp`: a mount namespace of our own with a fresh tmpfs on /tmp (skipped quietly
+   where the platform refuses; the driver probes this once and logs it);
+3. `--uid/--gid`: drop supplementary groups, then the group, then the user, and set
+   no_new_privs so no setuid binary can take the privileges back;
+4. exec the command (an absolute path the agent resolved) with the environment we were given.
+
+A failure in steps 1 or 3 is fatal (the command must not run with less isolation than asked):
+it prints `orka-launch: ...` to stderr, which is the instance's stderr log, and exits 126.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+EXIT_SETUP_FAILED = 126
+EXIT_NOT_FOUND = 127
+
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+def _fail(message: str, code: int = EXIT_SETUP_FAILED) -> None:
+    sys.stderr.write(f"orka-launch: {message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def private_tmp(size: int) -> bool:
+    """A mount namespace with an empty tmpfs on /tmp; False where that is not allowed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        return False
+    # Our mounts must not propagate back to the host's namespace.
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return False
+    options = b"mode=1777" + (b",size=%d" % size if size else b"")
+    return libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
+def main(args: list[str]) -> None:
+    procs: list[str] = []
+    uid = gid = None
+    tmp = False
+    tmp_size = 0
+    probe = False
+    while args and args[0] != "--":
+        flag = args.pop(0)
+        if flag == "--cgroup-procs":
+            procs.append(args.pop(0))
+        elif flag == "--uid":
+            uid = int(args.pop(0))
+        elif flag == "--gid":
+            gid = int(args.pop(0))
+        elif flag == "--private-tmp":
+            tmp = True
+        elif flag == "--tmp-size":
+            tmp_size = int(args.pop(0))
+        elif flag == "--probe":
+            probe = True
+        else:
+            _fail(f"unknown option {flag!r}")
+    argv = args[1:]
+    if probe:
+        # Exit 0 when a private /tmp works here, 1 when not; runs nothing.
+        os._exit(0 if private_tmp(0) else 1)
+    if not argv:
+        _fail("no command")
+    pid = str(os.getpid())
+    for path in procs:
+        try:
+            with open(path, "w") as f:
+                f.write(pid)
+        except OSError as exc:
+            _fail(f"cannot join cgroup {os.path.dirname(path)}: {exc.strerror}")
+    if tmp:
+        private_tmp(tmp_size)
+    if uid is not None and gid is not None:
+        try:
+            drop_privileges(uid, gid)
+        except OSError as exc:
+            _fail(f"cannot switch to uid {uid} gid {gid}: {exc.strerror or exc}")
+    try:
+        os.execv(argv[0], argv)
+    except FileNotFoundError:
+        _fail(f"command {argv[0]!r} not found", EXIT_NOT_FOUND)
+    except OSError as exc:
+        _fail(f"cannot run {argv[0]!r}: {exc.strerror}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
