@@ -386,6 +386,13 @@ class ProcessDriver(TrackingDriver[_Task]):
         # Another caller may have adopted it while we were reading the files.
         if instance in self._tasks:
             return self._tasks[instance]
+        if not self._cgroups_checked:
+            # A restarted agent adopts before it starts anything: its instances' cgroups are
+            # found by name, for their OOM kills and their removal.
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._probe_isolation)
+            if instance in self._tasks:
+                return self._tasks[instance]
         task = _Task(
             instance=instance,
             workload=str(record.get("workload", "")),

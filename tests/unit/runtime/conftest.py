@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orka.models import WorkloadKind, WorkloadSpec
+from orka.models import Resources, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec
 from orka.runtime.cgroups import detect
 from orka.runtime.process import ProcessDriver
@@ -24,6 +24,9 @@ def run_spec(
     image: str = "",
     env: dict[str, str] | None = None,
     working_dir: str = "",
+    resources: Resources | None = None,
+    user: str = "",
+    group: str = "",
 ) -> RunSpec:
     spec = WorkloadSpec(
         name="web",
@@ -32,6 +35,9 @@ def run_spec(
         command=command if command is not None else ["sleep", "1000"],
         env=env or {},
         working_dir=working_dir,
+        resources=resources or Resources(),
+        user=user,
+        group=group,
     )
     return RunSpec(instance=instance, workload="web", spec=spec)
 
@@ -60,15 +66,16 @@ def cgroup_parent() -> Iterator[str]:
 
 
 def remove_cgroup_parent(parent: str) -> None:
-    _, mounts = detect_mounts()
-    for root in mounts:
-        base = root / parent
-        if not base.is_dir():
-            continue
-        for child in sorted(base.iterdir()):
+    """Kill what a test left in its instance cgroups, then remove them and the parent."""
+    cg, _ = detect(parent)
+    if cg is None:
+        return
+    bases = {d.parent for d in cg.dirs("x")}
+    for base in bases:
+        for child in base.iterdir() if base.is_dir() else []:
             if child.is_dir():
-                with contextlib.suppress(OSError):
-                    child.rmdir()
+                cg.remove(child.name)
+    for base in bases:
         with contextlib.suppress(OSError):
             base.rmdir()
 
