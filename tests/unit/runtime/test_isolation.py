@@ -271,7 +271,13 @@ async def test_root_refused_unless_allowed(make_process_driver: MakeDriver) -> N
 
 async def test_named_user_and_group(make_process_driver: MakeDriver) -> None:
     driver = make_process_driver()
-    await driver.start(run_spec(command=["id"], user="daemon", group="nogroup"))
+    # The agent's own supplementary groups (root's disk, adm, ...) must not reach the task.
+    saved = os.getgroups()
+    os.setgroups([0, 4, 6])
+    try:
+        await driver.start(run_spec(command=["id"], user="daemon", group="nogroup"))
+    finally:
+        os.setgroups(saved)
     assert (await asyncio.wait_for(driver.wait("web-0"), 10)).exit_code == 0
     out, _ = driver.log_paths("web-0")
     assert out.read_text().strip() == "uid=1(daemon) gid=65534(nogroup) groups=65534(nogroup)"
