@@ -83,6 +83,18 @@ def domain_exists(uri: str, name: str) -> bool:
     return True
 
 
+def domain_limits(uri: str, name: str) -> tuple[int, int]:
+    """(maximum memory in KiB, vCPU count) of a running domain, as libvirt enforces them."""
+    import libvirt
+
+    conn = libvirt.open(uri)
+    try:
+        _state, max_kib, _kib, vcpus, _cpu_time = conn.lookupByName(name).info()
+    finally:
+        conn.close()
+    return max_kib, vcpus
+
+
 async def test_vm_runs_through_scheduler_and_agent(
     certs_dir: Path, tmp_path: Path, libvirt_daemons: LibvirtDaemons, guest: Guest
 ) -> None:
@@ -130,6 +142,8 @@ async def test_vm_runs_through_scheduler_and_agent(
         print(f"\nVM apply→RUNNING {running_after:.2f}s, apply→guest marker {marker_after:.2f}s")
         assert f"{MARKER} kernel=6." in text
         assert domain_exists(libvirt_daemons.uri, domain_name(inst.name))
+        # The spec's resources are the VM's limits: 128 MiB of memory, 500 m -> one vCPU.
+        assert domain_limits(libvirt_daemons.uri, domain_name(inst.name)) == (128 << 10, 1)
         usage = await driver.usage(inst.name)
         assert usage.memory_bytes > 0
 
