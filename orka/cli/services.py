@@ -224,6 +224,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 # ---- agent ----
 
+# orka.runtime.identity's default, not imported here: every command would load it.
+DEFAULT_WORKLOAD_USER = "nobody"
+
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from orka.agent.service import Agent, AgentConfig
@@ -242,6 +245,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _positive("--leave-timeout", args.leave_timeout)
     labels = parse_labels(args.labels)
     driver_options = _driver_options(args)
+    # Empty (e.g. ORKA_WORKLOAD_USER=) is the default, never "no user".
+    workload_user = _account("--workload-user", args.workload_user or DEFAULT_WORKLOAD_USER)
+    workload_group = _account("--workload-group", args.workload_group or "")
+    cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -255,10 +262,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         labels=labels,
         leave_timeout=args.leave_timeout,
         driver_options=driver_options,
-        workload_user=_account("--workload-user", args.workload_user),
-        workload_group=_account("--workload-group", args.workload_group or ""),
+        workload_user=workload_user,
+        workload_group=workload_group,
         allow_root_workloads=bool(args.allow_root_workloads),
-        cgroup_parent=_cgroup_parent(args.cgroup_parent or ""),
+        cgroup_parent=cgroup_parent,
     )
 
     async def main() -> None:
@@ -400,7 +407,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(
         p,
         "--workload-user",
-        default="nobody",
+        default=DEFAULT_WORKLOAD_USER,
         metavar="USER",
         help="user (name or id) process workloads run as when their spec names none (nobody)",
     )

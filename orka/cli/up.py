@@ -270,7 +270,11 @@ class Cluster:
         """
         reaped = 0
         for name in self.node_names:
-            driver = ProcessDriver(self.data_dir / "agents" / name / "runtime" / "process")
+            # The agent's default cgroup parent, so their cgroups go with them.
+            driver = ProcessDriver(
+                self.data_dir / "agents" / name / "runtime" / "process",
+                cgroup_parent=f"orka/{name}",
+            )
             try:
                 for task in await driver.list():
                     if task.state is TaskState.RUNNING:
