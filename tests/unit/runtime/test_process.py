@@ -249,3 +249,29 @@ async def test_bad_instance_name_is_refused(make_process_driver: MakeDriver) -> 
 
     with pytest.raises(Invalid):
         await make_process_driver().start(run_spec(instance="../escape"))
+
+
+async def test_without_writable_cgroups_limits_are_off_and_work_goes_on(
+    make_process_driver: MakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What an unprivileged agent (or a container without cgroup access) finds.
+    from structlog.testing import capture_logs
+
+    from orka.models import Resources
+    from orka.runtime import process
+
+    monkeypatch.setattr(process, "detect", lambda parent: (None, "cgroup v1: Permission denied"))
+    driver = make_process_driver()
+    with capture_logs() as logs:
+        health = await driver.health()
+        await driver.health()
+        await driver.start(
+            run_spec(command=["echo", "ran"], resources=Resources(memory_bytes=1 << 20))
+        )
+        done = await asyncio.wait_for(driver.wait("web-0"), 10)
+    assert health.healthy and health.message == "resource limits are not enforced"
+    assert driver.cgroups is None
+    assert done.exit_code == 0
+    assert driver.log_paths("web-0")[0].read_text() == "ran\n"
+    warnings = [e for e in logs if e["event"] == "process.limits_not_enforced"]
+    assert [w["reason"] for w in warnings] == ["cgroup v1: Permission denied"]  # once
