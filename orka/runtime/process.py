@@ -237,6 +237,8 @@ class ProcessDriver(TrackingDriver[_Task]):
                     start_new_session=True,
                 )
             except OSError as exc:
+                if self._cgroups is not None:
+                    await asyncio.to_thread(self._cgroups.remove, instance)
                 raise RuntimeFailure(f"process: cannot start {argv[0]!r}: {exc}") from exc
             finally:
                 # The child holds its own copies of the descriptors.
