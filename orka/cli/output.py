@@ -158,6 +158,9 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     ]
     if s.working_dir:
         pairs.append(("Working dir", s.working_dir))
+    if s.user or s.group:
+        group = f":{s.group}" if s.group else ""
+        pairs.append(("User", f"{s.user or '(node default)'}{group}"))
     pairs += [
         ("Generation", w.generation),
         ("Created", timestamp(w.created_at, now)),

@@ -82,3 +82,15 @@ def test_age() -> None:
     assert output.age(0, NOW) == "<none>"
     assert output.age(NOW, NOW) == "0s"
     assert InstancePhase.PENDING.value == "PENDING"
+
+
+def test_describe_workload_names_its_user() -> None:
+    def user_line(**fields: str) -> list[str]:
+        spec = WorkloadSpec(name="w", kind="PROCESS", command=["x"], **fields)
+        text = output.describe_workload(Workload(spec=spec, created_at=NOW), [], NOW)
+        return [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("User")]
+
+    assert user_line() == []  # the node's default user: nothing to say
+    assert user_line(user="daemon") == ["daemon"]
+    assert user_line(user="daemon", group="nogroup") == ["daemon:nogroup"]
+    assert user_line(group="nogroup") == ["(node default):nogroup"]
