@@ -281,3 +281,75 @@ async def test_named_user_and_group(make_process_driver: MakeDriver) -> None:
     assert (await asyncio.wait_for(driver.wait("web-0"), 10)).exit_code == 0
     out, _ = driver.log_paths("web-0")
     assert out.read_text().strip() == "uid=1(daemon) gid=65534(nogroup) groups=65534(nogroup)"
+
+
+_UNPRIVILEGED_AGENT = """
+import asyncio, concurrent.futures.thread, json, os, sys
+from pathlib import Path
+from orka.models import WorkloadKind, WorkloadSpec
+from orka.runtime.base import RunSpec
+from orka.runtime.process import ProcessDriver
+
+# Everything is imported while root (the venv may sit under /root); then become nobody, as an
+# agent started by an unprivileged user is.
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+
+
+async def main() -> dict[str, object]:
+    driver = ProcessDriver(Path(sys.argv[1]), poll_interval=0.05, cgroup_parent=sys.argv[2])
+    health = await driver.health()
+    spec = WorkloadSpec(name="w", kind=WorkloadKind.PROCESS, command=["id", "-u"])
+    await driver.start(RunSpec(instance="w-0", workload="w", spec=spec))
+    done = await driver.wait("w-0")
+    other = spec.model_copy(update={"user": "daemon"})
+    return {
+        "healthy": health.healthy,
+        "message": health.message,
+        "cgroups": driver.cgroups is not None,
+        "exit_code": done.exit_code,
+        "uid": driver.log_paths("w-0")[0].read_text().strip(),
+        "admit_self": driver.admit(spec.model_copy(update={"user": "nobody"})),
+        "admit_other": driver.admit(other),
+        "admit_root": driver.admit(spec.model_copy(update={"user": "root"})),
+    }
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+async def test_unprivileged_agent_runs_workloads_as_itself_without_limits(
+    outside_tmp: Path, cgroup_parent: str
+) -> None:
+    import json
+    import sys
+
+    data = outside_tmp / "agent"
+    data.mkdir()
+    os.chown(data, NOBODY, NOBODY)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _UNPRIVILEGED_AGENT,
+        str(data),
+        cgroup_parent,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[3])},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    result = json.loads(out.decode().splitlines()[-1])
+    # It cannot write a cgroup: it says limits are off, and it keeps working.
+    assert result["healthy"] is True
+    assert result["message"] == "resource limits are not enforced"
+    assert result["cgroups"] is False
+    assert (result["exit_code"], result["uid"]) == (0, str(NOBODY))
+    # It runs workloads as itself and refuses to be anyone else.
+    assert result["admit_self"] is None
+    assert result["admit_other"] == (
+        "the agent runs as 'nobody', not root, so it cannot run a workload as user 'daemon'"
+    )
+    assert "cannot run a workload as user 'root'" in result["admit_root"]
