@@ -437,6 +437,10 @@ class ProcessDriver(TrackingDriver[_Task]):
         if task.done.is_set():
             return
         _sweep_group(task.pid, task.start_ticks)
+        if task.killed:
+            # A SIGKILLed member can take a moment to die (the launcher may be paging itself
+            # in); a stop returns once nothing of the task runs any more.
+            await asyncio.to_thread(_await_group_gone, task.pid, _KILL_TIMEOUT)
         oom_kills = 0
         if self._cgroups is not None:
             # Read before the cgroup goes; removing it also kills what escaped the group.
@@ -611,6 +615,29 @@ def _sweep_group(pgid: int, start_ticks: int | None) -> None:
     # of the group lives, so this reaches only processes the task started.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (not zombie) process is in process group `pgid` (scans /proc)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # Fields after the command name: state (3), ppid (4), pgrp (5).
+        rest = raw[raw.rfind(")") + 2 :].split()
+        if int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _await_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _measure(task: _Task) -> Usage:
