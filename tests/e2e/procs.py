@@ -16,6 +16,7 @@ from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
+from tests.cgroups import remove_cgroup_parent, unique_parent
 
 
 def free_port() -> int:
@@ -75,6 +76,8 @@ class ProcessCluster:
         self.scheduler_port = free_port()
         self.controller_port = free_port()
         self.services: dict[str, Service] = {}
+        self.cgroup_parent = unique_parent()
+        self.agent_names: set[str] = set()
         self.channel = None
         self.api: pb_grpc.ControllerStub | None = None
 
@@ -122,6 +125,7 @@ class ProcessCluster:
         )
 
     def start_agent(self, name: str, *extra: str) -> Service:
+        self.agent_names.add(name)
         return self._service(
             name,
             [
@@ -136,6 +140,9 @@ class ProcessCluster:
                 str(self.data / "agents" / name),
                 "--runtime",
                 self.runtime,
+                # Instance cgroups of this cluster's own, removed by close().
+                "--cgroup-parent",
+                f"{self.cgroup_parent}/{name}",
                 *extra,
             ],
         )
@@ -175,6 +182,8 @@ class ProcessCluster:
             await self.channel.close()
         for svc in self.services.values():
             svc.kill()
+        for name in self.agent_names:
+            remove_cgroup_parent(f"{self.cgroup_parent}/{name}")
 
 
 async def nodes_ready(c: ProcessCluster, names: list[str]) -> bool:

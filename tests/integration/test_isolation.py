@@ -4,15 +4,14 @@ user, and an OOM kill reported back to the API (real agents, real processes, rea
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from orka.api import controller_pb2 as pb
+from tests.cgroups import detect_mounts, remove_cgroup_parent, unique_parent
 from tests.integration.cluster import Cluster, eventually
-from tests.unit.runtime.conftest import detect_mounts, remove_cgroup_parent
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or detect_mounts()[0] == 0,
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture
 async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     """node-1 keeps the default (no root workloads); node-2's operator allows them."""
-    parent = f"orka-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    parent = unique_parent()
     c = Cluster(certs_dir, tmp_path)
     try:
         await c.start()
@@ -39,7 +38,6 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
         await c.stop()
         for node in ("node-1", "node-2"):
             remove_cgroup_parent(f"{parent}/{node}")
-        remove_cgroup_parent(parent)
 
 
 def _spec(name: str, **fields: object) -> pb.WorkloadSpec:

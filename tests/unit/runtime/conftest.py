@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import signal
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -12,8 +11,10 @@ import pytest
 
 from orka.models import Resources, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec
-from orka.runtime.cgroups import detect
 from orka.runtime.process import ProcessDriver
+from tests.cgroups import detect_mounts, remove_cgroup_parent, unique_parent
+
+__all__ = ["detect_mounts", "remove_cgroup_parent"]
 
 
 def run_spec(
@@ -59,33 +60,10 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def cgroup_parent() -> Iterator[str]:
-    """A cgroup parent of this test's own (engineers and CI jobs share the host), removed after."""
-    parent = f"orka-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A cgroup parent of this test's own, removed after."""
+    parent = unique_parent()
     yield parent
     remove_cgroup_parent(parent)
-
-
-def remove_cgroup_parent(parent: str) -> None:
-    """Kill what a test left in its instance cgroups, then remove them and the parent."""
-    cg, _ = detect(parent)
-    if cg is None:
-        return
-    bases = {d.parent for d in cg.dirs("x")}
-    for base in bases:
-        for child in base.iterdir() if base.is_dir() else []:
-            if child.is_dir():
-                cg.remove(child.name)
-    for base in bases:
-        with contextlib.suppress(OSError):
-            base.rmdir()
-
-
-def detect_mounts() -> tuple[int, list[Path]]:
-    """(cgroup version, the roots an instance cgroup is under) as `detect` would pick them."""
-    cg, _ = detect("")
-    if cg is None:
-        return 0, []
-    return cg.version, [d.parent for d in cg.dirs("x")]
 
 
 @pytest.fixture

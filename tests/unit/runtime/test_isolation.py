@@ -23,8 +23,9 @@ from orka.models import Resources
 from orka.runtime.base import TaskState
 from orka.runtime.cgroups import CPU_PERIOD_US, Cgroups
 from orka.runtime.process import OOM_REASON, SIGKILL_EXIT_CODE, ProcessDriver
+from tests.cgroups import detect_mounts
 
-from .conftest import _kill_leftovers, detect_mounts, run_spec
+from .conftest import _kill_leftovers, run_spec
 
 MakeDriver = Callable[..., ProcessDriver]
 
