@@ -124,3 +124,25 @@ async def test_oom_kill_reported_through_the_api(cluster: Cluster) -> None:
     assert inst.reason == "OOMKilled"
     assert inst.exit_code == 137
     assert "OOM killer" in inst.message
+
+
+async def test_oom_killed_instance_is_restarted_by_its_policy(cluster: Cluster) -> None:
+    assert cluster.api is not None
+    spec = _spec(
+        "hog",
+        command=["tail", "/dev/zero"],
+        resources=pb.Resources(cpu_millis=100, memory_bytes=32 << 20),
+        restart_policy=pb.WorkloadSpec.ON_FAILURE,
+    )
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))
+
+    async def backing_off() -> pb.Instance | None:
+        insts = await cluster.instances("hog")
+        if insts and insts[0].reason == "BackOff" and insts[0].message.startswith("OOMKilled"):
+            return insts[0]
+        return None
+
+    # Exit code 137 is a failure: ON_FAILURE restarts it, saying why it died.
+    inst = await eventually(backing_off, timeout=30)
+    assert inst.phase == pb.Instance.STARTING
+    assert "restarting in" in inst.message
