@@ -354,3 +354,33 @@ async def test_unprivileged_agent_runs_workloads_as_itself_without_limits(
         "the agent runs as 'nobody', not root, so it cannot run a workload as user 'daemon'"
     )
     assert "cannot run a workload as user 'root'" in result["admit_root"]
+
+
+async def test_without_mount_namespaces_tmp_is_shared_and_said_once(
+    make_process_driver: MakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a container without CAP_SYS_ADMIN gives: the probe fails, workloads still run.
+    import subprocess
+
+    from structlog.testing import capture_logs
+
+    from orka.runtime import process
+
+    def refused(argv: list[str], **_: object) -> subprocess.CompletedProcess[bytes]:
+        assert "--probe" in argv
+        return subprocess.CompletedProcess(argv, 1, b"", b"")
+
+    monkeypatch.setattr(process.subprocess, "run", refused)
+    driver = make_process_driver()
+    marker = Path("/tmp") / f"orka-shared-tmp-{os.getpid()}"
+    marker.write_text("host")
+    try:
+        with capture_logs() as logs:
+            await driver.health()
+            await driver.start(run_spec(command=["cat", str(marker)]))
+            done = await asyncio.wait_for(driver.wait("web-0"), 10)
+        assert done.exit_code == 0
+        assert driver.log_paths("web-0")[0].read_text() == "host"
+        assert [e["event"] for e in logs].count("process.no_private_tmp") == 1
+    finally:
+        marker.unlink()
