@@ -96,6 +96,17 @@ class Cgroups(ABC):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.01)
 
+    def remove_parent(self) -> None:
+        """Remove the parent's levels that are empty (blocking): an agent that stopped its
+        instances leaves nothing behind; one whose instances still run keeps it."""
+        for d in {d.parent for d in self.dirs("x")}:
+            for _ in Path(self.parent).parts:
+                try:
+                    d.rmdir()
+                except OSError:
+                    break  # not empty (instances, other nodes) or already gone
+                d = d.parent
+
     def remove(self, name: str, timeout: float = 5.0) -> None:
         """Kill what is left and remove the instance's cgroup (blocking, idempotent)."""
         self.kill(name)

@@ -384,3 +384,17 @@ async def test_without_mount_namespaces_tmp_is_shared_and_said_once(
         assert [e["event"] for e in logs].count("process.no_private_tmp") == 1
     finally:
         marker.unlink()
+
+
+async def test_closed_driver_leaves_no_empty_parent(
+    make_process_driver: MakeDriver, cgroup_parent: str
+) -> None:
+    driver = make_process_driver()
+    await driver.start(run_spec(command=["true"]))
+    await asyncio.wait_for(driver.wait("web-0"), 10)
+    cg = _cgroups(driver)
+    parents = {d.parent for d in cg.dirs("web-0")}
+    assert all(p.is_dir() for p in parents)
+    await driver.remove("web-0")
+    await driver.close()
+    assert not any(p.exists() for p in parents)
