@@ -323,6 +323,8 @@ class ProcessDriver(TrackingDriver[_Task]):
             return
         self._closed = True
         await cancel_watchers(self._tasks.values())
+        if self._cgroups is not None:
+            await asyncio.to_thread(self._cgroups.remove_parent)
 
     # -- tracking (the `TrackingDriver` hooks first) -------------------------------------------
 
