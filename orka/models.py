@@ -16,6 +16,12 @@ MAX_REPLICAS = 1000
 MAX_NAME_LENGTH = 63
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,252})$")
+# What Get, List and Watch return in place of each secret_env value; an Update that sends it
+# back for a key keeps the stored secret (see orka/controller/secrets.py).
+REDACTED = "<redacted>"
+MAX_SECRET_KEY_BYTES = 256
+MAX_SECRET_VALUE_BYTES = 64 * 1024
+MAX_SECRET_ENV_BYTES = 256 * 1024
 
 
 class WorkloadKind(StrEnum):
@@ -135,6 +141,8 @@ class WorkloadSpec(BaseModel):
     max_per_node: int = Field(default=0, ge=0)
     # Seconds between SIGTERM and SIGKILL when an instance is stopped.
     stop_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
+    # Environment values that are never logged nor returned in clear (see REDACTED).
+    secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
 
     @field_validator("name")
     @classmethod
@@ -147,6 +155,28 @@ class WorkloadSpec(BaseModel):
         for key in v:
             if not key or "=" in key or "\0" in key:
                 raise ValueError(f"env key {key!r} must be non-empty without '=' or NUL")
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, v: dict[str, str]) -> dict[str, str]:
+        # Messages name the key, never the value: the value is the secret.
+        total = 0
+        for key, value in v.items():
+            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
+                raise ValueError(
+                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
+                    " characters without '=' or NUL"
+                )
+            size = len(value.encode())
+            if "\0" in value or size > MAX_SECRET_VALUE_BYTES:
+                raise ValueError(
+                    f"the value of {key!r} must be at most {MAX_SECRET_VALUE_BYTES} bytes"
+                    " without NUL"
+                )
+            total += len(key) + size
+        if total > MAX_SECRET_ENV_BYTES:
+            raise ValueError(f"must be at most {MAX_SECRET_ENV_BYTES} bytes in all")
         return v
 
     @field_validator("node_selector")
@@ -165,7 +195,15 @@ class WorkloadSpec(BaseModel):
             raise ValueError("image is required for a CONTAINER workload")
         if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):
             raise ValueError("image or vm.kernel is required for a VM workload")
+        both = sorted(self.env.keys() & self.secret_env.keys())
+        if both:
+            raise ValueError(f"secret_env: {both[0]!r} is also in env; give each variable once")
         return self
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What an instance's process sees: env and the secret values, for drivers only."""
+        return {**self.env, **self.secret_env} if self.secret_env else self.env
 
     @property
     def driver(self) -> str:
@@ -186,6 +224,9 @@ class Workload(BaseModel):
     deleting: bool = False
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
+    # The caller's certificate identity ("admin/admin") at create and at the latest update.
+    created_by: str = ""
+    updated_by: str = ""
     status: WorkloadStatus = Field(default_factory=WorkloadStatus)
 
     @property

@@ -356,7 +356,7 @@ def _prepare(run: RunSpec, task_dir: Path) -> tuple[list[str], str, dict[str, st
         "ORKA_INSTANCE": run.instance,
         "ORKA_WORKLOAD": run.workload,
     }
-    env.update(spec.env)
+    env.update(spec.environment)  # env and secret_env
     argv[0] = _resolve(argv[0], env["PATH"], cwd)
     # Stale records from an earlier run of this instance would be mistaken for this one.
     for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):
@@ -381,9 +381,9 @@ def _resolve(command: str, path: str, cwd: str) -> str:
 
 def _open_logs(task_dir: Path) -> tuple[int, int]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-    out = os.open(task_dir / "stdout.log", flags, 0o644)
+    out = os.open(task_dir / "stdout.log", flags, 0o600)
     try:
-        err = os.open(task_dir / "stderr.log", flags, 0o644)
+        err = os.open(task_dir / "stderr.log", flags, 0o600)
     except OSError:
         os.close(out)
         raise
