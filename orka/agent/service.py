@@ -21,6 +21,7 @@ from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, OrkaError
+from orka.filemodes import private_dir
 from orka.memo import ByIdentity
 from orka.models import (
     FAKE_DRIVER,
@@ -150,7 +151,7 @@ class Agent:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.data_dir)  # state and logs hold specs, with their secrets
         for name in self.config.runtimes:
             driver = make_driver(
                 name,

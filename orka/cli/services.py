@@ -21,6 +21,7 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.errors import Invalid
+from orka.filemodes import private_dir
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security.ca import validate_name
@@ -173,7 +174,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     )
 
     async def main() -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
         await GracefulStop(Controller(config, tls)).run()
 
     gctune.tune()

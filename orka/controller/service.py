@@ -26,6 +26,7 @@ from orka.controller.placement import PlacementConfig, PlacementQueue
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Repo
 from orka.errors import Invalid, Unavailable
+from orka.filemodes import private_dir
 from orka.rpc.server import start_server
 from orka.security.tls import TlsFiles
 from orka.store.election import Election, election_for
@@ -116,7 +117,7 @@ class Controller:
         return self.leadership is not None and self.leadership.is_leader
 
     async def start(self) -> int:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.data_dir)  # the store holds specs, with their secrets
         await self.store.open()
         self._server, self.port, self._health = await start_server(
             self.config.listen,
