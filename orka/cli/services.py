@@ -141,6 +141,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     listen = _listen(args.listen)
     schedulers = _targets(args.scheduler)
+    audit_log = _audit_log(args.audit_log)
     data_dir = resolve_data_dir(args.data_dir)
     certs = resolve_certs(args.certs, data_dir)
     tls = check_tls(certs, "controller", "controller")
@@ -170,6 +171,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
         store_url=args.store or "",
         data_dir=data_dir,
         advertise=args.advertise or "",
+        audit_log=audit_log,
+        audit_reads=args.audit_reads,
         **etcd_tls,
     )
 
@@ -180,6 +183,20 @@ def cmd_controller(args: argparse.Namespace) -> int:
     gctune.tune()
     eventloop.run(main())
     return 0
+
+
+def _audit_log(value: str | None) -> Path | None:
+    """Fail at start-up, naming the flag, when the audit log cannot be written."""
+    if not value:
+        return None
+    from orka.controller.audit import open_private
+
+    path = Path(value).expanduser()
+    try:
+        open_private(path)
+    except OSError as e:
+        raise UsageError(f"--audit-log: cannot write {path}: {e.strerror or e}") from None
+    return path
 
 
 # ---- scheduler ----
@@ -346,6 +363,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
     add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    add_flag(
+        p,
+        "--audit-log",
+        metavar="PATH",
+        help="append one JSON line per API call that writes (who, what, outcome) to PATH "
+        "(created 0600); the records also go to the log as orka.audit",
+    )
+    add_flag(
+        p,
+        "--audit-reads",
+        action="store_true",
+        default=False,
+        help="audit Get, List and Watch calls as well",
+    )
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")

@@ -19,7 +19,7 @@ from orka.errors import AlreadyExists, Invalid, NotFound, OrkaError, ResourceExh
 from orka.models import InstancePhase, Node, Workload, check_name
 from orka.rpc import convert
 from orka.rpc.frames import drain
-from orka.rpc.server import stream, unary
+from orka.rpc.server import Auditor, stream, unary
 from orka.security.identity import Identity
 
 ADMIN = {"admin"}
@@ -53,6 +53,9 @@ def _name(value: str, field: str = "name") -> str:
 
 
 class ControllerApi(pb_grpc.ControllerServicer):
+    # Records the calls that write (orka/controller/audit.py); set by the controller.
+    auditor: Auditor | None = None
+
     def __init__(
         self,
         repo: Repo,

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2
 
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import ControllerApi
+from orka.controller.audit import AuditLog
 from orka.controller.events import EventHub
 from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
@@ -52,6 +53,9 @@ class ControllerConfig:
     etcd_key: Path | None = None
     # The leader's lease; a dead leader is replaced within about this many seconds.
     election_ttl: int = 5
+    # Where the audit log's JSON lines go (None: through structlog only); reads too if asked.
+    audit_log: Path | None = None
+    audit_reads: bool = False
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -75,6 +79,8 @@ class Controller:
         self.repo.listeners.append(self.events.on_change)
         self._build()
         self.api = ControllerApi(self.repo, self.reconciler, self.link, self.events, self._gate)
+        self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
+        self.api.auditor = self.audit
         self.election: Election | None = None
         self.leadership: Leadership | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -249,6 +255,8 @@ class Controller:
             # Resign so a standby takes over now rather than when our lease expires.
             await self.leadership.close()
         await self.store.close()
+        # Last: the server has stopped, so every call has been recorded.
+        await asyncio.to_thread(self.audit.close)
 
     async def __aenter__(self) -> Controller:
         await self.start()

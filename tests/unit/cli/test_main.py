@@ -107,6 +107,7 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
         (["scheduler", "--policy", "random"], "--policy"),
         (["controller", "--listen", "nope"], "--listen"),
+        (["controller", "--audit-log", "/dev/null/audit.log"], "--audit-log: cannot write"),
         (["up", "--agents", "0"], "--agents"),
         (["delete", "node", "x"], "only workloads"),
     ],
@@ -118,6 +119,17 @@ def test_usage_errors_exit_2(
     err = capsys.readouterr().err
     assert expected in err
     assert "Traceback" not in err
+
+
+def test_audit_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse("controller")
+    assert (args.audit_log, args.audit_reads) == (None, False)  # type: ignore[attr-defined]
+    monkeypatch.setenv("ORKA_AUDIT_LOG", "/var/log/orka/audit.jsonl")
+    monkeypatch.setenv("ORKA_AUDIT_READS", "1")
+    args = parse("controller")
+    assert args.audit_log == "/var/log/orka/audit.jsonl"  # type: ignore[attr-defined]
+    assert args.audit_reads is True  # type: ignore[attr-defined]
+    assert parse("controller", "--audit-log", "x.log").audit_log == "x.log"  # type: ignore[attr-defined]
 
 
 def test_agent_driver_flags_become_driver_options(monkeypatch: pytest.MonkeyPatch) -> None:
