@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -159,3 +160,35 @@ def test_a_request_with_secrets_is_never_recorded(tmp_path: Path) -> None:
     audit.close()
     assert "s3cr3t-value" not in path.read_text()
     assert "s3cr3t-value" not in repr(logs)
+
+
+class _FullDisk:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def writelines(self, lines: object) -> None:
+        self.calls += 1
+        raise OSError(28, "No space left on device")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_write_failure_is_logged_once_and_calls_go_on(tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.log")
+    assert audit._writer is not None
+    disk = _FullDisk()
+    audit._writer._file = disk  # type: ignore[assignment]
+    with capture_logs() as logs:
+        for i in range(1, 4):
+            audit.record(call())  # never raises into the RPC
+            deadline = time.monotonic() + 5
+            while disk.calls < i and time.monotonic() < deadline:  # one write per record
+                time.sleep(0.001)
+        audit.close()
+    assert disk.calls == 3
+    errors = [e for e in logs if e["event"] == "cannot write the audit log"]
+    assert len(errors) == 1 and errors[0]["error"] == "[Errno 28] No space left on device"
