@@ -199,3 +199,29 @@ async def test_created_by_and_updated_by_name_the_callers(cluster: Cluster, cert
     assert (got.created_by, got.updated_by) == ("admin/admin", "admin/alice")
     [listed] = (await cluster.api.ListWorkloads(pb.ListWorkloadsRequest())).workloads
     assert (listed.created_by, listed.updated_by) == ("admin/admin", "admin/alice")
+
+
+async def test_reads_and_streams_are_recorded_when_asked(certs: Path, tmp_path: Path) -> None:
+    """--audit-reads: unary reads as they end, a watch when it ends (the hook exec and logs
+    streams will use)."""
+    path = tmp_path / "reads.jsonl"
+    c = Cluster(certs, tmp_path / "reads")
+    try:
+        await c.scheduler.start()
+        await c.start_controller(audit_log=path, audit_reads=True)
+        assert c.api is not None
+        await c.api.ListWorkloads(pb.ListWorkloadsRequest())
+        watch = c.api.WatchEvents(pb.WatchEventsRequest(workload="web"))
+        await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec()))
+        first = await anext(aiter(watch))  # subscribed and reading
+        assert first.workload.spec.name == "web"
+        watch.cancel()
+        got = await records(path, 3)
+    finally:
+        await c.stop()
+    assert [(r["method"], r["object"], r["outcome"]["code"]) for r in got] == [
+        ("ListWorkloads", {"kind": "workloads", "name": ""}, "OK"),
+        ("CreateWorkload", {"kind": "workload", "name": "web"}, "OK"),
+        ("WatchEvents", {"kind": "events", "name": ""}, "CANCELLED"),
+    ]
+    assert {r["caller"]["identity"] for r in got} == {"admin/admin"}
