@@ -6,6 +6,7 @@ Protobuf stops at the servicers: they convert to and from these pydantic models 
 
 from __future__ import annotations
 
+import posixpath
 import re
 import time
 from enum import StrEnum
@@ -22,6 +23,8 @@ REDACTED = "<redacted>"
 MAX_SECRET_KEY_BYTES = 256
 MAX_SECRET_VALUE_BYTES = 64 * 1024
 MAX_SECRET_ENV_BYTES = 256 * 1024
+MAX_SECRET_FILES = 64
+MAX_PATH_CHARS = 4096
 
 
 class WorkloadKind(StrEnum):
@@ -143,6 +146,9 @@ class WorkloadSpec(BaseModel):
     stop_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
     # Environment values that are never logged nor returned in clear (see REDACTED).
     secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
+    # KEY -> absolute path of a file on the node whose content the agent puts in KEY at each
+    # start (orka/agent/secret_files.py); the path must be inside the agent's --secret-dir.
+    secret_env_files: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -179,6 +185,29 @@ class WorkloadSpec(BaseModel):
             raise ValueError(f"must be at most {MAX_SECRET_ENV_BYTES} bytes in all")
         return v
 
+    @field_validator("secret_env_files")
+    @classmethod
+    def _secret_env_files(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_SECRET_FILES:
+            raise ValueError(f"at most {MAX_SECRET_FILES} files, got {len(v)}")
+        for key, path in v.items():
+            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
+                raise ValueError(
+                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
+                    " characters without '=' or NUL"
+                )
+            if (
+                len(path) > MAX_PATH_CHARS
+                or not path.startswith("/")
+                or "\0" in path
+                or posixpath.normpath(path) != path
+            ):
+                raise ValueError(
+                    f"the path of {key!r} must be absolute and normalised (no '..', '.' or"
+                    f" '//'), at most {MAX_PATH_CHARS} characters without NUL"
+                )
+        return v
+
     @field_validator("node_selector")
     @classmethod
     def _selector(cls, v: dict[str, str]) -> dict[str, str]:
@@ -198,6 +227,12 @@ class WorkloadSpec(BaseModel):
         both = sorted(self.env.keys() & self.secret_env.keys())
         if both:
             raise ValueError(f"secret_env: {both[0]!r} is also in env; give each variable once")
+        both = sorted(self.secret_env_files.keys() & (self.env.keys() | self.secret_env.keys()))
+        if both:
+            raise ValueError(
+                f"secret_env_files: {both[0]!r} is also in env or secret_env; give each"
+                " variable once"
+            )
         return self
 
     @property

@@ -27,7 +27,7 @@ class VmSpec(_message.Message):
     def __init__(self, kernel: _Optional[str] = ..., initrd: _Optional[str] = ..., cmdline: _Optional[str] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_seconds", "secret_env")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_seconds", "secret_env", "secret_env_files")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -69,6 +69,13 @@ class WorkloadSpec(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SecretEnvFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +90,7 @@ class WorkloadSpec(_message.Message):
     MAX_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     STOP_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SECRET_ENV_FIELD_NUMBER: _ClassVar[int]
+    SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -97,7 +105,8 @@ class WorkloadSpec(_message.Message):
     max_per_node: int
     stop_grace_seconds: float
     secret_env: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_seconds: _Optional[float] = ..., secret_env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    secret_env_files: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_seconds: _Optional[float] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
     __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message")

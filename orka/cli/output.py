@@ -160,6 +160,8 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     ]
     if s.working_dir:
         pairs.append(("Working dir", s.working_dir))
+    if s.secret_env_files:
+        pairs.append(("Secret env files", mapping(s.secret_env_files)))
     pairs += [
         ("Generation", w.generation),
         ("Created", timestamp(w.created_at, now)),

@@ -260,6 +260,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _positive("--leave-timeout", args.leave_timeout)
     labels = parse_labels(args.labels)
     driver_options = _driver_options(args)
+    secret_dirs = _secret_dirs(args.secret_dir)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -273,6 +274,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         labels=labels,
         leave_timeout=args.leave_timeout,
         driver_options=driver_options,
+        secret_dirs=secret_dirs,
     )
 
     async def main() -> None:
@@ -288,6 +290,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     gctune.tune()
     asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
     return 0
+
+
+def _secret_dirs(value: str | None) -> list[Path]:
+    dirs = [Path(p).expanduser() for p in parse_list(value, "--secret-dir")] if value else []
+    for d in dirs:
+        if not d.is_absolute() or not d.is_dir():
+            raise UsageError(f"--secret-dir: {d} is not an absolute path to a directory")
+    return dirs
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -426,6 +436,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--containerd-cgroup-parent",
         metavar="PATH",
         help="cgroup under which the containerd driver puts containers (default /orka)",
+    )
+    add_flag(
+        p,
+        "--secret-dir",
+        metavar="DIR[,...]",
+        help="directories whose files workloads may name in secretEnvFiles (default: none)",
     )
     add_flag(
         p,

@@ -85,6 +85,7 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         "working_dir": msg.working_dir,
         "max_per_node": msg.max_per_node,
         "secret_env": dict(msg.secret_env),
+        "secret_env_files": dict(msg.secret_env_files),
     }
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
@@ -114,6 +115,7 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         max_per_node=spec.max_per_node,
         stop_grace_seconds=spec.stop_grace_seconds,
         secret_env=secrets,
+        secret_env_files=spec.secret_env_files,
     )
     if spec.vm is not None:
         msg.vm.CopyFrom(

@@ -13,7 +13,7 @@ import pytest
 
 from orka.api import controller_pb2 as pb
 from orka.models import REDACTED
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, eventually
 
 SECRET = "s3cr3t-f00-value"
 
@@ -140,3 +140,68 @@ async def test_a_secret_value_is_never_echoed_in_an_error(cluster: Cluster) -> N
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert (info.value.details() or "").startswith("spec")
         assert SECRET not in (info.value.details() or "")
+
+
+async def test_secret_env_files_are_read_on_the_node_and_never_travel(
+    certs_dir: Path, tmp_path: Path
+) -> None:
+    """Node-1 allows /…/secrets and its process sees the file's content; node-2 allows no
+    secret files, so an instance pinned there fails to start, saying why. The value is in no
+    answer, no store and no agent state file."""
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "db").write_text("fr0m-a-file\n")
+    c = Cluster(certs_dir, tmp_path / "data")
+    try:
+        await c.start()
+        await c.add_agent("node-1", runtimes=["process"], secret_dirs=[secrets])
+        await c.add_agent("node-2", runtimes=["process"], labels={"no": "secrets"})
+        assert c.api is not None
+
+        def file_spec(name: str, selector: dict[str, str]) -> pb.WorkloadSpec:
+            s = spec()
+            s.name = name
+            s.secret_env_files["FROM_FILE"] = str(secrets / "db")
+            s.command[:] = ["sh", "-c", 'echo "got $FROM_FILE $DB_PASSWORD"; exec sleep 60']
+            s.node_selector.update(selector)
+            return s
+
+        created = await c.api.CreateWorkload(
+            pb.CreateWorkloadRequest(spec=file_spec("db", {"orka.io/node": "node-1"}))
+        )
+        assert dict(created.spec.secret_env_files) == {"FROM_FILE": str(secrets / "db")}
+        await c.api.CreateWorkload(
+            pb.CreateWorkloadRequest(spec=file_spec("nofiles", {"no": "secrets"}))
+        )
+        [inst] = await eventually(lambda: c.running("db"))
+        out = (
+            c.agents["node-1"].config.data_dir
+            / "runtime/process/instances"
+            / inst.name
+            / "stdout.log"
+        )
+
+        async def printed() -> str | None:
+            text = await asyncio.to_thread(out.read_text) if out.exists() else ""
+            return text or None
+
+        assert await eventually(printed) == f"got fr0m-a-file {SECRET}\n"
+
+        async def refused() -> list[pb.Instance] | None:
+            insts = await c.instances("nofiles")
+            return insts if insts and insts[0].reason == "StartFailed" else None
+
+        [failed] = await eventually(refused)
+        assert failed.node == "node-2"
+        assert failed.message.startswith(
+            "secret_env_files: this node reads no secret files (its agent has no --secret-dir)"
+        )
+
+        got = await c.api.GetWorkload(pb.GetWorkloadRequest(name="db"))
+        assert b"fr0m-a-file" not in got.SerializeToString()
+        for agent in c.agents.values():
+            await agent.state_file.persist()
+            state = await asyncio.to_thread(agent.state_file.path.read_text)
+            assert "fr0m-a-file" not in state
+    finally:
+        await c.stop()

@@ -103,6 +103,14 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["agent", "--labels", "zone"], "--labels"),
         (["agent", "--name", "Bad_Name"], "--name"),
         (["agent", "--cpu-millis", "0"], "--cpu-millis"),
+        (
+            ["agent", "--secret-dir", "relative/dir"],
+            "--secret-dir: relative/dir is not an absolute",
+        ),
+        (
+            ["agent", "--secret-dir", "/no/such/dir"],
+            "--secret-dir: /no/such/dir is not an absolute",
+        ),
         (["agent", "--libvirt-domain-type", "xen"], "--libvirt-domain-type"),
         (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
         (["scheduler", "--policy", "random"], "--policy"),
@@ -130,6 +138,15 @@ def test_audit_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPat
     assert args.audit_log == "/var/log/orka/audit.jsonl"  # type: ignore[attr-defined]
     assert args.audit_reads is True  # type: ignore[attr-defined]
     assert parse("controller", "--audit-log", "x.log").audit_log == "x.log"  # type: ignore[attr-defined]
+
+
+def test_secret_dirs_are_a_list(tmp_path: Path) -> None:
+    from orka.cli.services import _secret_dirs
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _secret_dirs(None) == []
+    assert _secret_dirs(f"{tmp_path / 'a'}, {tmp_path / 'b'}") == [tmp_path / "a", tmp_path / "b"]
 
 
 def test_agent_driver_flags_become_driver_options(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -48,6 +48,10 @@ def test_secret_env_values_are_strings_like_env() -> None:
         "name: db\nkind: process\ncommand: [x]\nsecretEnv: {PASSWORD: hunter2, PIN: 1234}\n"
     )
     assert spec.secret_env == {"PASSWORD": "hunter2", "PIN": "1234"}
+    [spec] = parse_manifests(
+        "name: db\nkind: process\ncommand: [x]\nsecretEnvFiles: {TOKEN: /etc/orka/secrets/t}\n"
+    )
+    assert spec.secret_env_files == {"TOKEN": "/etc/orka/secrets/t"}
 
 
 def test_wrapper_form() -> None:

@@ -324,3 +324,29 @@ def test_secret_env_is_validated_without_echoing_values(
     for value in secret_env.values():
         if len(value) > 3:
             assert value not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"K": "relative/path"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc/orka/../orka/x"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc//x"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc/x\0"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"A=": "/x"}, "spec.secret_env_files: key 'A=' must be"),
+        ({f"K{i}": "/x" for i in range(65)}, "spec.secret_env_files: at most 64 files, got 65"),
+        ({"A": "/x"}, "spec: secret_env_files: 'A' is also in env or secret_env"),
+    ],
+)
+def test_secret_env_files_are_validated(files: dict[str, str], expected: str) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(secret_env_files=files, env={"A": "1"}))
+    assert info.value.message.startswith(expected)
+
+
+def test_secret_env_file_paths_are_returned_as_they_are() -> None:
+    s = spec(secret_env_files={"DB": "/etc/orka/secrets/db"})
+    assert dict(convert.workload_to_pb(Workload(spec=s)).spec.secret_env_files) == {
+        "DB": "/etc/orka/secrets/db"
+    }
+    assert convert.spec_from_pb(convert.spec_to_pb(s)) == s
