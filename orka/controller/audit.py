@@ -30,7 +30,8 @@ import structlog
 from orka.filemodes import private_file
 from orka.rpc.server import Call
 
-log = structlog.get_logger("orka.audit")
+LOGGER = "orka.audit"
+log = structlog.get_logger(LOGGER)
 
 # Calls whose name starts with one of these only read; anything else is taken to write, so a
 # new RPC is audited until someone decides it need not be.
@@ -153,10 +154,12 @@ class AuditLog:
 
     def record(self, call: Call) -> None:
         record = to_record(call)
+        # The services' log renderers do not print logger names: name it in the entry, so that
+        # `jq 'select(.logger == "orka.audit")'` finds the records in a service's log.
         if call.code is grpc.StatusCode.OK:
-            log.info("audit", **record)
+            log.info("audit", logger=LOGGER, **record)
         else:
-            log.warning("audit", **record)
+            log.warning("audit", logger=LOGGER, **record)
         if self._writer is not None:
             # ASCII JSON: a U+2028 in a name cannot split one record over two lines.
             self._writer.write(json.dumps(record, separators=(",", ":")))

@@ -140,7 +140,7 @@ async def test_a_secret_reaches_the_process_only_and_writes_are_audited(
     for line in (cluster.data / "controller.log").read_text().splitlines():
         if line.startswith("{"):
             entry = json.loads(line)
-            if entry.get("event") == "audit":
+            if entry.get("logger") == "orka.audit":
                 logged.append((entry["method"], entry["caller"]["identity"]))
     assert logged == [
         ("CreateWorkload", "admin/admin"),

@@ -143,9 +143,9 @@ def test_records_go_through_structlog_as_orka_audit() -> None:
     with capture_logs() as logs:
         audit.record(call())
         audit.record(call(code=grpc.StatusCode.PERMISSION_DENIED, message="role agent may not"))
-    assert [(e["event"], e["log_level"]) for e in logs] == [
-        ("audit", "info"),
-        ("audit", "warning"),
+    assert [(e["event"], e["logger"], e["log_level"]) for e in logs] == [
+        ("audit", "orka.audit", "info"),
+        ("audit", "orka.audit", "warning"),
     ]
     assert logs[1]["caller"]["identity"] == "admin/admin"
     assert logs[1]["outcome"] == {"code": "PERMISSION_DENIED", "message": "role agent may not"}
