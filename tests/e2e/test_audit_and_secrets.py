@@ -112,7 +112,7 @@ async def test_a_secret_reaches_the_process_only_and_writes_are_audited(
     assert [mode(instance_dir / n) for n in ("stdout.log", "stderr.log")] == [0o600, 0o600]
 
     # Re-applying the file (the CLI cannot compare a secret it is not shown) changes nothing.
-    await orka(cluster, "apply", "-f", str(manifest))
+    assert await orka(cluster, "apply", "-f", str(manifest)) == f"workload/{WORKLOAD} unchanged\n"
     assert (await cluster.running(WORKLOAD))[0].name == inst.name
     await orka(cluster, "delete", "workload", WORKLOAD)
 
