@@ -144,26 +144,28 @@ def caller_of(context: grpc.aio.ServicerContext) -> Caller:
     return Caller(identity=identity, serial=serial, peer=context.peer() or "")
 
 
-def _auditor(servicer: Any, method: str) -> Auditor | None:
-    auditor: Auditor | None = getattr(servicer, "auditor", None)
-    return auditor if auditor is not None and auditor.wants(method) else None
+class _Audit:
+    """One call's audit, when its servicer wants it. The caller is read when the call starts:
+    a stream may end after gRPC has let go of its context (a generator closed late), and
+    reading a released context's auth data crashes the process."""
 
+    def __init__(
+        self, servicer: Any, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        auditor: Auditor | None = getattr(servicer, "auditor", None)
+        self.auditor = auditor if auditor is not None and auditor.wants(method) else None
+        self.method = method
+        self.request = request
+        self.caller = caller_of(context) if self.auditor is not None else None
 
-def _audit(
-    auditor: Auditor | None,
-    method: str,
-    request: Any,
-    context: grpc.aio.ServicerContext,
-    code: grpc.StatusCode,
-    message: str = "",
-) -> None:
-    if auditor is None:
-        return
-    try:
-        auditor.record(Call(method, request, caller_of(context), code, message))
-    except Exception:
-        # The call's outcome stands; a broken audit sink is reported, not passed to the caller.
-        log.exception("audit record failed", method=method)
+    def __call__(self, code: grpc.StatusCode, message: str = "") -> None:
+        if self.auditor is None or self.caller is None:
+            return
+        try:
+            self.auditor.record(Call(self.method, self.request, self.caller, code, message))
+        except Exception:
+            # The call's outcome stands; a broken audit sink is reported, not the caller's.
+            log.exception("audit record failed", method=self.method)
 
 
 def unary(
@@ -177,22 +179,22 @@ def unary(
     def wrap(fn: Callable[[Any, Req, Identity], Awaitable[Resp]]) -> Any:
         @functools.wraps(fn)
         async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-            auditor = _auditor(self, fn.__name__)
+            audit = _Audit(self, fn.__name__, request, context)
             try:
                 who = require_role(context, roles)
                 reply = await fn(self, request, who)
             except asyncio.CancelledError:
                 # The client went away; a write may or may not have landed.
-                _audit(auditor, fn.__name__, request, context, grpc.StatusCode.CANCELLED)
+                audit(grpc.StatusCode.CANCELLED)
                 raise
             except Exception as err:
                 code, message = _abort_code(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("rpc failed", method=fn.__name__)
-                _audit(auditor, fn.__name__, request, context, code, message)
+                audit(code, message)
                 await context.abort(code, message)
                 raise  # unreachable: abort raises
-            _audit(auditor, fn.__name__, request, context, grpc.StatusCode.OK)
+            audit(grpc.StatusCode.OK)
             return reply
 
         return handler
@@ -211,22 +213,24 @@ def stream(
             self: Any, request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Resp]:
             # Recorded when the stream ends, with how it ended (the hook exec and logs need).
-            auditor = _auditor(self, fn.__name__)
+            audit = _Audit(self, fn.__name__, request, context)
             try:
                 who = require_role(context, roles)
                 async for item in fn(self, request, who):
                     yield item
-            except asyncio.CancelledError:
-                _audit(auditor, fn.__name__, request, context, grpc.StatusCode.CANCELLED)
+            except (asyncio.CancelledError, GeneratorExit):
+                # The client went away: gRPC cancels the task while it waits for the next item,
+                # or closes the generator while it waits at a yield.
+                audit(grpc.StatusCode.CANCELLED)
                 raise
             except Exception as err:
                 code, message = _abort_code(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("stream failed", method=fn.__name__)
-                _audit(auditor, fn.__name__, request, context, code, message)
+                audit(code, message)
                 await context.abort(code, message)
             else:
-                _audit(auditor, fn.__name__, request, context, grpc.StatusCode.OK)
+                audit(grpc.StatusCode.OK)
 
         return handler
 
