@@ -6,6 +6,7 @@ Protobuf stops at the servicers: they convert to and from these pydantic models 
 
 from __future__ import annotations
 
+import posixpath
 import re
 import time
 from enum import StrEnum
@@ -21,6 +22,14 @@ _LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,252})$")
 # getpwnam or a log line; 32 is the longest name useradd accepts.
 MAX_ACCOUNT_LENGTH = 32
 _ACCOUNT_RE = re.compile(r"^(?:[0-9]{1,10}|[A-Za-z_][A-Za-z0-9_.-]{0,30}[A-Za-z0-9_.$-]?)$")
+# What Get, List and Watch return in place of each secret_env value; an Update that sends it
+# back for a key keeps the stored secret (see orka/controller/secrets.py).
+REDACTED = "<redacted>"
+MAX_SECRET_KEY_BYTES = 256
+MAX_SECRET_VALUE_BYTES = 64 * 1024
+MAX_SECRET_ENV_BYTES = 256 * 1024
+MAX_SECRET_FILES = 64
+MAX_PATH_CHARS = 4096
 
 
 class WorkloadKind(StrEnum):
@@ -161,6 +170,11 @@ class WorkloadSpec(BaseModel):
     user: str = ""
     # Its group; empty: the user's primary group.
     group: str = ""
+    # Environment values that are never logged nor returned in clear (see REDACTED).
+    secret_env: dict[str, str] = Field(default_factory=dict, repr=False)
+    # KEY -> absolute path of a file on the node whose content the agent puts in KEY at each
+    # start (orka/agent/secret_files.py); the path must be inside the agent's --secret-dir.
+    secret_env_files: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("name")
     @classmethod
@@ -179,6 +193,51 @@ class WorkloadSpec(BaseModel):
     @classmethod
     def _account(cls, v: str) -> str:
         return check_account(v)
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, v: dict[str, str]) -> dict[str, str]:
+        # Messages name the key, never the value: the value is the secret.
+        total = 0
+        for key, value in v.items():
+            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
+                raise ValueError(
+                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
+                    " characters without '=' or NUL"
+                )
+            size = len(value.encode())
+            if "\0" in value or size > MAX_SECRET_VALUE_BYTES:
+                raise ValueError(
+                    f"the value of {key!r} must be at most {MAX_SECRET_VALUE_BYTES} bytes"
+                    " without NUL"
+                )
+            total += len(key) + size
+        if total > MAX_SECRET_ENV_BYTES:
+            raise ValueError(f"must be at most {MAX_SECRET_ENV_BYTES} bytes in all")
+        return v
+
+    @field_validator("secret_env_files")
+    @classmethod
+    def _secret_env_files(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > MAX_SECRET_FILES:
+            raise ValueError(f"at most {MAX_SECRET_FILES} files, got {len(v)}")
+        for key, path in v.items():
+            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
+                raise ValueError(
+                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
+                    " characters without '=' or NUL"
+                )
+            if (
+                len(path) > MAX_PATH_CHARS
+                or not path.startswith("/")
+                or "\0" in path
+                or posixpath.normpath(path) != path
+            ):
+                raise ValueError(
+                    f"the path of {key!r} must be absolute and normalised (no '..', '.' or"
+                    f" '//'), at most {MAX_PATH_CHARS} characters without NUL"
+                )
+        return v
 
     @field_validator("node_selector")
     @classmethod
@@ -199,7 +258,21 @@ class WorkloadSpec(BaseModel):
             raise ValueError("image is required for a CONTAINER workload")
         if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):
             raise ValueError("image or vm.kernel is required for a VM workload")
+        both = sorted(self.env.keys() & self.secret_env.keys())
+        if both:
+            raise ValueError(f"secret_env: {both[0]!r} is also in env; give each variable once")
+        both = sorted(self.secret_env_files.keys() & (self.env.keys() | self.secret_env.keys()))
+        if both:
+            raise ValueError(
+                f"secret_env_files: {both[0]!r} is also in env or secret_env; give each"
+                " variable once"
+            )
         return self
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What an instance's process sees: env and the secret values, for drivers only."""
+        return {**self.env, **self.secret_env} if self.secret_env else self.env
 
     @property
     def driver(self) -> str:
@@ -220,6 +293,9 @@ class Workload(BaseModel):
     deleting: bool = False
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
+    # The caller's certificate identity ("admin/admin") at create and at the latest update.
+    created_by: str = ""
+    updated_by: str = ""
     status: WorkloadStatus = Field(default_factory=WorkloadStatus)
 
     @property

@@ -16,6 +16,7 @@ import grpc
 import psutil
 import structlog
 
+from orka.agent.secret_files import SecretFiles
 from orka.agent.state import StateFile
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
@@ -63,6 +64,8 @@ class AgentConfig:
     workload_group: str = ""
     allow_root_workloads: bool = False
     cgroup_parent: str = ""
+    # Directories whose files workloads may name in secret_env_files (none: no such files).
+    secret_dirs: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -139,6 +142,7 @@ class Agent:
         # instance -> (resources, deadline): accepted offers not yet started.
         self.reservations: dict[str, tuple[Resources, float]] = {}
         self.state_file = StateFile(config.data_dir / "agent-state.json")
+        self.secret_files = SecretFiles(config.secret_dirs)
         self.interval = config.heartbeat_interval
         # The heartbeat schedule (event loop time of the next beat), shared with the writer.
         self._next_beat = float("inf")
@@ -293,7 +297,7 @@ class Agent:
     def _new_instance(
         self, name: str, generation: int, spec: WorkloadSpec, driver: Driver
     ) -> Supervised:
-        inst = Supervised(name, generation, spec, driver, self._changed)
+        inst = Supervised(name, generation, spec, driver, self._changed, self.secret_files)
         self.instances[name] = inst
         return inst
 

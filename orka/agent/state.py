@@ -14,6 +14,7 @@ import structlog
 from pydantic import BaseModel, Field, ValidationError
 
 from orka.agent import offload
+from orka.filemodes import PRIVATE_DIR, PRIVATE_FILE, tighten_file
 from orka.models import InstancePhase, WorkloadSpec
 
 log = structlog.get_logger("orka.agent.state")
@@ -79,6 +80,7 @@ class StateFile:
         self._error: OSError | None = None
 
     def load(self, node: str) -> AgentState:
+        tighten_file(self.path)  # one written 0644 by an older agent
         try:
             data = json.loads(self.path.read_text())
             state = AgentState.model_validate(data)
@@ -87,7 +89,8 @@ class StateFile:
         except (ValueError, ValidationError) as err:
             # A corrupt file must not keep the agent from starting: the driver's own records
             # still let it find running tasks, which it then treats as orphans.
-            log.warning("ignoring unreadable state file", path=str(self.path), error=str(err))
+            # Not str(err): pydantic's message quotes the input, and specs hold secret values.
+            log.warning("ignoring unreadable state file", path=str(self.path), error=_reason(err))
             return AgentState(node=node)
         if state.node != node:
             log.warning("state file belongs to another node", path=str(self.path), node=state.node)
@@ -152,12 +155,16 @@ class StateFile:
         # On the offload thread, which runs writes one at a time and in order: a write whose
         # waiter was cancelled still finishes before the next one starts.
         if not self._dir_made:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # A new folder is owner-only; an existing one keeps its mode: the agent makes its
+            # data dir traversable (0711) so workloads reach their work dirs under it.
+            self.path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
             self._dir_made = True
         tmp = self.path.with_suffix(".tmp")
-        # 0600: specs hold env values (secrets); only the agent's user may read them.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb") as f:
+        # Owner-only from creation (the specs in it hold secret values); the rename carries the
+        # mode over to the state file, so an older 0644 file is replaced by a 0600 one.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), PRIVATE_FILE)  # a .tmp left by a crash keeps its old mode
             f.write(data)
         os.replace(tmp, self.path)
 
@@ -169,3 +176,13 @@ class StateFile:
         data = self._take()
         if data is not None:
             await offload.run(functools.partial(self._write, data))
+
+
+def _reason(err: ValueError | ValidationError) -> str:
+    """Why the file did not load, without the file's content."""
+    if isinstance(err, ValidationError):
+        where = [".".join(str(p) for p in e["loc"]) for e in err.errors(include_input=False)]
+        return f"{err.error_count()} invalid field(s): {', '.join(where[:5])}"
+    if isinstance(err, json.JSONDecodeError):
+        return f"not JSON: {err.msg} at line {err.lineno} column {err.colno}"
+    return type(err).__name__

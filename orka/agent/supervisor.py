@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import structlog
 
+from orka.agent.secret_files import SecretFiles
 from orka.errors import RuntimeFailure
 from orka.models import (
     TERMINAL_PHASES,
@@ -36,12 +37,14 @@ class Supervised:
         spec: WorkloadSpec,
         driver: Driver,
         on_change: Callable[[Supervised], None],
+        secret_files: SecretFiles | None = None,
     ) -> None:
         self.name = name
         self.generation = generation
         self.spec = spec
         self.driver = driver
         self.on_change = on_change
+        self.secret_files = secret_files or SecretFiles()
         self.phase = InstancePhase.SCHEDULED
         self.reason = ""
         self.message = ""
@@ -95,8 +98,12 @@ class Supervised:
                 if info is None:
                     self._set(InstancePhase.STARTING)
                     try:
+                        spec = self.spec
+                        if spec.secret_env_files:
+                            # Read at each start, never kept: a rotated file takes effect then.
+                            spec = await asyncio.to_thread(self.secret_files.resolve, spec)
                         info = await self.driver.start(
-                            RunSpec(instance=self.name, workload=self.workload, spec=self.spec)
+                            RunSpec(instance=self.name, workload=self.workload, spec=spec)
                         )
                     except RuntimeFailure as err:
                         self.exit_code = None

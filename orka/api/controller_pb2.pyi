@@ -27,7 +27,7 @@ class VmSpec(_message.Message):
     def __init__(self, kernel: _Optional[str] = ..., initrd: _Optional[str] = ..., cmdline: _Optional[str] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_seconds", "user", "group")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_seconds", "user", "group", "secret_env", "secret_env_files")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -62,6 +62,20 @@ class WorkloadSpec(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SecretEnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SecretEnvFilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +91,8 @@ class WorkloadSpec(_message.Message):
     STOP_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    SECRET_ENV_FIELD_NUMBER: _ClassVar[int]
+    SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -92,7 +108,9 @@ class WorkloadSpec(_message.Message):
     stop_grace_seconds: float
     user: str
     group: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_seconds: _Optional[float] = ..., user: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+    secret_env: _containers.ScalarMap[str, str]
+    secret_env_files: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_seconds: _Optional[float] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
     __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message")
@@ -109,20 +127,24 @@ class WorkloadStatus(_message.Message):
     def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Workload(_message.Message):
-    __slots__ = ("spec", "status", "generation", "deleting", "created_at", "updated_at")
+    __slots__ = ("spec", "status", "generation", "deleting", "created_at", "updated_at", "created_by", "updated_by")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DELETING_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_BY_FIELD_NUMBER: _ClassVar[int]
     spec: WorkloadSpec
     status: WorkloadStatus
     generation: int
     deleting: bool
     created_at: float
     updated_at: float
-    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    created_by: str
+    updated_by: str
+    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "created_at", "updated_at", "scheduled_at", "started_at", "finished_at")

@@ -26,8 +26,10 @@ async def apply_one(client: AdminClient, spec: WorkloadSpec) -> str:
         # An identical update could still start a rolling replacement on some controllers;
         # re-applying an unchanged file must be a no-op.
         return "unchanged"
-    await client.update_workload(spec)
-    return "configured"
+    # With secret_env the specs always differ here (the controller shows "<redacted>"); only
+    # it can tell whether anything changed, and it leaves an unchanged workload untouched.
+    after = await client.update_workload(spec)
+    return "configured" if after.updated_at != current.updated_at else "unchanged"
 
 
 def _ready(w: Workload) -> bool:

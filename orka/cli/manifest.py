@@ -25,7 +25,7 @@ _RESOURCE_KEYS = {
     "memory_bytes": "memory_bytes",
 }
 # Maps whose values users write unquoted (`port: 8080`, `ssd: true`) but the API holds as strings.
-_STRING_MAPS = ("env", "node_selector")
+_STRING_MAPS = ("env", "secret_env", "secret_env_files", "node_selector")
 
 
 def snake(key: str) -> str:

@@ -152,6 +152,8 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         ("Replicas", s.replicas),
         ("Resources", resources(s.resources) + " per replica"),
         ("Env", mapping(s.env)),
+        # The API never returns secret values; the keys are worth showing.
+        ("Secret env", ",".join(sorted(s.secret_env)) or NONE),
         ("Node selector", mapping(s.node_selector)),
         ("Restart policy", s.restart_policy.value),
         ("Max per node", s.max_per_node or "no limit"),
@@ -161,10 +163,14 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     if s.user or s.group:
         group = f":{s.group}" if s.group else ""
         pairs.append(("User", f"{s.user or '(node default)'}{group}"))
+    if s.secret_env_files:
+        pairs.append(("Secret env files", mapping(s.secret_env_files)))
     pairs += [
         ("Generation", w.generation),
         ("Created", timestamp(w.created_at, now)),
+        ("Created by", w.created_by or NONE),
         ("Updated", timestamp(w.updated_at, now)),
+        ("Updated by", w.updated_by or NONE),
         (
             "Status",
             f"desired {w.status.desired}, placed {w.status.placed}, running {w.status.running}"

@@ -21,6 +21,7 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.errors import Invalid
+from orka.filemodes import private_dir
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security.ca import validate_name
@@ -140,6 +141,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
 
     listen = _listen(args.listen)
     schedulers = _targets(args.scheduler)
+    audit_log = _audit_log(args.audit_log)
     data_dir = resolve_data_dir(args.data_dir)
     certs = resolve_certs(args.certs, data_dir)
     tls = check_tls(certs, "controller", "controller")
@@ -169,16 +171,32 @@ def cmd_controller(args: argparse.Namespace) -> int:
         store_url=args.store or "",
         data_dir=data_dir,
         advertise=args.advertise or "",
+        audit_log=audit_log,
+        audit_reads=args.audit_reads,
         **etcd_tls,
     )
 
     async def main() -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
         await GracefulStop(Controller(config, tls)).run()
 
     gctune.tune()
     eventloop.run(main())
     return 0
+
+
+def _audit_log(value: str | None) -> Path | None:
+    """Fail at start-up, naming the flag, when the audit log cannot be written."""
+    if not value:
+        return None
+    from orka.controller.audit import open_private
+
+    path = Path(value).expanduser()
+    try:
+        open_private(path)
+    except OSError as e:
+        raise UsageError(f"--audit-log: cannot write {path}: {e.strerror or e}") from None
+    return path
 
 
 # ---- scheduler ----
@@ -249,6 +267,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     workload_user = _account("--workload-user", args.workload_user or DEFAULT_WORKLOAD_USER)
     workload_group = _account("--workload-group", args.workload_group or "")
     cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
+    secret_dirs = _secret_dirs(args.secret_dir)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -266,6 +285,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         workload_group=workload_group,
         allow_root_workloads=bool(args.allow_root_workloads),
         cgroup_parent=cgroup_parent,
+        secret_dirs=secret_dirs,
     )
 
     async def main() -> None:
@@ -297,6 +317,14 @@ def _cgroup_parent(value: str) -> str:
     if any(p in ("", ".", "..") or not p.isprintable() for p in parts) or len(value) > 200:
         raise UsageError(f"--cgroup-parent: {value[:200]!r} is not a relative cgroup path")
     return "/".join(parts)
+
+
+def _secret_dirs(value: str | None) -> list[Path]:
+    dirs = [Path(p).expanduser() for p in parse_list(value, "--secret-dir")] if value else []
+    for d in dirs:
+        if not d.is_absolute() or not d.is_dir():
+            raise UsageError(f"--secret-dir: {d} is not an absolute path to a directory")
+    return dirs
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -372,6 +400,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
     add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    add_flag(
+        p,
+        "--audit-log",
+        metavar="PATH",
+        help="append one JSON line per API call that writes (who, what, outcome) to PATH "
+        "(created 0600); the records also go to the log as orka.audit",
+    )
+    add_flag(
+        p,
+        "--audit-reads",
+        action="store_true",
+        default=False,
+        help="audit Get, List and Watch calls as well",
+    )
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")
@@ -442,6 +484,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--containerd-cgroup-parent",
         metavar="PATH",
         help="cgroup under which the containerd driver puts containers (default /orka)",
+    )
+    add_flag(
+        p,
+        "--secret-dir",
+        metavar="DIR[,...]",
+        help="directories whose files workloads may name in secretEnvFiles (default: none)",
     )
     add_flag(
         p,

@@ -14,11 +14,12 @@ from orka.controller.events import EventHub, Subscriber
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
+from orka.controller.secrets import keep_redacted
 from orka.errors import AlreadyExists, Invalid, NotFound, OrkaError, ResourceExhausted
 from orka.models import InstancePhase, Node, Workload, check_name
 from orka.rpc import convert
 from orka.rpc.frames import drain
-from orka.rpc.server import stream, unary
+from orka.rpc.server import Auditor, stream, unary
 from orka.security.identity import Identity
 
 ADMIN = {"admin"}
@@ -52,6 +53,9 @@ def _name(value: str, field: str = "name") -> str:
 
 
 class ControllerApi(pb_grpc.ControllerServicer):
+    # Records the calls that write (orka/controller/audit.py); set by the controller.
+    auditor: Auditor | None = None
+
     def __init__(
         self,
         repo: Repo,
@@ -73,8 +77,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
     @unary(roles=ADMIN)
     @leader_only
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
-        spec = convert.spec_from_pb(request.spec)
-        workload = Workload(spec=spec)
+        spec = keep_redacted(None, convert.spec_from_pb(request.spec))
+        workload = Workload(spec=spec, created_by=str(who), updated_by=str(who))
 
         def plan() -> list[Change]:
             if spec.name in self.repo.workloads:
@@ -100,13 +104,19 @@ class ControllerApi(pb_grpc.ControllerServicer):
                 raise Invalid(
                     f"spec.kind: cannot change from {old.spec.kind.value} to {spec.kind.value}"
                 )
-            if old.spec == spec:
+            new_spec = keep_redacted(old.spec, spec)
+            if old.spec == new_spec:
                 return []
             # Only a change to what runs needs new instances; replicas alone just scales.
-            runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == spec
+            runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == new_spec
             generation = old.generation if runs_same else old.generation + 1
             new = old.model_copy(
-                update={"spec": spec, "generation": generation, "updated_at": time.time()}
+                update={
+                    "spec": new_spec,
+                    "generation": generation,
+                    "updated_at": time.time(),
+                    "updated_by": str(who),
+                }
             )
             return [Change("workloads", spec.name, new)]
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2
 
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import ControllerApi
+from orka.controller.audit import AuditLog
 from orka.controller.events import EventHub
 from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
@@ -26,6 +27,7 @@ from orka.controller.placement import PlacementConfig, PlacementQueue
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Repo
 from orka.errors import Invalid, Unavailable
+from orka.filemodes import private_dir
 from orka.rpc.server import start_server
 from orka.security.tls import TlsFiles
 from orka.store.election import Election, election_for
@@ -51,6 +53,9 @@ class ControllerConfig:
     etcd_key: Path | None = None
     # The leader's lease; a dead leader is replaced within about this many seconds.
     election_ttl: int = 5
+    # Where the audit log's JSON lines go (None: through structlog only); reads too if asked.
+    audit_log: Path | None = None
+    audit_reads: bool = False
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -74,6 +79,8 @@ class Controller:
         self.repo.listeners.append(self.events.on_change)
         self._build()
         self.api = ControllerApi(self.repo, self.reconciler, self.link, self.events, self._gate)
+        self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
+        self.api.auditor = self.audit
         self.election: Election | None = None
         self.leadership: Leadership | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -116,7 +123,7 @@ class Controller:
         return self.leadership is not None and self.leadership.is_leader
 
     async def start(self) -> int:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.config.data_dir)  # the store holds specs, with their secrets
         await self.store.open()
         self._server, self.port, self._health = await start_server(
             self.config.listen,
@@ -248,6 +255,8 @@ class Controller:
             # Resign so a standby takes over now rather than when our lease expires.
             await self.leadership.close()
         await self.store.close()
+        # Last: the server has stopped, so every call has been recorded.
+        await asyncio.to_thread(self.audit.close)
 
     async def __aenter__(self) -> Controller:
         await self.start()

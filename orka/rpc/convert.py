@@ -11,6 +11,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
 from orka.models import (
+    REDACTED,
     Instance,
     InstancePhase,
     InstanceReport,
@@ -85,6 +86,8 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         "max_per_node": msg.max_per_node,
         "user": msg.user,
         "group": msg.group,
+        "secret_env": dict(msg.secret_env),
+        "secret_env_files": dict(msg.secret_env_files),
     }
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
@@ -96,7 +99,10 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         raise invalid_from(err, "spec.") from None
 
 
-def spec_to_pb(spec: WorkloadSpec) -> pb.WorkloadSpec:
+def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
+    """`redact` for anything a user reads (Get, List, Watch): secret values become REDACTED.
+    Only the spec sent towards the agents that start instances carries them in clear."""
+    secrets = dict.fromkeys(spec.secret_env, REDACTED) if redact else spec.secret_env
     msg = pb.WorkloadSpec(
         name=spec.name,
         kind=pb.WorkloadSpec.Kind.Value(spec.kind.value),
@@ -112,6 +118,8 @@ def spec_to_pb(spec: WorkloadSpec) -> pb.WorkloadSpec:
         stop_grace_seconds=spec.stop_grace_seconds,
         user=spec.user,
         group=spec.group,
+        secret_env=secrets,
+        secret_env_files=spec.secret_env_files,
     )
     if spec.vm is not None:
         msg.vm.CopyFrom(
@@ -121,9 +129,10 @@ def spec_to_pb(spec: WorkloadSpec) -> pb.WorkloadSpec:
 
 
 def workload_to_pb(w: Workload) -> pb.Workload:
+    """For users (Get, List, Watch, and what Create, Update and Delete answer): redacted."""
     s = w.status
     return pb.Workload(
-        spec=spec_to_pb(w.spec),
+        spec=spec_to_pb(w.spec, redact=True),
         status=pb.WorkloadStatus(
             desired=s.desired,
             placed=s.placed,
@@ -135,6 +144,8 @@ def workload_to_pb(w: Workload) -> pb.Workload:
         deleting=w.deleting,
         created_at=w.created_at,
         updated_at=w.updated_at,
+        created_by=w.created_by,
+        updated_by=w.updated_by,
     )
 
 
@@ -153,6 +164,8 @@ def workload_from_pb(msg: pb.Workload) -> Workload:
         deleting=msg.deleting,
         created_at=msg.created_at,
         updated_at=msg.updated_at,
+        created_by=msg.created_by,
+        updated_by=msg.updated_by,
     )
 
 

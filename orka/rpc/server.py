@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
+from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from orka.errors import Invalid, OrkaError
-from orka.security.identity import Identity, require_role
+from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
 from orka.security.tls import TlsFiles, server_credentials
 
 log = structlog.get_logger("orka.rpc")
@@ -86,6 +89,85 @@ def _abort_code(err: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
 
 
+# ---- the audit hook ----
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a call, as far as their certificate says: refused calls are audited too, so
+    the identity is read even when the role is not allowed (None: no usable certificate)."""
+
+    identity: Identity | None
+    serial: str  # the certificate's serial number in hex, as `openssl x509 -serial` prints it
+    peer: str  # the transport address, e.g. ipv4:127.0.0.1:51234
+
+
+@dataclass(frozen=True)
+class Call:
+    """One finished call, for the auditor: what was asked, by whom, and how it ended."""
+
+    method: str
+    request: Any
+    caller: Caller
+    code: grpc.StatusCode
+    message: str
+
+
+class Auditor(Protocol):
+    """A servicer opts in to auditing with an `auditor` attribute (orka/controller/audit.py).
+    `wants` is asked first so that calls not audited cost a set lookup only."""
+
+    def wants(self, method: str) -> bool: ...
+
+    def record(self, call: Call) -> None: ...
+
+
+@functools.lru_cache(maxsize=1024)
+def _serial(pem: bytes) -> str:
+    try:
+        return format(x509.load_pem_x509_certificate(pem).serial_number, "X")
+    except ValueError:
+        return ""
+
+
+def caller_of(context: grpc.aio.ServicerContext) -> Caller:
+    certs = context.auth_context().get(PEER_CERT_KEY) or []
+    identity: Identity | None = None
+    serial = ""
+    if certs:
+        pem = bytes(certs[0])
+        serial = _serial(pem)
+        try:
+            identity = identity_from_pem(pem)
+        except OrkaError:
+            identity = None
+    return Caller(identity=identity, serial=serial, peer=context.peer() or "")
+
+
+class _Audit:
+    """One call's audit, when its servicer wants it. The caller is read when the call starts:
+    a stream may end after gRPC has let go of its context (a generator closed late), and
+    reading a released context's auth data crashes the process."""
+
+    def __init__(
+        self, servicer: Any, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> None:
+        auditor: Auditor | None = getattr(servicer, "auditor", None)
+        self.auditor = auditor if auditor is not None and auditor.wants(method) else None
+        self.method = method
+        self.request = request
+        self.caller = caller_of(context) if self.auditor is not None else None
+
+    def __call__(self, code: grpc.StatusCode, message: str = "") -> None:
+        if self.auditor is None or self.caller is None:
+            return
+        try:
+            self.auditor.record(Call(self.method, self.request, self.caller, code, message))
+        except Exception:
+            # The call's outcome stands; a broken audit sink is reported, not the caller's.
+            log.exception("audit record failed", method=self.method)
+
+
 def unary(
     roles: Collection[str],
 ) -> Callable[
@@ -97,15 +179,23 @@ def unary(
     def wrap(fn: Callable[[Any, Req, Identity], Awaitable[Resp]]) -> Any:
         @functools.wraps(fn)
         async def handler(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+            audit = _Audit(self, fn.__name__, request, context)
             try:
                 who = require_role(context, roles)
-                return await fn(self, request, who)
+                reply = await fn(self, request, who)
+            except asyncio.CancelledError:
+                # The client went away; a write may or may not have landed.
+                audit(grpc.StatusCode.CANCELLED)
+                raise
             except Exception as err:
                 code, message = _abort_code(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("rpc failed", method=fn.__name__)
+                audit(code, message)
                 await context.abort(code, message)
                 raise  # unreachable: abort raises
+            audit(grpc.StatusCode.OK)
+            return reply
 
         return handler
 
@@ -122,15 +212,25 @@ def stream(
         async def handler(
             self: Any, request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Resp]:
+            # Recorded when the stream ends, with how it ended (the hook exec and logs need).
+            audit = _Audit(self, fn.__name__, request, context)
             try:
                 who = require_role(context, roles)
                 async for item in fn(self, request, who):
                     yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                # The client went away: gRPC cancels the task while it waits for the next item,
+                # or closes the generator while it waits at a yield.
+                audit(grpc.StatusCode.CANCELLED)
+                raise
             except Exception as err:
                 code, message = _abort_code(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("stream failed", method=fn.__name__)
+                audit(code, message)
                 await context.abort(code, message)
+            else:
+                audit(grpc.StatusCode.OK)
 
         return handler
 

@@ -159,7 +159,7 @@ def build_spec(run: RunSpec, image_config: dict[str, Any], cgroups_path: str) ->
         )
     env = _merge_env(
         [DEFAULT_PATH, *(conf.get("Env") or [])],
-        {"ORKA_INSTANCE": run.instance, "ORKA_WORKLOAD": run.workload, **spec.env},
+        {"ORKA_INSTANCE": run.instance, "ORKA_WORKLOAD": run.workload, **spec.environment},
     )
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if spec.resources.memory_bytes:

@@ -516,7 +516,7 @@ def _prepare(
         "ORKA_INSTANCE": run.instance,
         "ORKA_WORKLOAD": run.workload,
     }
-    env.update(spec.env)
+    env.update(spec.environment)  # env and secret_env
     argv[0] = _resolve(argv[0], env["PATH"], cwd)
     # Stale records from an earlier run of this instance would be mistaken for this one.
     for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):

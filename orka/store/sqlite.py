@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from orka.filemodes import private_file, tighten_file
 from orka.store.base import (
     Create,
     Delete,
@@ -108,7 +109,8 @@ class SqliteStore(Store):
     async def open(self) -> None:
         if self._writer is not None:
             return
-        await asyncio.to_thread(self.path.parent.mkdir, parents=True, exist_ok=True)
+        # A folder made here is private; an existing one may be shared (/var/lib) and is left be.
+        await asyncio.to_thread(self.path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orka-sqlite-writer")
         loop = asyncio.get_running_loop()
         try:
@@ -188,7 +190,17 @@ class SqliteStore(Store):
             return await self._on_writer(lambda conn: _commit(conn, prepared))
 
 
+def _private(path: Path) -> None:
+    """The database holds every spec, secret values included: owner-only. SQLite creates the
+    -wal and -shm files with the database file's mode, so creating that 0600 before SQLite
+    does covers them; ones left by an older version are tightened here."""
+    private_file(path)
+    for suffix in ("-wal", "-shm"):
+        tighten_file(path.with_name(path.name + suffix))
+
+
 def _open_writer(path: Path) -> sqlite3.Connection:
+    _private(path)
     # isolation_level=None: sqlite3 must not open implicit transactions; _commit issues BEGIN
     # IMMEDIATE itself so the write lock is taken before the first precondition read.
     # Every use is on the writer's one thread (a one-worker executor keeps its thread);

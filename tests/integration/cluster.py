@@ -59,13 +59,14 @@ class Cluster:
         for i in range(1, agents + 1):
             await self.add_agent(f"node-{i}", **agent_opts)
 
-    async def start_controller(self, store_url: str = "") -> Controller:
+    async def start_controller(self, store_url: str = "", **config: object) -> Controller:
         self.controller = Controller(
             ControllerConfig(
                 listen="127.0.0.1:0",
                 schedulers=[f"127.0.0.1:{self.scheduler.port}"],
                 store_url=store_url,
                 data_dir=self.data / "controller",
+                **config,  # type: ignore[arg-type]
             ),
             TlsFiles.for_service(self.certs, "controller", "controller"),
         )

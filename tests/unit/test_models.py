@@ -125,3 +125,20 @@ def test_resources_fits_in(a: tuple[int, int], b: tuple[int, int], fits: bool) -
 )
 def test_instance_terminal(phase: InstancePhase, terminal: bool) -> None:
     assert Instance(name="i", workload="w", phase=phase).terminal is terminal
+
+
+def test_a_spec_never_shows_its_secret_values_in_a_repr_or_a_traceback() -> None:
+    """Tracebacks quote specs (pydantic's input_value, log.exception of a failed start)."""
+    from orka.runtime.base import RunSpec
+
+    spec = WorkloadSpec(
+        name="db", kind="PROCESS", command=["x"], env={"A": "plain"}, secret_env={"K": "hunter2"}
+    )
+    assert "hunter2" not in repr(spec) and "hunter2" not in str(spec)
+    assert "plain" in repr(spec)  # only the secrets are left out
+    assert spec.environment == {"A": "plain", "K": "hunter2"}
+    broken = spec.model_copy(update={"command": []})  # not validated until RunSpec does
+    with pytest.raises(ValidationError) as info:
+        RunSpec(instance="db-1", workload="db", spec=broken)
+    assert "input_value=WorkloadSpec(name='db'" in str(info.value)
+    assert "hunter2" not in str(info.value)

@@ -138,3 +138,53 @@ async def test_a_failed_write_is_raised_to_persist_and_the_next_one_recovers(
     await sf.persist()
     assert set(StateFile(sf.path).load("n1").instances) == {"web-1", "web-2"}
     await sf.flush()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+async def test_the_state_file_and_its_folder_are_owner_only(tmp_path: Path) -> None:
+    """The file holds the specs the agent runs, secret values included."""
+    sf = StateFile(tmp_path / "agent" / "agent-state.json")
+    sf.save(state("n1", "web-1"))
+    await sf.flush()
+    assert _mode(sf.path) == 0o600
+    assert _mode(sf.path.parent) == 0o700
+
+
+async def test_an_open_state_file_is_tightened_at_load_and_replaced_owner_only(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "agent-state.json"
+    path.write_text(state("n1", "web-1").model_dump_json())
+    path.chmod(0o644)
+    path.with_suffix(".tmp").write_text("left by a crash")
+    path.with_suffix(".tmp").chmod(0o644)
+    sf = StateFile(path)
+    assert sf.load("n1") == state("n1", "web-1")
+    assert _mode(path) == 0o600
+    sf.save(state("n1", "web-2"))
+    await sf.flush()
+    assert _mode(path) == 0o600
+    assert StateFile(path).load("n1") == state("n1", "web-2")
+
+
+def test_an_invalid_state_file_is_reported_without_its_content(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from structlog.testing import capture_logs
+
+    path = tmp_path / "agent-state.json"
+    bad = json.loads(state("n1", "web-1").model_dump_json())
+    # A whole-spec error (a process without a command): pydantic's own message would quote
+    # the spec, secret first.
+    spec = bad["instances"]["web-1"]["spec"]
+    spec["command"] = []
+    bad["instances"]["web-1"]["spec"] = {"secret_env": {"TOKEN": "hunter2-secret"}, **spec}
+    path.write_text(json.dumps(bad))
+    with capture_logs() as logs:
+        assert StateFile(path).load("n1") == AgentState(node="n1")
+    assert logs[0]["event"] == "ignoring unreadable state file"
+    assert logs[0]["error"] == "1 invalid field(s): instances.web-1.spec"
+    assert "hunter2-secret" not in repr(logs)

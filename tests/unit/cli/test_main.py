@@ -103,6 +103,14 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["agent", "--labels", "zone"], "--labels"),
         (["agent", "--name", "Bad_Name"], "--name"),
         (["agent", "--cpu-millis", "0"], "--cpu-millis"),
+        (
+            ["agent", "--secret-dir", "relative/dir"],
+            "--secret-dir: relative/dir is not an absolute",
+        ),
+        (
+            ["agent", "--secret-dir", "/no/such/dir"],
+            "--secret-dir: /no/such/dir is not an absolute",
+        ),
         (["agent", "--libvirt-domain-type", "xen"], "--libvirt-domain-type"),
         (["agent", "--workload-user", "no\x00body"], "--workload-user: must be a user"),
         (["agent", "--workload-group", "x" * 100], "--workload-group: must be a user"),
@@ -110,6 +118,7 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
         (["scheduler", "--policy", "random"], "--policy"),
         (["controller", "--listen", "nope"], "--listen"),
+        (["controller", "--audit-log", "/dev/null/audit.log"], "--audit-log: cannot write"),
         (["up", "--agents", "0"], "--agents"),
         (["delete", "node", "x"], "only workloads"),
     ],
@@ -121,6 +130,26 @@ def test_usage_errors_exit_2(
     err = capsys.readouterr().err
     assert expected in err
     assert "Traceback" not in err
+
+
+def test_audit_flags_come_from_the_environment_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse("controller")
+    assert (args.audit_log, args.audit_reads) == (None, False)  # type: ignore[attr-defined]
+    monkeypatch.setenv("ORKA_AUDIT_LOG", "/var/log/orka/audit.jsonl")
+    monkeypatch.setenv("ORKA_AUDIT_READS", "1")
+    args = parse("controller")
+    assert args.audit_log == "/var/log/orka/audit.jsonl"  # type: ignore[attr-defined]
+    assert args.audit_reads is True  # type: ignore[attr-defined]
+    assert parse("controller", "--audit-log", "x.log").audit_log == "x.log"  # type: ignore[attr-defined]
+
+
+def test_secret_dirs_are_a_list(tmp_path: Path) -> None:
+    from orka.cli.services import _secret_dirs
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _secret_dirs(None) == []
+    assert _secret_dirs(f"{tmp_path / 'a'}, {tmp_path / 'b'}") == [tmp_path / "a", tmp_path / "b"]
 
 
 def test_agent_driver_flags_become_driver_options(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,17 @@ def test_flat_form() -> None:
     assert spec.max_per_node == 1
 
 
+def test_secret_env_values_are_strings_like_env() -> None:
+    [spec] = parse_manifests(
+        "name: db\nkind: process\ncommand: [x]\nsecretEnv: {PASSWORD: hunter2, PIN: 1234}\n"
+    )
+    assert spec.secret_env == {"PASSWORD": "hunter2", "PIN": "1234"}
+    [spec] = parse_manifests(
+        "name: db\nkind: process\ncommand: [x]\nsecretEnvFiles: {TOKEN: /etc/orka/secrets/t}\n"
+    )
+    assert spec.secret_env_files == {"TOKEN": "/etc/orka/secrets/t"}
+
+
 def test_wrapper_form() -> None:
     [spec] = parse_manifests(WRAPPED, "f.yaml")
     assert spec.name == "db"

@@ -75,6 +75,20 @@ def test_describe_workload_lists_unschedulable_reasons() -> None:
     assert "big-1" in text
 
 
+def test_describe_workload_shows_who_and_the_secret_keys_only() -> None:
+    w = Workload(
+        spec=WorkloadSpec(
+            name="db", kind="PROCESS", command=["x"], secret_env={"PASSWORD": "<redacted>"}
+        ),
+        created_by="admin/admin",
+        updated_by="admin/alice",
+    )
+    lines = output.describe_workload(w, [], NOW).splitlines()
+    assert "Created by:     admin/admin" in lines
+    assert "Updated by:     admin/alice" in lines
+    assert "Secret env:     PASSWORD" in lines
+
+
 def test_age() -> None:
     assert output.age(NOW - 5, NOW) == "5s"
     assert output.age(NOW - 300, NOW) == "5m"

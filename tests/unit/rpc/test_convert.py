@@ -276,3 +276,77 @@ def test_report_from_pb_takes_node_from_caller() -> None:
     assert r.node == "trusted"
     assert r.exit_code is None
     assert r.started_at is None
+
+
+def test_readers_get_secret_values_redacted_and_agents_get_them_in_clear() -> None:
+    s = spec(secret_env={"TOKEN": "t0ken-value", "DB_PASSWORD": "pw-value"}, env={"A": "1"})
+    for_reader = convert.workload_to_pb(Workload(spec=s))
+    assert dict(for_reader.spec.secret_env) == {"TOKEN": "<redacted>", "DB_PASSWORD": "<redacted>"}
+    assert b"t0ken-value" not in for_reader.SerializeToString()
+    assert b"pw-value" not in for_reader.SerializeToString()
+    assert dict(for_reader.spec.env) == {"A": "1"}
+    # The spec sent towards the agents (placement) carries the values.
+    assert dict(convert.spec_to_pb(s).secret_env) == {
+        "TOKEN": "t0ken-value",
+        "DB_PASSWORD": "pw-value",
+    }
+    assert convert.spec_from_pb(convert.spec_to_pb(s)) == s
+
+
+def test_created_by_and_updated_by_round_trip() -> None:
+    w = Workload(spec=spec(), created_by="admin/admin", updated_by="admin/alice")
+    msg = convert.workload_to_pb(w)
+    assert (msg.created_by, msg.updated_by) == ("admin/admin", "admin/alice")
+    back = convert.workload_from_pb(msg)
+    assert (back.created_by, back.updated_by) == ("admin/admin", "admin/alice")
+
+
+@pytest.mark.parametrize(
+    ("secret_env", "expected"),
+    [
+        ({"": "v"}, "spec.secret_env: key '' must be 1-256 characters without '=' or NUL"),
+        ({"A=B": "v"}, "spec.secret_env: key 'A=B' must be"),
+        ({"K": "bad\0value"}, "spec.secret_env: the value of 'K' must be at most 65536 bytes"),
+        ({"K": "v" * 65537}, "spec.secret_env: the value of 'K' must be at most 65536 bytes"),
+        (
+            {f"K{i}": "v" * 60000 for i in range(5)},
+            "spec.secret_env: must be at most 262144 bytes in all",
+        ),
+        ({"A": "v"}, "spec: secret_env: 'A' is also in env; give each variable once"),
+    ],
+)
+def test_secret_env_is_validated_without_echoing_values(
+    secret_env: dict[str, str], expected: str
+) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(secret_env=secret_env, env={"A": "1"}))
+    assert info.value.message.startswith(expected)
+    for value in secret_env.values():
+        if len(value) > 3:
+            assert value not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"K": "relative/path"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc/orka/../orka/x"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc//x"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"K": "/etc/x\0"}, "spec.secret_env_files: the path of 'K' must be absolute"),
+        ({"A=": "/x"}, "spec.secret_env_files: key 'A=' must be"),
+        ({f"K{i}": "/x" for i in range(65)}, "spec.secret_env_files: at most 64 files, got 65"),
+        ({"A": "/x"}, "spec: secret_env_files: 'A' is also in env or secret_env"),
+    ],
+)
+def test_secret_env_files_are_validated(files: dict[str, str], expected: str) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(secret_env_files=files, env={"A": "1"}))
+    assert info.value.message.startswith(expected)
+
+
+def test_secret_env_file_paths_are_returned_as_they_are() -> None:
+    s = spec(secret_env_files={"DB": "/etc/orka/secrets/db"})
+    assert dict(convert.workload_to_pb(Workload(spec=s)).spec.secret_env_files) == {
+        "DB": "/etc/orka/secrets/db"
+    }
+    assert convert.spec_from_pb(convert.spec_to_pb(s)) == s

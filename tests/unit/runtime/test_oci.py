@@ -70,6 +70,15 @@ def test_spec_env_user_limits() -> None:
     assert spec["root"] == {"path": "rootfs"}
 
 
+def test_secret_env_is_in_the_container_environment() -> None:
+    run = _run([])
+    run = run.model_copy(
+        update={"spec": run.spec.model_copy(update={"secret_env": {"TOKEN": "s3cr3t"}})}
+    )
+    env = oci.build_spec(run, IMAGE, "/orka/w-0")["process"]["env"]
+    assert "TOKEN=s3cr3t" in env and "A=override" in env
+
+
 def test_spec_without_limits_or_args() -> None:
     spec = oci.build_spec(_run([]), {"config": {"Cmd": ["c"]}}, "/p")
     assert "memory" not in spec["linux"]["resources"] and "cpu" not in spec["linux"]["resources"]

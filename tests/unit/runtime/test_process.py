@@ -62,6 +62,26 @@ async def test_env_and_working_dir(make_process_driver: MakeDriver, tmp_path: Pa
     assert out.read_text().splitlines() == ["hello web-0", str(work), "unset"]
 
 
+async def test_secret_env_reaches_the_process_and_logs_are_owner_only(
+    make_process_driver: MakeDriver,
+) -> None:
+    driver = make_process_driver()
+    spec = run_spec(command=["sh", "-c", 'echo "$GREETING $TOKEN"; echo oops >&2'])
+    spec = spec.model_copy(
+        update={
+            "spec": spec.spec.model_copy(
+                update={"env": {"GREETING": "hi"}, "secret_env": {"TOKEN": "s3cr3t"}}
+            )
+        }
+    )
+    await driver.start(spec)
+    assert (await asyncio.wait_for(driver.wait("web-0"), 5)).exit_code == 0
+    out, err = driver.log_paths("web-0")
+    assert out.read_text() == "hi s3cr3t\n"
+    # What a workload prints (its secrets, say) is for the service user only.
+    assert [p.stat().st_mode & 0o777 for p in (out, err)] == [0o600, 0o600]
+
+
 async def test_default_working_dir_is_instance_work_dir(
     make_process_driver: MakeDriver, data_dir: Path
 ) -> None:

@@ -159,3 +159,39 @@ async def test_commit_looks_keys_up_by_primary_key(tmp_path: Path) -> None:
         for plan in await s._on_writer(plans):
             assert "USING PRIMARY KEY" in plan and "SCAN items" not in plan, plan
         assert {(i.name, i.revision) for i in await s.list("workload")} == {("web", 3), ("db", 3)}
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+async def test_database_files_and_a_new_folder_are_owner_only(tmp_path: Path) -> None:
+    """The store holds every spec, secret values included."""
+    path = tmp_path / "data" / "orka.db"
+    async with SqliteStore(path) as s:
+        await s.put("workload", "web", {"secret_env": {"K": "v"}})
+        files = [path, path.with_name("orka.db-wal"), path.with_name("orka.db-shm")]
+        assert all(f.exists() for f in files)
+        assert [_mode(f) for f in files] == [0o600, 0o600, 0o600]
+    assert _mode(path.parent) == 0o700
+
+
+async def test_files_left_open_by_an_older_version_are_tightened_at_open(tmp_path: Path) -> None:
+    """A controller that crashed leaves a -wal and -shm with data in them, which SQLite
+    reuses as they are: the open tightens all three."""
+    import shutil
+
+    live, left = tmp_path / "live", tmp_path / "left"
+    left.mkdir()
+    names = ["orka.db", "orka.db-wal", "orka.db-shm"]
+    async with SqliteStore(live / "orka.db") as s:
+        await s.put("workload", "web", {})
+        for name in names:  # copied while open: what a crash leaves behind
+            shutil.copy(live / name, left / name)
+    files = [left / name for name in names]
+    for f in files:
+        f.chmod(0o644)
+    assert all(f.stat().st_size > 0 for f in files)
+    async with SqliteStore(left / "orka.db") as s:
+        assert await s.get("workload", "web") is not None
+        assert [_mode(f) for f in files] == [0o600, 0o600, 0o600]
