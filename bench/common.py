@@ -353,7 +353,7 @@ def admin_channel(certs: Path, target: str) -> Any:
     from orka.rpc.client import secure_channel
     from orka.security.tls import TlsFiles
 
-    return secure_channel(target, TlsFiles.for_service(certs, "admin", "admin"))
+    return secure_channel(target, TlsFiles.for_service(certs, "admin", "admin"), "controller")
 
 
 async def wait_nodes_ready(stub: Any, count: int, timeout: float = 120.0) -> None:
