@@ -21,7 +21,10 @@ from orka.rpc.frames import drain
 from orka.rpc.server import stream, unary
 from orka.security.identity import Identity
 
-ADMIN = {"admin"}
+# Who may call what. Only people hold these certificates: the controller, scheduler and agent
+# certificates never reach this API. A viewer reads; writes need an admin.
+ADMIN = frozenset({"admin"})
+READERS = frozenset({"admin", "viewer"})
 # Events per WatchEventBatches message: a burst's backlog goes in a few messages, each far
 # below gRPC's 4 MiB limit (an event is a few hundred bytes).
 MAX_EVENT_BATCH = 1000
@@ -114,7 +117,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.reconciler.kick()
         return convert.workload_to_pb(self.repo.workloads[spec.name])
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetWorkload(self, request: pb.GetWorkloadRequest, who: Identity) -> pb.Workload:
         w = self.repo.workloads.get(_name(request.name))
@@ -122,7 +125,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
             raise NotFound(f"workload {request.name!r} not found")
         return convert.workload_to_pb(w)
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
@@ -153,7 +156,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- instances ----
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListInstances(
         self, request: pb.ListInstancesRequest, who: Identity
@@ -173,7 +176,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         ]
         return pb.ListInstancesResponse(instances=out)
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
@@ -192,14 +195,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
             raise NotFound(f"node {name!r} not found")
         return node
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(
             nodes=[convert.node_to_pb(n) for _, n in sorted(self.repo.nodes.items())]
         )
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return convert.node_to_pb(self._node(request.name))
@@ -240,14 +243,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- events ----
 
-    @stream(roles=ADMIN)
+    @stream(roles=READERS)
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.Event]:
         async for events in self._watch(request, limit=1):
             yield events[0]
 
-    @stream(roles=ADMIN)
+    @stream(roles=READERS)
     async def WatchEventBatches(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.EventBatch]:
