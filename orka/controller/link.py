@@ -88,7 +88,12 @@ class SchedulerLink:
                 if refused is not None:
                     log.error("refusing the scheduler", target=self.current, reason=refused)
                 else:
-                    log.warning("scheduler feed lost", target=self.current, code=err.code().name)
+                    log.warning(
+                        "scheduler feed lost",
+                        target=self.current,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
             except Exception:
                 log.exception("scheduler feed failed")
             self.connected.clear()
