@@ -79,19 +79,20 @@ def make_certs(root: Path) -> Certs:
     for role in ROLES:
         for kind, (start, end) in spans.items():
             issue_cert(d, role, kind, not_valid_before=start, not_valid_after=end)
-    _legacy_agent(d, "node-2")
+    write_legacy_cert(d, "agent", "node-2", "legacy-agent-node-2")
     return Certs(dir=d, other=other)
 
 
-def _legacy_agent(d: Path, node: str) -> None:
-    """An agent certificate as Orka issued them before roles were bound to the handshake:
-    serverAuth and the host's names, so it verifies as "127.0.0.1" to a name-checking client."""
+def write_legacy_cert(d: Path, role: str, name: str, stem: str) -> None:
+    """A certificate as Orka issued them before roles were bound to the handshake (signed by
+    the CA in `d`, written as `<stem>.crt/.key`): serverAuth and the host's names whatever the
+    role, and no role DNS name, so it verifies as "127.0.0.1" to a client checking hosts."""
     ca = load_ca(d)
     key = ec.generate_private_key(ec.SECP256R1())
     start = dt.datetime.now(dt.UTC) - CLOCK_SKEW
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"agent/{node}")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{role}/{name}")]))
         .issuer_name(ca.cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -107,7 +108,7 @@ def _legacy_agent(d: Path, node: str) -> None:
         .add_extension(
             x509.SubjectAlternativeName(
                 [
-                    x509.UniformResourceIdentifier(spiffe_uri("agent", node)),
+                    x509.UniformResourceIdentifier(spiffe_uri(role, name)),
                     x509.DNSName("localhost"),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                 ]
@@ -116,8 +117,8 @@ def _legacy_agent(d: Path, node: str) -> None:
         )
         .sign(ca.key, hashes.SHA256())
     )
-    (d / f"legacy-agent-{node}.key").write_bytes(key_pem(key))
-    (d / f"legacy-agent-{node}.crt").write_bytes(cert_pem(cert))
+    (d / f"{stem}.key").write_bytes(key_pem(key))
+    (d / f"{stem}.crt").write_bytes(cert_pem(cert))
 
 
 def channel_credentials_for(certs: Certs, files: TlsFiles | None) -> grpc.ChannelCredentials:
