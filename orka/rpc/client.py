@@ -38,13 +38,13 @@ def secure_channel(
     call is sent. The role is required: no default accepts any server. `bulk` is for a client
     that downloads large replies (see `grpc_options`).
     """
-    expected = role_dns_name(server_role)
     options = [
         *grpc_options(bulk=bulk),
-        ("grpc.ssl_target_name_override", expected),
-        # The override would also become the :authority header; keep the address dialled
-        # there, as proxies and server logs expect.
-        ("grpc.default_authority", target),
+        # The override also becomes each call's :authority, which Orka's servers ignore. Not
+        # setting `grpc.default_authority` back to `target` is deliberate: gRPC then checks
+        # per call that the server certificate names that host too ("call host does not
+        # match SSL server name"), which would tie the role check to host names again.
+        ("grpc.ssl_target_name_override", role_dns_name(server_role)),
     ]
     return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
 

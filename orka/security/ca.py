@@ -193,9 +193,8 @@ def issue_leaf(
     host_list = list(hosts)
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
     if role in SERVING_ROLES:
-        # Caller's names first through split_hosts, so a reserved one is refused before
-        # the local names (which never are) are mixed in.
-        split_hosts(host_list)
+        # split_hosts refuses a caller's name under .orka; a host that happens to be named
+        # so itself is left out instead, so that issuing never fails for the machine's name.
         local = [n for n in local_host_names() if not is_reserved_host(n)]
         dns, ips = split_hosts([*local, "127.0.0.1", "::1", *host_list])
         sans.append(x509.DNSName(role_dns_name(role)))

@@ -83,14 +83,34 @@ def make_certs(root: Path) -> Certs:
     return Certs(dir=d, other=other)
 
 
-def write_legacy_cert(d: Path, role: str, name: str, stem: str) -> None:
+def write_legacy_cert(d: Path, role: str, name: str, stem: str) -> TlsFiles:
     """A certificate as Orka issued them before roles were bound to the handshake (signed by
     the CA in `d`, written as `<stem>.crt/.key`): serverAuth and the host's names whatever the
     role, and no role DNS name, so it verifies as "127.0.0.1" to a client checking hosts."""
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return write_cert(d, role, name, stem, both, ["localhost", "127.0.0.1"])
+
+
+def write_cert(
+    d: Path,
+    role: str,
+    name: str,
+    stem: str,
+    usages: list[x509.ObjectIdentifier] | None,
+    hosts: list[str],
+) -> TlsFiles:
+    """A certificate made by hand, with exactly these extended key usages (None: no EKU
+    extension at all) and host names: shapes `orka certs` never issues."""
     ca = load_ca(d)
     key = ec.generate_private_key(ec.SECP256R1())
     start = dt.datetime.now(dt.UTC) - CLOCK_SKEW
-    cert = (
+    sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
+    for host in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            sans.append(x509.DNSName(host))
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{role}/{name}")]))
         .issuer_name(ca.cert.subject)
@@ -99,26 +119,14 @@ def write_legacy_cert(d: Path, role: str, name: str, stem: str) -> None:
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.UniformResourceIdentifier(spiffe_uri(role, name)),
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-        .sign(ca.key, hashes.SHA256())
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
     )
+    if usages is not None:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    cert = builder.sign(ca.key, hashes.SHA256())
     (d / f"{stem}.key").write_bytes(key_pem(key))
     (d / f"{stem}.crt").write_bytes(cert_pem(cert))
+    return TlsFiles(ca=d / "ca.crt", cert=d / f"{stem}.crt", key=d / f"{stem}.key")
 
 
 def channel_credentials_for(certs: Certs, files: TlsFiles | None) -> grpc.ChannelCredentials:
