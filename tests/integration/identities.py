@@ -31,9 +31,12 @@ NAMES = {
     "scheduler": "scheduler",
     "agent": "node-1",
 }
-# Ways a certificate is refused before any role is looked at. "revoked" is the row the
-# revocation work (CRL at the handshake) fills in; until then it is skipped, not dropped.
+# Ways a certificate is refused before any role is looked at, in every listener and client
+# table. REVOKED ROWS: "revoked" is the row the revocation work (a CRL enforced at the
+# handshake) fills in: make `Certs.bad("revoked", role)` return a revoked certificate of
+# `role` and empty PENDING; every table then checks it like the other bad kinds.
 BAD = ("none", "other-ca", "expired", "not-yet-valid", "revoked")
+PENDING: frozenset[str] = frozenset({"revoked"})
 REVOCATION_PENDING = "revocation: the CRL is enforced by the certlife slice, which fills this row"
 
 
@@ -55,6 +58,7 @@ class Certs:
             return TlsFiles(ca=ca, cert=other.cert, key=other.key)
         if kind in ("expired", "not-yet-valid"):
             return TlsFiles.for_service(self.dir, role, kind)
+        # "revoked": see PENDING above.
         raise ValueError(kind)
 
     def legacy_agent(self) -> TlsFiles:

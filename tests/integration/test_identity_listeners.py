@@ -28,6 +28,7 @@ from tests.integration.cluster import Cluster, eventually
 from tests.integration.identities import (
     BAD,
     NAMES,
+    PENDING,
     REVOCATION_PENDING,
     ROLES,
     Certs,
@@ -97,7 +98,7 @@ async def _first_of_stream(
 
 
 def _expected(allowed: set[str], served: grpc.StatusCode) -> dict[str, grpc.StatusCode]:
-    row = {kind: REFUSED for kind in BAD if kind != "revoked"}
+    row = {kind: REFUSED for kind in BAD if kind not in PENDING}
     row |= {role: (served if role in allowed else DENIED) for role in ROLES}
     return row
 
@@ -106,7 +107,7 @@ def _subjects(certs: Certs, allowed_role: str) -> dict[str, TlsFiles | None]:
     """Every row of the table: the bad kinds spoil a certificate of a role the RPC admits,
     so that only the spoiling can be what refuses it."""
     subjects: dict[str, TlsFiles | None] = {
-        kind: certs.bad(kind, allowed_role) for kind in BAD if kind != "revoked"
+        kind: certs.bad(kind, allowed_role) for kind in BAD if kind not in PENDING
     }
     subjects |= {role: certs.role(role) for role in ROLES}
     return subjects
