@@ -54,7 +54,9 @@ def certs_dir(nodes: int) -> Path:
     Issuing is fast (ECDSA P-256), but thousands of files are worth keeping between runs; the
     dir only ever grows, so the 5,000-node run's dir also serves the smaller benchmarks.
     """
-    path = CACHE / "certs"
+    # v2: server certs carry their role name (scheduler.orka) and agent certs are client-only;
+    # a cache from before would not let the services start.
+    path = CACHE / "certs-v2"
     stamp = path / "agents.count"
     have = int(stamp.read_text()) if stamp.is_file() else 0
     if have >= nodes:
@@ -353,7 +355,7 @@ def admin_channel(certs: Path, target: str) -> Any:
     from orka.rpc.client import secure_channel
     from orka.security.tls import TlsFiles
 
-    return secure_channel(target, TlsFiles.for_service(certs, "admin", "admin"))
+    return secure_channel(target, TlsFiles.for_service(certs, "admin", "admin"), "controller")
 
 
 async def wait_nodes_ready(stub: Any, count: int, timeout: float = 120.0) -> None:

@@ -32,7 +32,7 @@ from orka.models import (
     WorkloadSpec,
 )
 from orka.rpc import convert
-from orka.rpc.client import secure_channel
+from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
 from orka.runtime.base import Driver, TaskState
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
@@ -375,12 +375,17 @@ class Agent:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
-                log.warning(
-                    "scheduler stream ended",
-                    target=target,
-                    code=err.code().name,
-                    details=err.details(),
-                )
+                refused = refused_role(err.details() or "", "scheduler")
+                if refused is not None:
+                    # Registering with such a peer would let it command this node.
+                    log.error("refusing the scheduler", target=target, reason=refused)
+                else:
+                    log.warning(
+                        "scheduler stream ended",
+                        target=target,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
             except Exception:
                 log.exception("scheduler stream failed", target=target)
             self.connected.clear()
@@ -390,7 +395,7 @@ class Agent:
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     async def _session(self, target: str) -> None:
-        async with secure_channel(target, self.tls) as channel:
+        async with secure_channel(target, self.tls, "scheduler") as channel:
             stub = apb_grpc.SchedulerStub(channel)
             call = stub.Connect()
             outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()

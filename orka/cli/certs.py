@@ -41,7 +41,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_issue(args: argparse.Namespace) -> int:
     if not args.role:
-        raise UsageError("--role: is required (controller, scheduler, agent or admin)")
+        raise UsageError("--role: is required (controller, scheduler, agent, admin or viewer)")
     if not args.name:
         raise UsageError("--name: is required")
     dir = _dir(args)
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     issue = csub.add_parser("issue", help="issue (or re-issue) one certificate")
     add_flag(issue, "--dir", metavar="DIR", help="certs directory (default <data-dir>/certs)")
-    add_flag(issue, "--role", metavar="ROLE", help="controller, scheduler, agent or admin")
+    add_flag(issue, "--role", metavar="ROLE", help="controller, scheduler, agent, admin or viewer")
     add_flag(issue, "--name", metavar="NAME", help="the identity's name, e.g. the node name")
     add_flag(issue, "--host", action="append", metavar="H", help="extra DNS name or IP")
     issue.set_defaults(func=cmd_issue)

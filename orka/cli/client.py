@@ -21,7 +21,7 @@ from orka.api import controller_pb2_grpc as pb_grpc
 from orka.errors import Invalid, OrkaError, Unavailable
 from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec
 from orka.rpc import convert
-from orka.rpc.client import call, secure_channel
+from orka.rpc.client import call, refused_role, secure_channel
 from orka.security.tls import TlsFiles
 
 Req = TypeVar("Req")
@@ -63,7 +63,7 @@ class AdminClient:
 
     def _connect(self, address: str) -> None:
         self.address = address
-        self._channel = secure_channel(address, admin_tls(self.certs), bulk=True)
+        self._channel = secure_channel(address, admin_tls(self.certs), "controller", bulk=True)
         self._stub = pb_grpc.ControllerStub(self._channel)
 
     async def _switch(self, address: str) -> None:
@@ -115,6 +115,12 @@ class AdminClient:
         except Unavailable as e:
             if leader_named(e.message) is not None or e.message.startswith("not the leader"):
                 raise Unavailable(f"controller {self.address}: {e.message}") from None
+            refused = refused_role(e.message, "controller")
+            if refused is not None:
+                raise Unavailable(
+                    f"refusing the server at {self.address}: {refused}; it is not this "
+                    "cluster's controller"
+                ) from None
             raise Unavailable(
                 f"cannot reach the controller at {self.address}: {e.message}"
             ) from None

@@ -25,6 +25,7 @@ from orka.filemodes import private_dir
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security.ca import validate_name
+from orka.security.identity import check_serves_as
 from orka.security.tls import TlsFiles, load_and_check
 
 POLICIES = ("spread", "binpack")
@@ -45,6 +46,7 @@ def check_tls(certs: Path, role: str, name: str) -> TlsFiles:
             f"certs: {files.cert} has role {identity.role!r} ({identity.uri}); "
             f"the {role} needs a {role} certificate"
         )
+    check_serves_as(files.cert.read_bytes(), role, str(files.cert))
     if role == "agent" and identity.name != name:
         raise Invalid(
             f"certs: {files.cert} is for node {identity.name!r} but --name is {name!r}; "

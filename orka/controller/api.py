@@ -22,7 +22,10 @@ from orka.rpc.frames import drain
 from orka.rpc.server import Auditor, stream, unary
 from orka.security.identity import Identity
 
-ADMIN = {"admin"}
+# Who may call what. Only people hold these certificates: the controller, scheduler and agent
+# certificates never reach this API. A viewer reads; writes need an admin.
+ADMIN = frozenset({"admin"})
+READERS = frozenset({"admin", "viewer"})
 # Events per WatchEventBatches message: a burst's backlog goes in a few messages, each far
 # below gRPC's 4 MiB limit (an event is a few hundred bytes).
 MAX_EVENT_BATCH = 1000
@@ -124,7 +127,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.reconciler.kick()
         return convert.workload_to_pb(self.repo.workloads[spec.name])
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetWorkload(self, request: pb.GetWorkloadRequest, who: Identity) -> pb.Workload:
         w = self.repo.workloads.get(_name(request.name))
@@ -132,7 +135,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
             raise NotFound(f"workload {request.name!r} not found")
         return convert.workload_to_pb(w)
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
@@ -163,7 +166,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- instances ----
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListInstances(
         self, request: pb.ListInstancesRequest, who: Identity
@@ -183,7 +186,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         ]
         return pb.ListInstancesResponse(instances=out)
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
@@ -202,14 +205,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
             raise NotFound(f"node {name!r} not found")
         return node
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(
             nodes=[convert.node_to_pb(n) for _, n in sorted(self.repo.nodes.items())]
         )
 
-    @unary(roles=ADMIN)
+    @unary(roles=READERS)
     @leader_only
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return convert.node_to_pb(self._node(request.name))
@@ -250,14 +253,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- events ----
 
-    @stream(roles=ADMIN)
+    @stream(roles=READERS)
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.Event]:
         async for events in self._watch(request, limit=1):
             yield events[0]
 
-    @stream(roles=ADMIN)
+    @stream(roles=READERS)
     async def WatchEventBatches(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.EventBatch]:

@@ -13,7 +13,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.errors import OrkaError, Unavailable
-from orka.rpc.client import call, secure_channel
+from orka.rpc.client import call, refused_role, secure_channel
 from orka.security.tls import TlsFiles
 
 log = structlog.get_logger("orka.controller.link")
@@ -46,7 +46,7 @@ class SchedulerLink:
     def _ensure(self) -> apb_grpc.SchedulerStub:
         if self._stub is None:
             target = self.targets[self._index % len(self.targets)]
-            self._channel = secure_channel(target, self.tls)
+            self._channel = secure_channel(target, self.tls, "scheduler")
             self._stub = apb_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -84,7 +84,16 @@ class SchedulerLink:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
-                log.warning("scheduler feed lost", target=self.current, code=err.code().name)
+                refused = refused_role(err.details() or "", "scheduler")
+                if refused is not None:
+                    log.error("refusing the scheduler", target=self.current, reason=refused)
+                else:
+                    log.warning(
+                        "scheduler feed lost",
+                        target=self.current,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
             except Exception:
                 log.exception("scheduler feed failed")
             self.connected.clear()

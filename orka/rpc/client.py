@@ -9,6 +9,7 @@ import grpc
 
 from orka.errors import Invalid, from_status
 from orka.rpc.server import grpc_options
+from orka.security.ca import role_dns_name
 from orka.security.tls import TlsFiles, channel_credentials
 
 Req = TypeVar("Req")
@@ -26,12 +27,41 @@ def split_targets(value: str, flag: str) -> list[str]:
     return targets
 
 
-def secure_channel(target: str, tls: TlsFiles, bulk: bool = False) -> grpc.aio.Channel:
-    """A mutual-TLS channel; `bulk` for a client that downloads large replies (see
-    `grpc_options`)."""
-    return grpc.aio.secure_channel(
-        target, channel_credentials(tls), options=grpc_options(bulk=bulk)
-    )
+def secure_channel(
+    target: str, tls: TlsFiles, server_role: str, bulk: bool = False
+) -> grpc.aio.Channel:
+    """A mutual-TLS channel to a server that must prove it holds a `server_role` certificate.
+
+    The handshake verifies the server against the role's reserved DNS name (`scheduler.orka`,
+    `controller.orka`) instead of the dialled host, so a peer with any other Orka certificate
+    (an agent's, an admin's, the wrong service's) fails the handshake before a byte of the
+    call is sent. The role is required: no default accepts any server. `bulk` is for a client
+    that downloads large replies (see `grpc_options`).
+    """
+    options = [
+        *grpc_options(bulk=bulk),
+        # The override also becomes each call's :authority, which Orka's servers ignore. Not
+        # setting `grpc.default_authority` back to `target` is deliberate: gRPC then checks
+        # per call that the server certificate names that host too ("call host does not
+        # match SSL server name"), which would tie the role check to host names again.
+        ("grpc.ssl_target_name_override", role_dns_name(server_role)),
+    ]
+    return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+
+
+def refused_role(details: str, server_role: str) -> str | None:
+    """Why the handshake refused the server, when it did so for not proving `server_role`.
+
+    `details` is an UNAVAILABLE status's text; gRPC words these failures as TLS internals.
+    """
+    if "Hostname Verification" in details:
+        return (
+            f"the server's certificate does not name role {server_role} "
+            f"({role_dns_name(server_role)})"
+        )
+    if "unsupported certificate purpose" in details:
+        return "the server's certificate is not for serving (no serverAuth)"
+    return None
 
 
 async def call(

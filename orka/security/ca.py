@@ -16,10 +16,18 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from orka.errors import Invalid
 
-ROLES: tuple[str, ...] = ("controller", "scheduler", "agent", "admin")
-# Roles whose certificates may be presented by a listening server, so they need host SANs.
-SERVING_ROLES: frozenset[str] = frozenset({"controller", "scheduler", "agent"})
+ROLES: tuple[str, ...] = ("controller", "scheduler", "agent", "admin", "viewer")
+# Roles whose certificates a listening server presents: only these carry host names, the
+# reserved role name and serverAuth. Agents, admins and viewers only ever dial out.
+SERVING_ROLES: frozenset[str] = frozenset({"controller", "scheduler"})
 SPIFFE_PREFIX = "spiffe://orka/"
+# Every serving certificate carries the DNS name `<role>.orka` (`controller.orka`,
+# `scheduler.orka`), and Orka's clients verify the server against that name rather than the
+# address they dialled (gRPC's `ssl_target_name_override`). Python gRPC clients cannot read
+# the server's certificate, so this is how a client checks the server's role in the
+# handshake itself, as Nomad does with `server.<region>.nomad`. The whole `.orka` namespace is
+# reserved: no --host may claim a name in it.
+ROLE_DNS_DOMAIN = "orka"
 CA_COMMON_NAME = "orka cluster CA"
 CA_DAYS = 3650
 LEAF_DAYS = 365
@@ -60,6 +68,25 @@ def validate_name(name: str) -> str:
 
 def spiffe_uri(role: str, name: str) -> str:
     return f"{SPIFFE_PREFIX}{role}/{name}"
+
+
+def role_dns_name(role: str) -> str:
+    """The reserved DNS name a server of `role` proves in the handshake."""
+    if role not in SERVING_ROLES:
+        raise Invalid(
+            f"role: {role!r} does not serve; servers are {', '.join(sorted(SERVING_ROLES))}"
+        )
+    return f"{role}.{ROLE_DNS_DOMAIN}"
+
+
+def is_reserved_host(name: str) -> bool:
+    name = name.lower().rstrip(".")
+    return name == ROLE_DNS_DOMAIN or name.endswith(f".{ROLE_DNS_DOMAIN}")
+
+
+def _short(value: str, limit: int = 80) -> str:
+    # Errors name the bad input without echoing an unbounded amount of it.
+    return repr(value if len(value) <= limit else value[:limit] + "...")
 
 
 def _now() -> dt.datetime:
@@ -133,7 +160,14 @@ def split_hosts(hosts: Iterable[str]) -> tuple[list[str], list[IpAddress]]:
             name = host.lower()
             if not name.isascii():
                 # x509 DNSName must be IA5 (ASCII); IDNA encoding is the caller's job.
-                raise Invalid(f"hosts: {raw!r} is not an ASCII DNS name or IP address") from None
+                raise Invalid(
+                    f"hosts: {_short(raw)} is not an ASCII DNS name or IP address"
+                ) from None
+            if is_reserved_host(name):
+                raise Invalid(
+                    f"hosts: {_short(raw)} is reserved: names under .{ROLE_DNS_DOMAIN} name a "
+                    "server's role and Orka adds them itself"
+                ) from None
             if name not in dns:
                 dns.append(name)
         else:
@@ -157,12 +191,24 @@ def issue_leaf(
     if days <= 0:
         raise Invalid(f"days: must be positive, got {days}")
     host_list = list(hosts)
-    if role in SERVING_ROLES:
-        host_list = [*local_host_names(), "127.0.0.1", "::1", *host_list]
-    dns, ips = split_hosts(host_list)
     sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
-    sans += [x509.DNSName(d) for d in dns]
-    sans += [x509.IPAddress(ip) for ip in ips]
+    if role in SERVING_ROLES:
+        # split_hosts refuses a caller's name under .orka; a host that happens to be named
+        # so itself is left out instead, so that issuing never fails for the machine's name.
+        local = [n for n in local_host_names() if not is_reserved_host(n)]
+        dns, ips = split_hosts([*local, "127.0.0.1", "::1", *host_list])
+        sans.append(x509.DNSName(role_dns_name(role)))
+        sans += [x509.DNSName(d) for d in dns]
+        sans += [x509.IPAddress(ip) for ip in ips]
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    else:
+        if any(h.strip() for h in host_list):
+            raise Invalid(
+                f"hosts: {role} certificates only dial out, so they carry no host names; "
+                f"--host belongs to {' and '.join(sorted(SERVING_ROLES))} certificates"
+            )
+        # clientAuth only: BoringSSL then refuses it in any server's hands at the handshake.
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
 
     key = _new_key()
     start = not_valid_before or (_now() - CLOCK_SKEW)
@@ -192,12 +238,7 @@ def issue_leaf(
             ),
             critical=True,
         )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .add_extension(

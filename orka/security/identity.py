@@ -10,7 +10,14 @@ import grpc
 from cryptography import x509
 
 from orka.errors import Invalid, PermissionDenied, Unauthenticated
-from orka.security.ca import ROLES, SPIFFE_PREFIX, spiffe_uri, validate_name
+from orka.security.ca import (
+    ROLES,
+    SERVING_ROLES,
+    SPIFFE_PREFIX,
+    role_dns_name,
+    spiffe_uri,
+    validate_name,
+)
 
 # gRPC's auth-context key for the verified peer certificate (PEM).
 PEER_CERT_KEY = "x509_pem_cert"
@@ -83,3 +90,26 @@ def require_role(context: grpc.aio.ServicerContext, roles: Collection[str]) -> I
             f"role {ident.role} may not call this API; allowed: {', '.join(sorted(roles))}"
         )
     return ident
+
+
+def check_serves_as(pem: bytes, role: str, where: str) -> None:
+    """A server's own certificate must carry its role's reserved DNS name, or every Orka
+    client refuses it at the handshake; say so at start-up instead, naming the fix."""
+    if role not in SERVING_ROLES:
+        return
+    want = role_dns_name(role)
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError as e:
+        raise Invalid(f"certs: {where} is not a PEM certificate: {e}") from None
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = san.get_values_for_type(x509.DNSName)
+    except x509.ExtensionNotFound:
+        names = []
+    if want not in names:
+        raise Invalid(
+            f"certs: {where} lacks the DNS name {want} that Orka's clients verify a {role} "
+            f"by (issued by an older Orka?); re-issue it: "
+            f"orka certs issue --role {role} --name {role}"
+        )

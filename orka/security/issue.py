@@ -14,11 +14,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from orka.errors import Invalid
 from orka.security.ca import (
     LEAF_DAYS,
+    SERVING_ROLES,
     CertificateAuthority,
     cert_pem,
     create_ca,
     issue_leaf,
     key_pem,
+    split_hosts,
     validate_name,
     validate_role,
 )
@@ -107,6 +109,7 @@ def init_certs(
     # Validate everything before writing anything, so a typo does not leave a half-made dir.
     for node in nodes:
         validate_name(node)
+    split_hosts(extra_hosts)  # a malformed or reserved --host fails before anything is written
     dir.mkdir(parents=True, exist_ok=True)
     ca, written = _ensure_ca(dir)
     wanted = [("controller", "controller"), ("scheduler", "scheduler"), ("admin", "admin")]
@@ -115,7 +118,7 @@ def init_certs(
         stem = cert_stem(role, name)
         if (dir / f"{stem}.crt").exists() and (dir / f"{stem}.key").exists():
             continue
-        leaf = issue_leaf(ca, role, name, extra_hosts)
+        leaf = issue_leaf(ca, role, name, extra_hosts if role in SERVING_ROLES else ())
         written += _write_pair(dir, stem, leaf.cert, leaf.key)
     return written
 

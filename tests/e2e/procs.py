@@ -153,6 +153,7 @@ class ProcessCluster:
         self.channel = secure_channel(
             f"127.0.0.1:{port or self.controller_port}",
             TlsFiles.for_service(self.certs, "admin", "admin"),
+            "controller",
         )
         self.api = pb_grpc.ControllerStub(self.channel)
         return self.api

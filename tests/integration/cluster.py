@@ -74,7 +74,9 @@ class Cluster:
         if self._channel is not None:
             await self._channel.close()
         self._channel = secure_channel(
-            f"127.0.0.1:{self.controller.port}", TlsFiles.for_service(self.certs, "admin", "admin")
+            f"127.0.0.1:{self.controller.port}",
+            TlsFiles.for_service(self.certs, "admin", "admin"),
+            "controller",
         )
         self.api = pb_grpc.ControllerStub(self._channel)
         await asyncio.wait_for(self.controller.link.connected.wait(), 10)

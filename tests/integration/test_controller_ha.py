@@ -46,7 +46,9 @@ async def pair(
 
 
 async def health(certs: Path, port: int) -> int:
-    channel = secure_channel(f"127.0.0.1:{port}", TlsFiles.for_service(certs, "admin", "admin"))
+    channel = secure_channel(
+        f"127.0.0.1:{port}", TlsFiles.for_service(certs, "admin", "admin"), "controller"
+    )
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = await stub.Check(health_pb2.HealthCheckRequest(service="orka.v1.Controller"))
@@ -67,7 +69,7 @@ async def test_follower_redirects_and_takes_over_when_the_lease_is_lost(
 
     # A follower names the leader; the CLI client follows it, from one address or a list.
     channel = secure_channel(
-        f"127.0.0.1:{standby.port}", TlsFiles.for_service(certs_dir, "admin", "admin")
+        f"127.0.0.1:{standby.port}", TlsFiles.for_service(certs_dir, "admin", "admin"), "controller"
     )
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -98,7 +100,7 @@ async def test_follower_redirects_and_takes_over_when_the_lease_is_lost(
     async with AdminClient(both, certs_dir) as client:
         assert len(await client.list_nodes()) == 2
     channel = secure_channel(
-        f"127.0.0.1:{new.port}", TlsFiles.for_service(certs_dir, "admin", "admin")
+        f"127.0.0.1:{new.port}", TlsFiles.for_service(certs_dir, "admin", "admin"), "controller"
     )
     api = pb_grpc.ControllerStub(channel)
     try:

@@ -8,11 +8,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from orka.rpc.client import secure_channel
 from orka.security.identity import peer_identity
 from orka.security.issue import init_certs, issue_cert
 from orka.security.tls import TlsFiles, channel_credentials, server_credentials
+from tests.integration.identities import write_cert
 
 WHO = "/orka.test.Probe/Who"
 
@@ -96,3 +100,55 @@ async def test_expired_client_cert_is_refused(server: str, certs: Path) -> None:
         certs, "admin", "old", not_valid_before=start, not_valid_after=start + dt.timedelta(days=1)
     )
     await _assert_refused(server, channel_credentials(TlsFiles.for_service(certs, "admin", "old")))
+
+
+# What gRPC's TLS stack (BoringSSL) itself enforces of the extended key usage, found out here
+# and pinned: a server certificate without serverAuth and a client certificate without
+# clientAuth are refused at the handshake; a certificate with no EKU extension passes both
+# ways. So a client-only Orka certificate cannot serve; the role-name check (see
+# test_identity_clients.py) is what refuses a server certificate of the wrong role.
+SERVER_AUTH = ExtendedKeyUsageOID.SERVER_AUTH
+CLIENT_AUTH = ExtendedKeyUsageOID.CLIENT_AUTH
+
+
+@pytest.mark.parametrize(
+    ("server_usage", "client_usage", "served"),
+    [
+        ([SERVER_AUTH, CLIENT_AUTH], [CLIENT_AUTH], True),
+        ([CLIENT_AUTH], [CLIENT_AUTH], False),
+        ([SERVER_AUTH, CLIENT_AUTH], [SERVER_AUTH], False),
+        (None, None, True),
+    ],
+    ids=["as-issued", "server-lacks-serverAuth", "client-lacks-clientAuth", "no-EKU"],
+)
+async def test_grpc_enforces_extended_key_usage(
+    certs: Path,
+    server_usage: list[x509.ObjectIdentifier] | None,
+    client_usage: list[x509.ObjectIdentifier] | None,
+    served: bool,
+) -> None:
+    server_files = write_cert(
+        certs, "scheduler", "eku", "eku-server", server_usage, ["scheduler.orka"]
+    )
+    client_files = write_cert(certs, "admin", "eku", "eku-client", client_usage, [])
+    srv = grpc.aio.server()
+    srv.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "orka.test.Probe", {"Who": grpc.unary_unary_rpc_method_handler(_who)}
+            )
+        ]
+    )
+    port = srv.add_secure_port("127.0.0.1:0", server_credentials(server_files))
+    await srv.start()
+    try:
+        async with secure_channel(f"127.0.0.1:{port}", client_files, "scheduler") as channel:
+            call = channel.unary_unary(WHO)(b"", timeout=5)
+            if served:
+                assert await call == b"admin/eku"
+            else:
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await call
+                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await srv.stop(None)

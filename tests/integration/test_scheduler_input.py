@@ -31,7 +31,9 @@ async def scheduler(certs_dir: Path) -> AsyncIterator[Scheduler]:
 def stub(
     s: Scheduler, certs: Path, role: str, name: str
 ) -> tuple[grpc.aio.Channel, apb_grpc.SchedulerStub]:
-    channel = secure_channel(f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, role, name))
+    channel = secure_channel(
+        f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, role, name), "scheduler"
+    )
     return channel, apb_grpc.SchedulerStub(channel)
 
 

@@ -35,7 +35,7 @@ class Agent:
 
     def __init__(self, s: Scheduler, certs: Path, name: str) -> None:
         self.channel = secure_channel(
-            f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "agent", name)
+            f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "agent", name), "scheduler"
         )
         self.name = name
         self.call = apb_grpc.SchedulerStub(self.channel).Connect()
@@ -88,7 +88,9 @@ async def test_a_batch_of_many_chunks_sends_each_node_its_offers_together(
     frames (MAX_FRAME messages) and one last, not in a partial frame per chunk."""
     agents = [Agent(scheduler, certs_dir, f"node-{i}") for i in range(1, 7)]
     controller = secure_channel(
-        f"127.0.0.1:{scheduler.port}", TlsFiles.for_service(certs_dir, "controller", "controller")
+        f"127.0.0.1:{scheduler.port}",
+        TlsFiles.for_service(certs_dir, "controller", "controller"),
+        "scheduler",
     )
     try:
         for a in agents:

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from orka.errors import Invalid
-from orka.security.ca import create_ca, issue_leaf
+from orka.security.ca import SERVING_ROLES, create_ca, issue_leaf, role_dns_name
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +36,8 @@ def _sans(cert: x509.Certificate) -> x509.SubjectAlternativeName:
     return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
 
 
-@pytest.mark.parametrize(
-    ("role", "name", "serves"),
-    [
-        ("controller", "controller", True),
-        ("scheduler", "scheduler", True),
-        ("agent", "node-1", True),
-        ("admin", "admin", False),
-    ],
-)
-def test_leaf_sans_and_signature(ca, role: str, name: str, serves: bool) -> None:
+@pytest.mark.parametrize(("role", "name"), [("controller", "controller"), ("scheduler", "c2")])
+def test_serving_leaf_sans_usage_and_signature(ca, role: str, name: str) -> None:
     leaf = issue_leaf(ca, role, name, ["api.example.com", "10.0.0.5"])
     cert = leaf.cert
     cert.verify_directly_issued_by(ca.cert)
@@ -55,17 +47,64 @@ def test_leaf_sans_and_signature(ca, role: str, name: str, serves: bool) -> None
     ]
     dns = sans.get_values_for_type(x509.DNSName)
     ips = sans.get_values_for_type(x509.IPAddress)
-    assert "api.example.com" in dns
-    assert ipaddress.ip_address("10.0.0.5") in ips
-    host_names = {"localhost", socket.gethostname().lower()}
-    local_ips = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
-    assert host_names <= set(dns) if serves else not (host_names & set(dns))
-    assert local_ips <= set(ips) if serves else not (local_ips & set(ips))
+    # The reserved role name is what Orka's clients verify; the host names are for grpcurl.
+    assert dns[0] == f"{role}.orka"
+    assert [d for d in dns if d.endswith(".orka")] == [f"{role}.orka"]
+    assert {"api.example.com", "localhost", socket.gethostname().lower()} <= set(dns)
+    assert {
+        ipaddress.ip_address("10.0.0.5"),
+        ipaddress.ip_address("127.0.0.1"),
+        ipaddress.ip_address("::1"),
+    } <= set(ips)
     eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert set(eku) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     assert cert.subject.rfc4514_string() == f"CN={role}/{name}"
     life = cert.not_valid_after_utc - cert.not_valid_before_utc
     assert life == dt.timedelta(days=365)
+
+
+@pytest.mark.parametrize(
+    ("role", "name"), [("agent", "node-1"), ("admin", "admin"), ("viewer", "alice")]
+)
+def test_client_leaf_has_client_auth_only_and_no_host_names(ca, role: str, name: str) -> None:
+    cert = issue_leaf(ca, role, name).cert
+    cert.verify_directly_issued_by(ca.cert)
+    sans = _sans(cert)
+    # Only the identity: no DNS name or IP an Orka client (or grpcurl) could verify it by.
+    assert [g.value for g in sans] == [f"spiffe://orka/{role}/{name}"]
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+
+
+@pytest.mark.parametrize("role", ["agent", "admin", "viewer"])
+def test_client_leaf_refuses_hosts(ca, role: str) -> None:
+    with pytest.raises(Invalid, match=rf"^hosts: {role} certificates only dial out"):
+        issue_leaf(ca, role, "x", ["node.example.com"])
+    # Blank entries (an empty ORKA_HOST) are not hosts.
+    issue_leaf(ca, role, "x", ["", " "])
+
+
+@pytest.mark.parametrize(
+    "host", ["scheduler.orka", "controller.orka", "Controller.ORKA", "orka", "x.y.orka", "a.orka."]
+)
+def test_reserved_role_names_are_refused_as_hosts(ca, host: str) -> None:
+    with pytest.raises(Invalid, match=r"^hosts: .* is reserved"):
+        issue_leaf(ca, "controller", "controller", ["ok.example.com", host])
+
+
+def test_role_dns_name_only_for_serving_roles() -> None:
+    assert role_dns_name("scheduler") == "scheduler.orka"
+    assert role_dns_name("controller") == "controller.orka"
+    assert SERVING_ROLES == {"controller", "scheduler"}
+    for role in ("agent", "admin", "viewer", "root"):
+        with pytest.raises(Invalid, match=r"^role: .* does not serve"):
+            role_dns_name(role)
+
+
+def test_host_errors_are_bounded(ca) -> None:
+    with pytest.raises(Invalid) as exc:
+        issue_leaf(ca, "controller", "controller", ["é" * 100_000])
+    assert len(exc.value.message) < 200
 
 
 def test_leaf_custom_validity(ca) -> None:

@@ -10,9 +10,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from orka.errors import PermissionDenied, Unauthenticated
+from orka.errors import Invalid, PermissionDenied, Unauthenticated
 from orka.security.ca import cert_pem, create_ca, issue_leaf
-from orka.security.identity import Identity, identity_from_pem, peer_identity, require_role
+from orka.security.identity import (
+    Identity,
+    check_serves_as,
+    identity_from_pem,
+    peer_identity,
+    require_role,
+)
 
 
 def _cert_with_sans(sans: list[x509.GeneralName] | None) -> bytes:
@@ -84,3 +90,18 @@ def test_peer_identity_and_require_role() -> None:
 def test_no_client_certificate() -> None:
     with pytest.raises(Unauthenticated, match="no client certificate"):
         peer_identity(_context({"transport_security_type": [b"ssl"]}))
+
+
+def test_check_serves_as_wants_the_role_name() -> None:
+    ca = create_ca()
+    check_serves_as(cert_pem(issue_leaf(ca, "scheduler", "scheduler").cert), "scheduler", "s")
+    check_serves_as(cert_pem(issue_leaf(ca, "controller", "c2").cert), "controller", "c")
+    # Client roles never serve, so there is nothing to check.
+    check_serves_as(cert_pem(issue_leaf(ca, "agent", "node-1").cert), "agent", "a")
+    # A controller certificate does not name the scheduler role, nor one without any DNS name.
+    controller = cert_pem(issue_leaf(ca, "controller", "controller").cert)
+    with pytest.raises(Invalid, match=r"^certs: s.crt lacks the DNS name scheduler.orka .*"):
+        check_serves_as(controller, "scheduler", "s.crt")
+    old = _cert_with_sans([URI("spiffe://orka/scheduler/scheduler")])
+    with pytest.raises(Invalid, match=r"orka certs issue --role scheduler --name scheduler"):
+        check_serves_as(old, "scheduler", "s.crt")

@@ -5,6 +5,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from orka.errors import Invalid
 from orka.security.issue import cert_stem, init_certs, issue_cert
@@ -74,10 +75,44 @@ def test_init_certs_bad_node_writes_nothing(tmp_path: Path) -> None:
 
 def test_issue_cert(tmp_path: Path) -> None:
     init_certs(tmp_path, [])
-    paths = issue_cert(tmp_path, "agent", "node-9", ["10.1.2.3"])
+    paths = issue_cert(tmp_path, "agent", "node-9")
     assert [p.name for p in paths] == ["agent-node-9.crt", "agent-node-9.key"]
     ident = load_and_check(TlsFiles.for_service(tmp_path, "agent", "node-9"))
     assert ident.uri == "spiffe://orka/agent/node-9"
+    issue_cert(tmp_path, "viewer", "alice")
+    ident = load_and_check(TlsFiles.for_service(tmp_path, "viewer", "alice"))
+    assert ident.uri == "spiffe://orka/viewer/alice"
+
+
+def _names(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(g.value) for g in san]
+
+
+def test_issue_cert_hosts_only_for_servers(tmp_path: Path) -> None:
+    init_certs(tmp_path, [])
+    before = _snapshot(tmp_path)
+    with pytest.raises(Invalid, match=r"^hosts: agent certificates only dial out"):
+        issue_cert(tmp_path, "agent", "node-9", ["10.1.2.3"])
+    assert _snapshot(tmp_path) == before
+    issue_cert(tmp_path, "scheduler", "s2", ["10.1.2.3"])
+    assert {"scheduler.orka", "10.1.2.3"} <= set(_names(tmp_path / "scheduler-s2.crt"))
+
+
+def test_init_certs_extra_hosts_only_in_server_certs(tmp_path: Path) -> None:
+    init_certs(tmp_path, ["node-1"], ["api.example.com", "10.9.9.9"])
+    for stem in ("controller", "scheduler"):
+        names = _names(tmp_path / f"{stem}.crt")
+        assert {f"{stem}.orka", "api.example.com", "10.9.9.9", "localhost"} <= set(names)
+    for stem, uri in [("admin", "admin/admin"), ("agent-node-1", "agent/node-1")]:
+        assert _names(tmp_path / f"{stem}.crt") == [f"spiffe://orka/{uri}"]
+
+
+def test_init_certs_reserved_host_writes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(Invalid, match=r"^hosts: 'scheduler.orka' is reserved"):
+        init_certs(tmp_path / "c", ["node-1"], ["scheduler.orka"])
+    assert not (tmp_path / "c").exists()
 
 
 @pytest.mark.parametrize(
