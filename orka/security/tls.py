@@ -13,7 +13,9 @@ from cryptography.hazmat.primitives import serialization
 
 from orka.errors import Invalid, Unauthenticated
 from orka.security.identity import Identity, identity_from_cert
-from orka.security.issue import CA_CERT
+from orka.security.issue import CA_CERT, CRL_FILE, cert_stem
+
+DEFAULT_RELOAD_INTERVAL = 5.0
 
 
 @dataclass(frozen=True)
@@ -21,21 +23,37 @@ class TlsFiles:
     ca: Path
     cert: Path
     key: Path
+    # How often a running service re-reads its CRL (and notices a re-issued certificate).
+    reload_interval: float = DEFAULT_RELOAD_INTERVAL
+
+    @property
+    def crl(self) -> Path:
+        """The CRL beside the CA certificate; it may not exist (nothing revoked yet)."""
+        return self.ca.parent / CRL_FILE
 
     @classmethod
     def for_service(cls, certs_dir: Path | str, role: str, name: str) -> TlsFiles:
+        """The service's own folder first (`DIR/<stem>/`), then flat in DIR, so `--certs DIR`,
+        `--certs DIR/agent-node-1` and a flat dir from before the split all work."""
         certs_dir = Path(certs_dir)
-        ca = certs_dir / CA_CERT
-        if not ca.is_file():
-            raise Invalid(f"certs: {ca} does not exist")
         # Named cert first so one dir can hold several agents; then the role-wide default.
-        tried = [certs_dir / f"{role}-{name}.crt", certs_dir / f"{role}.crt"]
-        for cert in tried:
-            if cert.is_file():
+        stems = list(dict.fromkeys([cert_stem(role, name), role]))
+        tried: list[Path] = []
+        for stem in stems:
+            for folder in (certs_dir / stem, certs_dir):
+                cert = folder / f"{stem}.crt"
+                tried.append(cert)
+                if not cert.is_file():
+                    continue
                 key = cert.with_suffix(".key")
                 if not key.is_file():
                     raise Invalid(f"certs: found {cert} but its key {key} does not exist")
+                ca = folder / CA_CERT
+                if not ca.is_file():
+                    raise Invalid(f"certs: {ca} does not exist")
                 return cls(ca=ca, cert=cert, key=key)
+        if not (certs_dir / CA_CERT).is_file():
+            raise Invalid(f"certs: {certs_dir / CA_CERT} does not exist")
         raise Invalid(
             f"certs: no certificate for {role} {name!r}; tried {', '.join(map(str, tried))}"
         )
