@@ -37,7 +37,7 @@ from orka.models import NodeState
 from orka.rpc.server import split_hostport
 from orka.runtime.base import TaskState
 from orka.runtime.process import ProcessDriver
-from orka.security.issue import CA_CERT, init_certs
+from orka.security.issue import CA_CERT, init_certs, pair_dir
 
 READY_TIMEOUT = 60.0
 AGENT_STOP_GRACE = 30.0
@@ -121,11 +121,23 @@ class Cluster:
         self.scheduler_listen = scheduler_listen
         self.controller_addr = client_host(controller_listen)
         self.node_names = [f"node-{i}" for i in range(1, agents + 1)]
-        common = ["--certs", str(self.certs)]
+
+        def certs(role: str, name: str) -> list[str]:
+            # Each service gets only its own folder (ca.crt + its pair): no child can read the
+            # CA key or another service's key. The admin files stay at the top for the CLI.
+            return ["--certs", str(pair_dir(self.certs, role, name))]
+
         self.scheduler = Child(
             "scheduler",
             "scheduler",
-            ["scheduler", "--listen", scheduler_listen, "--data-dir", str(data_dir), *common],
+            [
+                "scheduler",
+                "--listen",
+                scheduler_listen,
+                "--data-dir",
+                str(data_dir),
+                *certs("scheduler", "scheduler"),
+            ],
             self.logs / "scheduler.log",
         )
         self.controller = Child(
@@ -139,7 +151,7 @@ class Cluster:
                 client_host(scheduler_listen),
                 "--data-dir",
                 str(data_dir),
-                *common,
+                *certs("controller", "controller"),
             ],
             self.logs / "controller.log",
         )
@@ -155,7 +167,7 @@ class Cluster:
                     client_host(scheduler_listen),
                     "--data-dir",
                     str(data_dir / "agents" / name),
-                    *common,
+                    *certs("agent", name),
                 ],
                 self.logs / f"{name}.log",
             )

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -303,6 +304,34 @@ def tour(tmp_path: Path) -> Iterator[Tour]:
             print("teardown killed:", leftovers, hello)
 
 
+def service_certs(up: Up) -> dict[str, str]:
+    """The `--certs` each service child of `orka up` was started with, by service name."""
+    assert up.proc is not None
+    found = {}
+    for child in psutil.Process(up.proc.pid).children(recursive=True):
+        argv = child.cmdline()
+        if "orka.cli.main" not in argv or "--certs" not in argv:
+            continue
+        command = argv[argv.index("orka.cli.main") + 1]
+        name = argv[argv.index("--name") + 1] if "--name" in argv else command
+        found[name] = argv[argv.index("--certs") + 1]
+    return found
+
+
+def check_least_privilege(certs: Path, up: Up) -> None:
+    """Each service was handed only its own folder, holding only ca.crt and its own pair."""
+    stems = {"scheduler": "scheduler", "controller": "controller"}
+    stems |= {n: f"agent-{n}" for n in ("node-1", "node-2")}
+    assert service_certs(up) == {n: str(certs / stem) for n, stem in stems.items()}
+    for stem in stems.values():
+        folder = certs / stem
+        assert {p.name for p in folder.iterdir()} == {"ca.crt", f"{stem}.crt", f"{stem}.key"}
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE((folder / f"{stem}.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
+    assert (certs / "ca" / "ca.key").is_file() and not (certs / "ca.key").exists()
+
+
 async def test_orka_up_tour(tour: Tour) -> None:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -313,6 +342,7 @@ async def test_orka_up_tour(tour: Tour) -> None:
     timings["up"] = time.monotonic() - t0
     assert sorted(pids) == ["node-1", "node-2"], up.output()
     assert all(psutil.pid_exists(p) for p in pids.values()), pids
+    check_least_privilege(tour.data_dir / "certs", up)
 
     # 2. The tour's first commands.
     t = time.monotonic()
