@@ -38,6 +38,7 @@ from orka.rpc.server import split_hostport
 from orka.runtime.base import TaskState
 from orka.runtime.process import ProcessDriver
 from orka.security.issue import CA_CERT, init_certs, pair_dir
+from orka.security.rotate import rotate
 
 READY_TIMEOUT = 60.0
 AGENT_STOP_GRACE = 30.0
@@ -425,6 +426,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     written = init_certs(data_dir / "certs", nodes=nodes)
     if written:
         print(f"orka up: wrote {len(written)} certificate files to {data_dir / 'certs'}")
+    # A cluster that is only ever run through `orka up` never has to think about expiry.
+    renewed = rotate(data_dir / "certs", only_due=True)
+    if renewed:
+        print(f"orka up: re-issued {len(renewed) // 2} certificates near expiry")
 
     async def main() -> int:
         # Built inside the loop: the cluster owns asyncio primitives.

@@ -11,6 +11,7 @@ from cryptography import x509
 
 from orka.errors import Invalid, PermissionDenied, Unauthenticated
 from orka.security.ca import ROLES, SPIFFE_PREFIX, spiffe_uri, validate_name
+from orka.security.revocation import REVOCATIONS
 
 # gRPC's auth-context key for the verified peer certificate (PEM).
 PEER_CERT_KEY = "x509_pem_cert"
@@ -73,7 +74,9 @@ def peer_identity(context: grpc.aio.ServicerContext) -> Identity:
     certs = context.auth_context().get(PEER_CERT_KEY) or []
     if not certs:
         raise Unauthenticated("no client certificate")
-    return identity_from_pem(bytes(certs[0]))
+    pem = bytes(certs[0])
+    REVOCATIONS.admit(pem, context)  # refuses a revoked peer (the handshake cannot: see there)
+    return identity_from_pem(pem)
 
 
 def require_role(context: grpc.aio.ServicerContext, roles: Collection[str]) -> Identity:

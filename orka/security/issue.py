@@ -96,13 +96,13 @@ def write_public(path: Path, data: bytes) -> None:
     _write_atomic(path, data, CERT_MODE)
 
 
-def _private_dir(path: Path) -> Path:
+def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, DIR_MODE)
     return path
 
 
-def _write_pair(
+def write_pair(
     dir: Path, stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
 ) -> list[Path]:
     key_path, crt_path = dir / f"{stem}.key", dir / f"{stem}.crt"
@@ -147,7 +147,7 @@ def _ensure_ca(dir: Path) -> tuple[CertificateAuthority, list[Path]]:
     if flat_key.is_file() and not split_key.exists():
         # A dir from before the split: move the key where no service is handed it. Same key,
         # same CA, so nothing already issued stops verifying.
-        _private_dir(split_key.parent)
+        private_dir(split_key.parent)
         os.replace(flat_key, split_key)
         os.chmod(split_key, KEY_MODE)
         return load_ca(dir), [split_key]
@@ -155,13 +155,13 @@ def _ensure_ca(dir: Path) -> tuple[CertificateAuthority, list[Path]]:
         # Never replace a CA: every cert already handed out would stop verifying.
         return load_ca(dir), []
     ca = create_ca()
-    _private_dir(split_key.parent)
+    private_dir(split_key.parent)
     _write_atomic(split_key, key_pem(ca.key), KEY_MODE)
     _write_atomic(crt_path, cert_pem(ca.cert), CERT_MODE)
     return ca, [crt_path, split_key]
 
 
-def _sync_shared(dir: Path, folder: Path) -> list[Path]:
+def sync_shared(dir: Path, folder: Path) -> list[Path]:
     """Give a service folder the current `ca.crt` (and `crl.pem`) of the certs dir."""
     written = []
     for name in (CA_CERT, CRL_FILE):
@@ -185,10 +185,10 @@ def _migrate_flat_pairs(dir: Path) -> list[Path]:
         key = crt.with_suffix(".key")
         if stem == "ca" or role is None or role in _TOP_LEVEL_ROLES or not key.is_file():
             continue
-        folder = _private_dir(dir / stem)
+        folder = private_dir(dir / stem)
         if (folder / crt.name).exists():
             continue  # already moved once; never overwrite what the folder holds
-        # Key first, like `_write_pair`: a folder with a .crt always has its key.
+        # Key first, like `write_pair`: a folder with a .crt always has its key.
         os.replace(key, folder / key.name)
         os.replace(crt, folder / crt.name)
         moved += [folder / crt.name, folder / key.name]
@@ -232,7 +232,7 @@ def init_certs(
     # Validate everything before writing anything, so a typo does not leave a half-made dir.
     for node in nodes:
         validate_name(node)
-    _private_dir(dir)
+    private_dir(dir)
     ca, written = _ensure_ca(dir)
     written += _migrate_flat_pairs(dir)
     wanted = [("controller", "controller"), ("scheduler", "scheduler"), ("admin", "admin")]
@@ -241,12 +241,12 @@ def init_certs(
         stem = cert_stem(role, name)
         folder = pair_dir(dir, role, name)
         if folder != dir:
-            _private_dir(folder)
+            private_dir(folder)
         if not ((folder / f"{stem}.crt").exists() and (folder / f"{stem}.key").exists()):
             leaf = issue_leaf(ca, role, name, extra_hosts, days=days)
-            written += _write_pair(folder, stem, leaf.cert, leaf.key)
+            written += write_pair(folder, stem, leaf.cert, leaf.key)
     for folder in service_folders(dir):
-        written += _sync_shared(dir, folder)
+        written += sync_shared(dir, folder)
     _tighten_modes(dir)
     return written
 
@@ -277,6 +277,6 @@ def issue_cert(
     )
     folder = pair_dir(dir, role, name)
     if folder != dir:
-        _private_dir(folder)
-        _sync_shared(dir, folder)
-    return _write_pair(folder, cert_stem(role, name), leaf.cert, leaf.key)
+        private_dir(folder)
+        sync_shared(dir, folder)
+    return write_pair(folder, cert_stem(role, name), leaf.cert, leaf.key)
