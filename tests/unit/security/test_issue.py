@@ -62,7 +62,7 @@ def test_init_certs_layout_and_modes(tmp_path: Path) -> None:
 
 
 def test_init_certs_modes_despite_umask(tmp_path: Path) -> None:
-    old = os.umask(0)
+    old = os.umask(0o077)
     try:
         init_certs(tmp_path / "c", ["node-1"])
     finally:

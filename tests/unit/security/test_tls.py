@@ -55,6 +55,14 @@ def test_for_service_reads_flat_dirs(certs: Path) -> None:
     assert (files.ca, files.cert) == (certs / "ca.crt", certs / "scheduler.crt")
 
 
+def test_for_service_own_folder_beats_a_stale_flat_pair(certs: Path) -> None:
+    # `rotate` and `issue` write into the folder; a flat copy left beside it is older.
+    shutil.copy(certs / "admin.crt", certs / "scheduler.crt")
+    shutil.copy(certs / "admin.key", certs / "scheduler.key")
+    files = TlsFiles.for_service(certs, "scheduler", "scheduler")
+    assert files.cert == certs / "scheduler" / "scheduler.crt"
+
+
 def test_for_service_missing_lists_paths(certs: Path) -> None:
     with pytest.raises(Invalid) as exc:
         TlsFiles.for_service(certs, "agent", "node-2")
