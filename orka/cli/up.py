@@ -429,7 +429,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # A cluster that is only ever run through `orka up` never has to think about expiry.
     renewed = rotate(data_dir / "certs", only_due=True)
     if renewed:
-        print(f"orka up: re-issued {len(renewed) // 2} certificates near expiry")
+        print(f"orka up: re-issued {len(renewed) // 2} certificate(s) due for renewal")
 
     async def main() -> int:
         # Built inside the loop: the cluster owns asyncio primitives.

@@ -10,6 +10,7 @@ killed agent), and a second `orka up` that resumes the same cluster.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import re
@@ -24,7 +25,10 @@ from typing import Any
 
 import psutil
 import pytest
+from cryptography import x509
 
+from orka.security.issue import init_certs, issue_cert
+from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
 
@@ -447,3 +451,51 @@ async def test_orka_up_tour(tour: Tour) -> None:
 
     timings["total"] = time.monotonic() - t0
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+
+
+def _serial(path: Path) -> int:
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+async def test_orka_up_moves_an_old_flat_certs_dir_and_renews_what_is_near_expiry(
+    tour: Tour,
+) -> None:
+    # A data dir from before the split: every pair and the CA key flat in certs/, 0755; and
+    # node-1's certificate 5 days from expiry.
+    certs = tour.data_dir / "certs"
+    init_certs(certs, ["node-1", "node-2"])
+    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=5)
+    issue_cert(
+        certs,
+        "agent",
+        "node-1",
+        not_valid_before=end - datetime.timedelta(days=90),
+        not_valid_after=end,
+    )
+    for p in sorted(certs.rglob("*")):
+        if p.is_file() and p.parent != certs:
+            if p.name == "ca.crt":
+                p.unlink()
+            else:
+                p.rename(certs / p.name)
+    for p in list(certs.iterdir()):
+        if p.is_dir():
+            p.rmdir()
+    certs.chmod(0o755)
+    ca = (certs / "ca.crt").read_bytes()
+    kept = {stem: _serial(certs / f"{stem}.crt") for stem in ("controller", "agent-node-2")}
+    expiring = _serial(certs / "agent-node-1.crt")
+
+    up = tour.up()
+    await up.wait_up()
+    check_least_privilege(certs, up)
+    assert (certs / "ca.crt").read_bytes() == ca  # the same CA: nothing issued is invalidated
+    for stem, serial in kept.items():
+        assert _serial(certs / stem / f"{stem}.crt") == serial
+    renewed = certs / "agent-node-1" / "agent-node-1.crt"
+    assert _serial(renewed) != expiring
+    assert not due_for_renewal(x509.load_pem_x509_certificate(renewed.read_bytes()))
+    assert "re-issued 1 certificate(s) due for renewal" in up.output()
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}
+    rc, _ = await up.interrupt()
+    assert rc == 0, up.output()
