@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,16 +82,21 @@ class Revocations:
     """The serials this process refuses (one set per CRL file watched) and its live calls."""
 
     by_file: dict[Path, frozenset[int]] = field(default_factory=dict)
-    calls: dict[int, dict[int, _Call]] = field(default_factory=dict)
+    # Live calls by peer serial. Weak keys: a finished call's task is freed and drops out by
+    # itself, with no per-call callback (this runs on every RPC).
+    calls: dict[int, weakref.WeakKeyDictionary[asyncio.Task[object], grpc.aio.ServicerContext]] = (
+        field(default_factory=dict)
+    )
+    revoked: frozenset[int] = frozenset()
     _cutting: set[asyncio.Future[None]] = field(default_factory=set)
 
     def is_revoked(self, serial: int) -> bool:
-        return any(serial in serials for serials in self.by_file.values())
+        return serial in self.revoked
 
     def admit(self, pem: bytes, context: grpc.aio.ServicerContext) -> None:
         """Refuse a revoked peer; remember an admitted call so a later revocation can cut it."""
         serial = _serial(pem)
-        if self.is_revoked(serial):
+        if serial in self.revoked:
             raise Unauthenticated(REVOKED)
         try:
             task = asyncio.current_task()
@@ -98,29 +104,30 @@ class Revocations:
             return
         if task is None:
             return
-        calls = self.calls.setdefault(serial, {})
-        if id(task) not in calls:
-            calls[id(task)] = _Call(task, context)
-            task.add_done_callback(functools.partial(self._forget, serial))
-
-    def _forget(self, serial: int, task: asyncio.Future[object]) -> None:
         calls = self.calls.get(serial)
-        if calls is not None:
-            calls.pop(id(task), None)
-            if not calls:
-                del self.calls[serial]
+        if calls is None:
+            calls = self.calls[serial] = weakref.WeakKeyDictionary()
+        calls[task] = context
+
+    def forget(self, path: Path) -> None:
+        """Drop a CRL file no server of this process watches any more."""
+        self.by_file.pop(path, None)
+        self.revoked = frozenset().union(*self.by_file.values())
 
     def update(self, path: Path, serials: frozenset[int]) -> int:
         """Install the serials of one CRL file; cancels the live calls of newly revoked peers.
 
         Returns how many calls were cut.
         """
-        old = self.by_file.get(path, frozenset())
+        before = self.revoked
         self.by_file[path] = serials
+        self.revoked = frozenset().union(*self.by_file.values())
         cut = 0
-        for serial in serials - old:
-            for call in list(self.calls.get(serial, {}).values()):
-                cutting = asyncio.ensure_future(_cut(call))
+        for serial in self.revoked - before:
+            for task, context in list(self.calls.pop(serial, {}).items()):
+                if task.done():
+                    continue
+                cutting = asyncio.ensure_future(_cut(_Call(task, context)))
                 self._cutting.add(cutting)  # a reference, so the task is not collected
                 cutting.add_done_callback(self._cutting.discard)
                 cut += 1
@@ -223,7 +230,7 @@ def watch(crl: Path, ca: Path, interval: float) -> CrlWatcher:
     for key in [k for k, w in _WATCHERS.items() if w.loop is not None and w.loop.is_closed()]:
         stale = _WATCHERS.pop(key)
         stale.stop()
-        stale.registry.by_file.pop(stale.crl, None)
+        stale.registry.forget(stale.crl)
     key = (id(loop), crl)
     watcher = _WATCHERS.get(key)
     if watcher is None or watcher.loop is not loop:
