@@ -15,6 +15,8 @@ import json
 import os
 import re
 import signal
+import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -457,7 +459,7 @@ def _serial(path: Path) -> int:
     return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
 
 
-async def test_orka_up_moves_an_old_flat_certs_dir_and_renews_what_is_near_expiry(
+async def test_orka_up_certs_lifecycle_flat_dir_renewal_live_rotation_and_revocation(
     tour: Tour,
 ) -> None:
     # A data dir from before the split: every pair and the CA key flat in certs/, 0755; and
@@ -497,5 +499,61 @@ async def test_orka_up_moves_an_old_flat_certs_dir_and_renews_what_is_near_expir
     assert not due_for_renewal(x509.load_pem_x509_certificate(renewed.read_bytes()))
     assert "re-issued 1 certificate(s) due for renewal" in up.output()
     assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}
+
+    # Rotate every certificate while the cluster runs: no restart, no stream dropped.
+    registered = {n: _count(tour, n, '"registered"') for n in ("node-1", "node-2")}
+    old_serial = _serial(certs / "controller" / "controller.crt")
+    await tour.orka("certs", "rotate", "--dir", str(certs), "--all")
+    new_serial = _serial(certs / "controller" / "controller.crt")
+    assert new_serial != old_serial
+    served = await asyncio.to_thread(served_serial, tour.controller_port, certs)
+    assert served == new_serial
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}  # new admin cert
+    assert {n: _count(tour, n, '"registered"') for n in registered} == registered
+
+    # A second admin, then revoked: refused within the services' reload interval (5 s).
+    await tour.orka("certs", "issue", "--dir", str(certs), "--role", "admin", "--name", "eve")
+    eve = [
+        str(GRPCURL),
+        "-cacert",
+        str(certs / "ca.crt"),
+        "-cert",
+        str(certs / "admin-eve.crt"),
+        "-key",
+        str(certs / "admin-eve.key"),
+        f"127.0.0.1:{tour.controller_port}",
+        "orka.v1.Controller/ListNodes",
+    ]
+    rc, _, err = await tour.run(*eve)
+    assert rc == 0, err
+    await tour.orka("certs", "revoke", "--dir", str(certs), "--role", "admin", "--name", "eve")
+    revoked_at = time.monotonic()
+
+    async def refused() -> str | None:
+        rc, _, err = await tour.run(*eve)
+        return err if rc != 0 else None
+
+    err = await eventually(refused, timeout=5.0 + 3.0, interval=0.2)
+    print(f"eve refused {time.monotonic() - revoked_at:.1f}s after `orka certs revoke`")
+    assert "Code: Unauthenticated" in err and "Message: certificate revoked" in err, err
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}  # admin still in
+
     rc, _ = await up.interrupt()
     assert rc == 0, up.output()
+
+
+def _count(tour: Tour, node: str, needle: str) -> int:
+    log = tour.data_dir / "logs" / f"{node}.log"
+    return sum(needle in line for line in log.read_text(errors="replace").splitlines())
+
+
+def served_serial(port: int, certs: Path) -> int:
+    """A fresh TLS handshake with Python's ssl module: the serial the server presents now."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(certs / "ca.crt"))
+    ctx.load_cert_chain(str(certs / "admin.crt"), str(certs / "admin.key"))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
