@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import datetime as dt
 import os
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ log = structlog.get_logger("orka.security")
 
 # Seconds between two looks at the CRL: how long a revoked peer may keep a stream open.
 DEFAULT_RELOAD_INTERVAL = 5.0
+# How often a running server repeats its expiry warning (when due).
+EXPIRY_CHECK_INTERVAL = 6 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -179,12 +181,25 @@ class ServerCertificates:
         return self.configuration(pems)
 
 
+def _remind(loop: asyncio.AbstractEventLoop, fetcher: ServerCertificates) -> None:
+    # A service runs for months: the warning must not wait for a restart or a rotation.
+    warn_if_expiring(fetcher.files.cert, fetcher.current.leaf)
+    if not loop.is_closed():
+        loop.call_later(EXPIRY_CHECK_INTERVAL, _remind, loop, fetcher)
+
+
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Mutual-TLS server credentials that follow the files on disk (re-issued certificates
     from the next handshake, a new CRL within `files.reload_interval`)."""
     fetcher = ServerCertificates(files)
-    with contextlib.suppress(RuntimeError):  # no running loop: nothing to cut, CRL at admit
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        # Orka's servers are all grpc.aio; a sync server would have no one to reload the CRL.
+        log.warning("no event loop: the CRL is not watched", crl=str(files.crl))
+    else:
         revocation.watch(files.crl, files.ca, files.reload_interval)
+        loop.call_later(EXPIRY_CHECK_INTERVAL, _remind, loop, fetcher)
     return grpc.dynamic_ssl_server_credentials(
         fetcher.configuration(fetcher.current), fetcher, require_client_authentication=True
     )

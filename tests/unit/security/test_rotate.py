@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import stat
@@ -10,6 +11,7 @@ from cryptography import x509
 from structlog.testing import capture_logs
 
 from orka.errors import NotFound
+from orka.security import tls
 from orka.security.ca import issue_leaf, key_pem
 from orka.security.issue import init_certs, issue_cert, load_ca
 from orka.security.rotate import rotate
@@ -160,3 +162,23 @@ def test_server_certificates_refuse_another_identity(certs: Path) -> None:
     with capture_logs() as logs:
         assert fetcher() is None
     assert "now names admin/admin" in logs[0]["reason"]
+
+
+async def test_a_running_server_repeats_the_expiry_warning(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tls, "EXPIRY_CHECK_INTERVAL", 0.05)
+    end = NOW + dt.timedelta(days=2)
+    issue_cert(
+        certs,
+        "controller",
+        "controller",
+        not_valid_before=end - dt.timedelta(days=90),
+        not_valid_after=end,
+    )
+    with capture_logs() as logs:
+        tls.server_credentials(TlsFiles.for_service(certs, "controller", "controller"))
+        await asyncio.sleep(0.18)
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) >= 2, logs
+    assert all(e["path"].endswith("controller.crt") for e in warnings)
