@@ -25,7 +25,7 @@ from orka.errors import Invalid
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security.ca import validate_name
-from orka.security.tls import DEFAULT_RELOAD_INTERVAL, Pems, TlsFiles
+from orka.security.tls import DEFAULT_RELOAD_INTERVAL, Pems, TlsFiles, load_and_check
 from orka.security.tls import warn_if_expiring as warn_cert_expiring
 
 POLICIES = ("spread", "binpack")
@@ -41,8 +41,7 @@ def check_tls(certs: Path, role: str, name: str, reload_interval: float) -> TlsF
     """Fail at start-up, naming the file, rather than on the first handshake."""
     _positive("--tls-reload-interval", reload_interval)
     files = replace(TlsFiles.for_service(certs, role, name), reload_interval=reload_interval)
-    pems = Pems.read(files)
-    identity = pems.identity
+    identity = load_and_check(files)
     if identity.role != role:
         raise Invalid(
             f"certs: {files.cert} has role {identity.role!r} ({identity.uri}); "
@@ -338,8 +337,8 @@ def _common(p: argparse.ArgumentParser, listen: str | None) -> None:
         type=_float_arg,
         default=DEFAULT_RELOAD_INTERVAL,
         metavar="S",
-        help="how often a server re-reads its CRL: a revoked peer is cut within this "
-        f"({DEFAULT_RELOAD_INTERVAL:g})",
+        help="how often a server (controller, scheduler) re-reads its CRL: a revoked peer "
+        f"is cut off within this ({DEFAULT_RELOAD_INTERVAL:g})",
     )
 
 

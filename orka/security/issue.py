@@ -26,11 +26,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from orka.errors import Invalid
 from orka.security.ca import (
     ROLES,
+    SERVING_ROLES,
     CertificateAuthority,
     cert_pem,
     create_ca,
     issue_leaf,
     key_pem,
+    split_hosts,
     validate_name,
     validate_role,
 )
@@ -232,6 +234,7 @@ def init_certs(
     # Validate everything before writing anything, so a typo does not leave a half-made dir.
     for node in nodes:
         validate_name(node)
+    split_hosts(extra_hosts)  # a malformed --host fails before anything is written
     private_dir(dir)
     ca, written = _ensure_ca(dir)
     written += _migrate_flat_pairs(dir)
@@ -243,7 +246,9 @@ def init_certs(
         if folder != dir:
             private_dir(folder)
         if not ((folder / f"{stem}.crt").exists() and (folder / f"{stem}.key").exists()):
-            leaf = issue_leaf(ca, role, name, extra_hosts, days=days)
+            # Host names belong in server certificates only.
+            hosts = extra_hosts if role in SERVING_ROLES else ()
+            leaf = issue_leaf(ca, role, name, hosts, days=days)
             written += write_pair(folder, stem, leaf.cert, leaf.key)
     for folder in service_folders(dir):
         written += sync_shared(dir, folder)

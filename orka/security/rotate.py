@@ -57,15 +57,23 @@ def issued_pairs(dir: Path) -> list[Pair]:
     return found
 
 
+# Names under `.orka` name a server's role (`controller.orka`); issue_leaf adds them itself
+# and refuses them from callers, so they are not carried over as hosts.
+_ROLE_DOMAIN = "orka"
+
+
 def _hosts(cert: x509.Certificate) -> list[str]:
+    """The host names and IPs a server certificate serves, to keep them on re-issue."""
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return []
-    return [
-        *san.get_values_for_type(x509.DNSName),
-        *map(str, san.get_values_for_type(x509.IPAddress)),
+    dns = [
+        d
+        for d in san.get_values_for_type(x509.DNSName)
+        if d.rstrip(".") != _ROLE_DOMAIN and not d.rstrip(".").endswith("." + _ROLE_DOMAIN)
     ]
+    return [*dns, *map(str, san.get_values_for_type(x509.IPAddress))]
 
 
 def rotate(

@@ -16,7 +16,6 @@ from cryptography import x509
 
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import OrkaError
-from orka.rpc.client import secure_channel
 from orka.rpc.server import start_server
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.identity import peer_identity
@@ -82,6 +81,7 @@ async def who(channel: grpc.aio.Channel) -> str:
 
 
 def channel(target: str, certs: Path, role: str, name: str) -> grpc.aio.Channel:
+    # Plain grpc (the server verified by its 127.0.0.1 SAN): this file is about the server side.
     return grpc.aio.secure_channel(target, channel_credentials(files(certs, role, name)))
 
 
@@ -129,7 +129,7 @@ async def test_a_revoked_agents_stream_is_cut(certs: Path) -> None:
     await scheduler.start()
     try:
         target = f"127.0.0.1:{scheduler.port}"
-        ch = secure_channel(target, files(certs, "agent", "node-1"))
+        ch = channel(target, certs, "agent", "node-1")
         async with ch:
             call = apb_grpc.SchedulerStub(ch).Connect()
             await call.write(register())
@@ -148,7 +148,7 @@ async def test_a_revoked_agents_stream_is_cut(certs: Path) -> None:
                 "certificate revoked",
             ), info.value
         # And it cannot come back: a new stream is refused at once.
-        ch = secure_channel(target, files(certs, "agent", "node-1"))
+        ch = channel(target, certs, "agent", "node-1")
         async with ch:
             call = apb_grpc.SchedulerStub(ch).Connect()
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from orka.errors import Invalid
 from orka.security.issue import cert_stem, init_certs, issue_cert
@@ -59,6 +60,15 @@ def test_init_certs_layout_and_modes(tmp_path: Path) -> None:
     for role, name in [("admin", "admin"), ("agent", "node-2"), ("controller", "controller")]:
         ident = load_and_check(TlsFiles.for_service(d, role, name))
         assert (ident.role, ident.name) == (role, name)
+    # --host goes into server certificates only.
+    assert "api.example.com" in _dns(d / "controller" / "controller.crt")
+    assert _dns(d / "admin.crt") == []
+
+
+def _dns(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return san.get_values_for_type(x509.DNSName)
 
 
 def test_init_certs_modes_despite_umask(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from cryptography import x509
 from structlog.testing import capture_logs
 
 from orka.errors import NotFound
+from orka.security import rotate as rotate_module
 from orka.security import tls
 from orka.security.ca import issue_leaf, key_pem
 from orka.security.issue import init_certs, issue_cert, load_ca
@@ -182,3 +183,22 @@ async def test_a_running_server_repeats_the_expiry_warning(
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) >= 2, logs
     assert all(e["path"].endswith("controller.crt") for e in warnings)
+
+
+def test_rotate_leaves_the_reserved_role_names_to_issue_leaf(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server certificate carries `controller.orka`, which issue_leaf adds itself and refuses
+    # from callers: rotation must hand over only the real host names.
+    issue_cert(certs, "controller", "controller", ["controller.orka", "api.example.com"])
+    seen: list[list[str]] = []
+    real = rotate_module.issue_leaf
+
+    def spy(ca: object, role: str, name: str, hosts: list[str], **kw: object) -> object:
+        seen.append(list(hosts))
+        return real(ca, role, name, hosts, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rotate_module, "issue_leaf", spy)
+    rotate(certs, role="controller", name="controller")
+    assert "api.example.com" in seen[0] and "127.0.0.1" in seen[0]
+    assert "controller.orka" not in seen[0]
