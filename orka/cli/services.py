@@ -24,9 +24,9 @@ from orka.cli.defaults import (
 from orka.errors import Invalid
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
+from orka.security import tls as tls_files
 from orka.security.ca import validate_name
-from orka.security.tls import DEFAULT_RELOAD_INTERVAL, Pems, TlsFiles, load_and_check
-from orka.security.tls import warn_if_expiring as warn_cert_expiring
+from orka.security.tls import TlsFiles, load_and_check
 
 POLICIES = ("spread", "binpack")
 DOMAIN_TYPES = ("auto", "kvm", "qemu")
@@ -58,7 +58,7 @@ def check_tls(certs: Path, role: str, name: str, reload_interval: float) -> TlsF
 def warn_if_expiring(files: TlsFiles) -> None:
     """At start (once logging is set up): warn when the service's certificate is near expiry;
     servers warn again each time they load a re-issued one (tls.ServerCertificates)."""
-    warn_cert_expiring(files.cert, Pems.read(files).leaf)
+    tls_files.warn_if_expiring(files.cert, tls_files.Pems.read(files).leaf)
 
 
 def _positive(flag: str, value: float | int | None) -> None:
@@ -335,10 +335,10 @@ def _common(p: argparse.ArgumentParser, listen: str | None) -> None:
         p,
         "--tls-reload-interval",
         type=_float_arg,
-        default=DEFAULT_RELOAD_INTERVAL,
+        default=tls_files.DEFAULT_RELOAD_INTERVAL,
         metavar="S",
         help="how often a server (controller, scheduler) re-reads its CRL: a revoked peer "
-        f"is cut off within this ({DEFAULT_RELOAD_INTERVAL:g})",
+        f"is cut off within this ({tls_files.DEFAULT_RELOAD_INTERVAL:g})",
     )
 
 

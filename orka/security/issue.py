@@ -50,8 +50,8 @@ CERT_MODE = 0o644
 DEFAULT_DAYS = 90
 # These roles normally have one instance per cluster, so their files drop the name suffix.
 _SINGLETON_ROLES = frozenset({"admin", "controller", "scheduler"})
-# Admins are people at a terminal: their pairs stay at the top of DIR (the CLI's `--certs DIR`).
-_TOP_LEVEL_ROLES = frozenset({"admin"})
+# People at a terminal: their pairs stay at the top of DIR (the CLI's `--certs DIR`).
+_TOP_LEVEL_ROLES = frozenset({"admin", "viewer"})
 
 
 def cert_stem(role: str, name: str) -> str:
@@ -234,7 +234,7 @@ def init_certs(
     # Validate everything before writing anything, so a typo does not leave a half-made dir.
     for node in nodes:
         validate_name(node)
-    split_hosts(extra_hosts)  # a malformed --host fails before anything is written
+    split_hosts(extra_hosts)  # a malformed or reserved --host fails before anything is written
     private_dir(dir)
     ca, written = _ensure_ca(dir)
     written += _migrate_flat_pairs(dir)

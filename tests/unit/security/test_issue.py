@@ -152,7 +152,7 @@ def test_init_certs_bad_node_writes_nothing(tmp_path: Path) -> None:
 
 def test_issue_cert(tmp_path: Path) -> None:
     init_certs(tmp_path, [])
-    paths = issue_cert(tmp_path, "agent", "node-9", ["10.1.2.3"])
+    paths = issue_cert(tmp_path, "agent", "node-9")
     folder = tmp_path / "agent-node-9"
     assert paths == [folder / "agent-node-9.crt", folder / "agent-node-9.key"]
     assert (folder / "ca.crt").read_bytes() == (tmp_path / "ca.crt").read_bytes()
