@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import ipaddress
 import os
 import stat
 from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from structlog.testing import capture_logs
 
 from orka.errors import NotFound
@@ -185,20 +189,26 @@ async def test_a_running_server_repeats_the_expiry_warning(
     assert all(e["path"].endswith("controller.crt") for e in warnings)
 
 
-def test_rotate_leaves_the_reserved_role_names_to_issue_leaf(
-    certs: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rotate_leaves_the_reserved_role_names_to_issue_leaf() -> None:
     # A server certificate carries `controller.orka`, which issue_leaf adds itself and refuses
-    # from callers: rotation must hand over only the real host names.
-    issue_cert(certs, "controller", "controller", ["controller.orka", "api.example.com"])
-    seen: list[list[str]] = []
-    real = rotate_module.issue_leaf
-
-    def spy(ca: object, role: str, name: str, hosts: list[str], **kw: object) -> object:
-        seen.append(list(hosts))
-        return real(ca, role, name, hosts, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(rotate_module, "issue_leaf", spy)
-    rotate(certs, role="controller", name="controller")
-    assert "api.example.com" in seen[0] and "127.0.0.1" in seen[0]
-    assert "controller.orka" not in seen[0]
+    # from callers: rotation hands over only the real host names and IPs.
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "controller/controller")])
+    sans = [
+        x509.UniformResourceIdentifier("spiffe://orka/controller/controller"),
+        x509.DNSName("controller.orka"),
+        x509.DNSName("api.example.com"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(NOW)
+        .not_valid_after(NOW + dt.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    assert rotate_module._hosts(cert) == ["api.example.com", "127.0.0.1"]
