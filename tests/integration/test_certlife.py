@@ -14,6 +14,7 @@ import grpc
 import pytest
 from cryptography import x509
 
+from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import OrkaError
 from orka.rpc.server import start_server
@@ -195,3 +196,48 @@ async def test_a_rotated_server_keeps_its_connections_and_serves_the_new_serial(
         # A client that connects now verifies the new certificate and is served.
         async with channel(server, certs, "admin", "admin") as fresh:
             assert (await who(fresh)).startswith("admin/admin ")
+
+
+async def test_an_agent_moves_to_its_rotated_key_when_the_old_one_is_revoked(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Key compromise, answered without restarting anything: re-issue the node's key, revoke
+    the old one; the old stream is cut and the agent reconnects with the files now on disk."""
+    scheduler = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0"), files(certs, "scheduler", "scheduler")
+    )
+    await scheduler.start()
+    agent = Agent(
+        AgentConfig(
+            name="node-1",
+            schedulers=[f"127.0.0.1:{scheduler.port}"],
+            data_dir=tmp_path / "agent",
+            runtimes=["fake"],
+        ),
+        files(certs, "agent", "node-1"),
+    )
+    try:
+        await agent.start()
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        old = serial_of(certs, "agent", "node-1")
+        rotate(certs, role="agent", name="node-1")
+        assert serial_of(certs, "agent", "node-1") != old
+        # A rotated client keeps its session: nothing on the wire changes until it reconnects.
+        # (A wait for something that must not happen: two reload intervals.)
+        await asyncio.sleep(2 * INTERVAL)
+        assert agent.connected.is_set()
+
+        revoke(certs, [old])
+        revoked_at = time.monotonic()
+
+        async def cut() -> bool:
+            return not agent.connected.is_set()
+
+        await eventually(cut, timeout=INTERVAL + SLACK, interval=0.01)
+        await asyncio.wait_for(agent.connected.wait(), 10)  # only the new key can get in
+        node = scheduler.registry.get("node-1")
+        assert node is not None
+        print(f"node-1 back on its new key {time.monotonic() - revoked_at:.2f}s after the CRL")
+    finally:
+        await agent.stop()
+        await scheduler.stop()
