@@ -57,6 +57,13 @@ def parse_crl(data: bytes, ca: x509.Certificate, source: str) -> x509.Certificat
     return crl
 
 
+def crl_number(crl: x509.CertificateRevocationList) -> int:
+    try:
+        return crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        return 0
+
+
 def serials_of(crl: x509.CertificateRevocationList) -> frozenset[int]:
     return frozenset(entry.serial_number for entry in crl)
 
@@ -155,7 +162,8 @@ class CrlWatcher:
 
     Only a stat() per tick: the file is read and verified when its mtime, size or inode
     changes. A CRL that does not parse or is not signed by the CA is logged and ignored; the
-    previous one stays in force (an attacker who can write the file cannot un-revoke).
+    previous one stays in force, as it does when the file is deleted or replaced by an older
+    CRL (a lower CRLNumber): none of these can un-revoke a key.
     """
 
     def __init__(
@@ -166,6 +174,7 @@ class CrlWatcher:
         self.interval = interval
         self.registry = registry
         self._seen: tuple[int, int, int] | None = None
+        self._number = 0  # the CRLNumber in force
         self._handle: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -188,6 +197,14 @@ class CrlWatcher:
             ca = x509.load_pem_x509_certificate(self.ca.read_bytes())
             data = self.crl.read_bytes()[: MAX_CRL_BYTES + 1]
             crl = parse_crl(data, ca, str(self.crl))
+            number = crl_number(crl)
+            if number < self._number:
+                # `orka certs revoke` only ever adds and counts up: an older CRL, even one the
+                # CA signed, would un-revoke what was revoked since.
+                raise Invalid(
+                    f"crl: {self.crl} is number {number}, older than the one in force "
+                    f"({self._number})"
+                )
         except Invalid as e:
             log.error(
                 "crl rejected; keeping the previous one", path=str(self.crl), reason=e.message
@@ -197,6 +214,7 @@ class CrlWatcher:
             log.error("crl unreadable; keeping the previous one", path=str(self.crl), error=str(e))
             return
         serials = serials_of(crl)
+        self._number = number
         cut = self.registry.update(self.crl, serials)
         log.info("crl loaded", path=str(self.crl), revoked=len(serials), calls_cut=cut)
 

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from orka.errors import Invalid, NotFound
 from orka.security.issue import CRL_FILE, load_ca, service_folders, write_public
-from orka.security.revocation import parse_crl
+from orka.security.revocation import crl_number, parse_crl
 from orka.security.tls import TlsFiles
 
 # Services never treat a CRL as stale (an expired CRL would either un-revoke every key or lock
@@ -69,14 +69,7 @@ def revoke(
     if previous is not None and not new:
         # Nothing to add: re-publish the same CRL (a folder made since may lack it).
         return [], publish(dir, previous.public_bytes(serialization.Encoding.PEM))
-    number = 1
-    if previous is not None:
-        try:
-            number = (
-                previous.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number + 1
-            )
-        except x509.ExtensionNotFound:
-            number = len(entries) + 1
+    number = crl_number(previous) + 1 if previous is not None else 1
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca.cert.subject)

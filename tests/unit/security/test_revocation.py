@@ -179,3 +179,20 @@ def test_admit_refuses_only_revoked_serials(certs: Path) -> None:
     with pytest.raises(Unauthenticated, match=r"^certificate revoked$"):
         registry.admit(admin_pem, _context(admin_pem))
     registry.admit(node_pem, _context(node_pem))
+
+
+def test_an_older_crl_is_refused(certs: Path) -> None:
+    # A CA-signed CRL from before the last revocation: putting it back would un-revoke.
+    admin = serial_of(certs, "admin", "admin")
+    revoke(certs, [admin])
+    older = (certs / "controller" / "crl.pem").read_bytes()
+    node = serial_of(certs, "agent", "node-1")
+    revoke(certs, [node])
+    watcher = _watcher(certs)
+    watcher.load()
+    _replace(watcher.crl, older)
+    with capture_logs() as logs:
+        watcher.load()
+    assert watcher.registry.is_revoked(node) and watcher.registry.is_revoked(admin)
+    assert [e["event"] for e in logs] == ["crl rejected; keeping the previous one"]
+    assert "is number 1, older than the one in force (2)" in logs[0]["reason"]
