@@ -1,4 +1,4 @@
-"""`orka certs init|issue`: the cluster CA and the certificates each identity uses."""
+"""`orka certs init|issue|revoke|rotate`: the cluster CA and the certificates each identity uses."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.security.issue import init_certs, issue_cert
+from orka.security.revoke import parse_serial, revoke, serial_of
+from orka.security.rotate import rotate
 
 
 def _dir(args: argparse.Namespace) -> Path:
@@ -49,9 +51,40 @@ def cmd_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_revoke(args: argparse.Namespace) -> int:
+    by_name = args.role is not None or args.name is not None
+    if by_name == (args.serial is not None):
+        raise UsageError("give either --role and --name, or --serial")
+    if by_name and not (args.role and args.name):
+        raise UsageError("--role and --name: both are required")
+    dir = _dir(args)
+    serial = serial_of(dir, args.role, args.name) if by_name else parse_serial(args.serial)
+    new, paths = revoke(dir, [serial])
+    what = f"{args.role}/{args.name}" if by_name else "certificate"
+    if new:
+        print(
+            f"revoked {what} (serial {serial:x}); services refuse it within their reload interval"
+        )
+    else:
+        print(f"{what} (serial {serial:x}) was already revoked")
+    _report(paths, dir)
+    return 0
+
+
+def cmd_rotate(args: argparse.Namespace) -> int:
+    by_name = args.role is not None or args.name is not None
+    if by_name == bool(args.all):
+        raise UsageError("give either --role and --name, or --all")
+    if by_name and not (args.role and args.name):
+        raise UsageError("--role and --name: both are required")
+    dir = _dir(args)
+    _report(rotate(dir, role=args.role, name=args.name), dir)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("certs", help="create the cluster CA and certificates")
-    csub = p.add_subparsers(dest="certs_command", metavar="init|issue")
+    csub = p.add_subparsers(dest="certs_command", metavar="init|issue|revoke|rotate")
     csub.required = True
 
     init = csub.add_parser("init", help="CA + controller, scheduler, admin and agent certs")
@@ -66,3 +99,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(issue, "--name", metavar="NAME", help="the identity's name, e.g. the node name")
     add_flag(issue, "--host", action="append", metavar="H", help="extra DNS name or IP")
     issue.set_defaults(func=cmd_issue)
+
+    revoke_p = csub.add_parser("revoke", help="revoke a certificate (services refuse it)")
+    add_flag(revoke_p, "--dir", metavar="DIR", help="certs directory (default <data-dir>/certs)")
+    add_flag(revoke_p, "--role", metavar="ROLE", help="the role of the certificate to revoke")
+    add_flag(revoke_p, "--name", metavar="NAME", help="its name (the one it was issued to)")
+    add_flag(revoke_p, "--serial", metavar="HEX", help="or its serial number, in hex")
+    revoke_p.set_defaults(func=cmd_revoke)
+
+    rot = csub.add_parser("rotate", help="re-issue certificates in place (never the CA)")
+    add_flag(rot, "--dir", metavar="DIR", help="certs directory (default <data-dir>/certs)")
+    add_flag(rot, "--role", metavar="ROLE", help="the role of the certificate to re-issue")
+    add_flag(rot, "--name", metavar="NAME", help="its name")
+    add_flag(rot, "--all", action="store_true", help="every certificate in DIR")
+    rot.set_defaults(func=cmd_rotate)

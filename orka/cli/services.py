@@ -7,6 +7,7 @@ import asyncio
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from orka.errors import Invalid
 from orka.filemodes import private_dir
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
+from orka.security import tls as tls_files
 from orka.security.ca import validate_name
 from orka.security.identity import check_serves_as
 from orka.security.tls import TlsFiles, load_and_check
@@ -37,9 +39,10 @@ def default_node_name() -> str:
     return socket.gethostname().split(".")[0].lower()
 
 
-def check_tls(certs: Path, role: str, name: str) -> TlsFiles:
+def check_tls(certs: Path, role: str, name: str, reload_interval: float) -> TlsFiles:
     """Fail at start-up, naming the file, rather than on the first handshake."""
-    files = TlsFiles.for_service(certs, role, name)
+    _positive("--tls-reload-interval", reload_interval)
+    files = replace(TlsFiles.for_service(certs, role, name), reload_interval=reload_interval)
     identity = load_and_check(files)
     if identity.role != role:
         raise Invalid(
@@ -53,6 +56,12 @@ def check_tls(certs: Path, role: str, name: str) -> TlsFiles:
             f"the scheduler names the node after its certificate"
         )
     return files
+
+
+def warn_if_expiring(files: TlsFiles) -> None:
+    """At start (once logging is set up): warn when the service's certificate is near expiry;
+    servers warn again each time they load a re-issued one (tls.ServerCertificates)."""
+    tls_files.warn_if_expiring(files.cert, tls_files.Pems.read(files).leaf)
 
 
 def _positive(flag: str, value: float | int | None) -> None:
@@ -146,8 +155,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
     audit_log = _audit_log(args.audit_log)
     data_dir = resolve_data_dir(args.data_dir)
     certs = resolve_certs(args.certs, data_dir)
-    tls = check_tls(certs, "controller", "controller")
+    tls = check_tls(certs, "controller", "controller", args.tls_reload_interval)
     log.configure(level=args.log_level, service="controller")
+    warn_if_expiring(tls)
     if args.advertise:
         try:
             _, port = split_hostport(args.advertise, "--advertise")
@@ -224,8 +234,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise UsageError(f"--policy: {args.policy!r} is not one of {', '.join(POLICIES)}")
     data_dir = resolve_data_dir(args.data_dir)
-    tls = check_tls(resolve_certs(args.certs, data_dir), "scheduler", "scheduler")
+    tls = check_tls(
+        resolve_certs(args.certs, data_dir), "scheduler", "scheduler", args.tls_reload_interval
+    )
     log.configure(level=args.log_level, service="scheduler")
+    warn_if_expiring(tls)
     config = SchedulerConfig(
         listen=listen,
         heartbeat_interval=args.heartbeat_interval,
@@ -271,8 +284,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
     secret_dirs = _secret_dirs(args.secret_dir)
     data_dir = resolve_data_dir(args.data_dir)
-    tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name)
+    tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name, args.tls_reload_interval)
     log.configure(level=args.log_level, service=f"agent/{name}")
+    warn_if_expiring(tls)
     config = AgentConfig(
         name=name,
         schedulers=schedulers,
@@ -374,6 +388,15 @@ def _common(p: argparse.ArgumentParser, listen: str | None) -> None:
     )
     add_location_flags(p)
     add_flag(p, "--log-level", metavar="LEVEL", help="debug, info, warning or error")
+    add_flag(
+        p,
+        "--tls-reload-interval",
+        type=_float_arg,
+        default=tls_files.DEFAULT_RELOAD_INTERVAL,
+        metavar="S",
+        help="how often a server (controller, scheduler) re-reads its CRL: a revoked peer "
+        f"is cut off within this ({tls_files.DEFAULT_RELOAD_INTERVAL:g})",
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

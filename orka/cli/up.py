@@ -37,7 +37,8 @@ from orka.models import NodeState
 from orka.rpc.server import split_hostport
 from orka.runtime.base import TaskState
 from orka.runtime.process import ProcessDriver
-from orka.security.issue import CA_CERT, init_certs
+from orka.security.issue import CA_CERT, init_certs, pair_dir
+from orka.security.rotate import rotate
 
 READY_TIMEOUT = 60.0
 AGENT_STOP_GRACE = 30.0
@@ -121,11 +122,23 @@ class Cluster:
         self.scheduler_listen = scheduler_listen
         self.controller_addr = client_host(controller_listen)
         self.node_names = [f"node-{i}" for i in range(1, agents + 1)]
-        common = ["--certs", str(self.certs)]
+
+        def certs(role: str, name: str) -> list[str]:
+            # Each service gets only its own folder (ca.crt + its pair): no child can read the
+            # CA key or another service's key. The admin files stay at the top for the CLI.
+            return ["--certs", str(pair_dir(self.certs, role, name))]
+
         self.scheduler = Child(
             "scheduler",
             "scheduler",
-            ["scheduler", "--listen", scheduler_listen, "--data-dir", str(data_dir), *common],
+            [
+                "scheduler",
+                "--listen",
+                scheduler_listen,
+                "--data-dir",
+                str(data_dir),
+                *certs("scheduler", "scheduler"),
+            ],
             self.logs / "scheduler.log",
         )
         self.controller = Child(
@@ -139,7 +152,7 @@ class Cluster:
                 client_host(scheduler_listen),
                 "--data-dir",
                 str(data_dir),
-                *common,
+                *certs("controller", "controller"),
             ],
             self.logs / "controller.log",
         )
@@ -155,7 +168,7 @@ class Cluster:
                     client_host(scheduler_listen),
                     "--data-dir",
                     str(data_dir / "agents" / name),
-                    *common,
+                    *certs("agent", name),
                 ],
                 self.logs / f"{name}.log",
             )
@@ -417,6 +430,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     written = init_certs(data_dir / "certs", nodes=nodes)
     if written:
         print(f"orka up: wrote {len(written)} certificate files to {data_dir / 'certs'}")
+    # A cluster that is only ever run through `orka up` never has to think about expiry.
+    renewed = rotate(data_dir / "certs", only_due=True)
+    if renewed:
+        print(f"orka up: re-issued {len(renewed) // 2} certificate(s) due for renewal")
 
     async def main() -> int:
         # Built inside the loop: the cluster owns asyncio primitives.

@@ -18,6 +18,7 @@ from orka.security.ca import (
     spiffe_uri,
     validate_name,
 )
+from orka.security.revocation import REVOCATIONS
 
 # gRPC's auth-context key for the verified peer certificate (PEM).
 PEER_CERT_KEY = "x509_pem_cert"
@@ -80,7 +81,9 @@ def peer_identity(context: grpc.aio.ServicerContext) -> Identity:
     certs = context.auth_context().get(PEER_CERT_KEY) or []
     if not certs:
         raise Unauthenticated("no client certificate")
-    return identity_from_pem(bytes(certs[0]))
+    pem = bytes(certs[0])
+    REVOCATIONS.admit(pem, context)  # refuses a revoked peer (the handshake cannot: see there)
+    return identity_from_pem(pem)
 
 
 def require_role(context: grpc.aio.ServicerContext, roles: Collection[str]) -> Identity:
@@ -90,6 +93,15 @@ def require_role(context: grpc.aio.ServicerContext, roles: Collection[str]) -> I
             f"role {ident.role} may not call this API; allowed: {', '.join(sorted(roles))}"
         )
     return ident
+
+
+def names_role(cert: x509.Certificate, role: str) -> bool:
+    """Whether a server certificate carries the reserved DNS name clients check `role` by."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    return role_dns_name(role) in san.get_values_for_type(x509.DNSName)
 
 
 def check_serves_as(pem: bytes, role: str, where: str) -> None:
@@ -102,12 +114,7 @@ def check_serves_as(pem: bytes, role: str, where: str) -> None:
         cert = x509.load_pem_x509_certificate(pem)
     except ValueError as e:
         raise Invalid(f"certs: {where} is not a PEM certificate: {e}") from None
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = san.get_values_for_type(x509.DNSName)
-    except x509.ExtensionNotFound:
-        names = []
-    if want not in names:
+    if not names_role(cert, role):
         raise Invalid(
             f"certs: {where} lacks the DNS name {want} that Orka's clients verify a {role} "
             f"by (issued by an older Orka?); re-issue it: "

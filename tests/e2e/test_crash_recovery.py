@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from orka.api import controller_pb2 as pb
-from orka.security.issue import issue_cert
+from orka.security.issue import issue_cert, pair_dir
 from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
 from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
@@ -53,7 +53,7 @@ async def fake_cluster(
 def agent_certs(certs: Path, names: list[str]) -> None:
     """The shared certs dir has node-1..6; bigger tests issue what they lack."""
     for name in names:
-        if not (certs / f"agent-{name}.crt").exists():
+        if not (pair_dir(certs, "agent", name) / f"agent-{name}.crt").exists():
             issue_cert(certs, "agent", name)
 
 

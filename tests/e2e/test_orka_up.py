@@ -10,10 +10,14 @@ killed agent), and a second `orka up` that resumes the same cluster.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import re
 import signal
+import socket
+import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -23,7 +27,10 @@ from typing import Any
 
 import psutil
 import pytest
+from cryptography import x509
 
+from orka.security.issue import init_certs, issue_cert
+from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
 
@@ -303,6 +310,34 @@ def tour(tmp_path: Path) -> Iterator[Tour]:
             print("teardown killed:", leftovers, hello)
 
 
+def service_certs(up: Up) -> dict[str, str]:
+    """The `--certs` each service child of `orka up` was started with, by service name."""
+    assert up.proc is not None
+    found = {}
+    for child in psutil.Process(up.proc.pid).children(recursive=True):
+        argv = child.cmdline()
+        if "orka.cli.main" not in argv or "--certs" not in argv:
+            continue
+        command = argv[argv.index("orka.cli.main") + 1]
+        name = argv[argv.index("--name") + 1] if "--name" in argv else command
+        found[name] = argv[argv.index("--certs") + 1]
+    return found
+
+
+def check_least_privilege(certs: Path, up: Up) -> None:
+    """Each service was handed only its own folder, holding only ca.crt and its own pair."""
+    stems = {"scheduler": "scheduler", "controller": "controller"}
+    stems |= {n: f"agent-{n}" for n in ("node-1", "node-2")}
+    assert service_certs(up) == {n: str(certs / stem) for n, stem in stems.items()}
+    for stem in stems.values():
+        folder = certs / stem
+        assert {p.name for p in folder.iterdir()} == {"ca.crt", f"{stem}.crt", f"{stem}.key"}
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE((folder / f"{stem}.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
+    assert (certs / "ca" / "ca.key").is_file() and not (certs / "ca.key").exists()
+
+
 async def test_orka_up_tour(tour: Tour) -> None:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
@@ -313,6 +348,7 @@ async def test_orka_up_tour(tour: Tour) -> None:
     timings["up"] = time.monotonic() - t0
     assert sorted(pids) == ["node-1", "node-2"], up.output()
     assert all(psutil.pid_exists(p) for p in pids.values()), pids
+    check_least_privilege(tour.data_dir / "certs", up)
 
     # 2. The tour's first commands.
     t = time.monotonic()
@@ -417,3 +453,107 @@ async def test_orka_up_tour(tour: Tour) -> None:
 
     timings["total"] = time.monotonic() - t0
     print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+
+
+def _serial(path: Path) -> int:
+    return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
+
+
+async def test_orka_up_certs_lifecycle_flat_dir_renewal_live_rotation_and_revocation(
+    tour: Tour,
+) -> None:
+    # A data dir from before the split: every pair and the CA key flat in certs/, 0755; and
+    # node-1's certificate 5 days from expiry.
+    certs = tour.data_dir / "certs"
+    init_certs(certs, ["node-1", "node-2"])
+    end = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=5)
+    issue_cert(
+        certs,
+        "agent",
+        "node-1",
+        not_valid_before=end - datetime.timedelta(days=90),
+        not_valid_after=end,
+    )
+    for p in sorted(certs.rglob("*")):
+        if p.is_file() and p.parent != certs:
+            if p.name == "ca.crt":
+                p.unlink()
+            else:
+                p.rename(certs / p.name)
+    for p in list(certs.iterdir()):
+        if p.is_dir():
+            p.rmdir()
+    certs.chmod(0o755)
+    ca = (certs / "ca.crt").read_bytes()
+    kept = {stem: _serial(certs / f"{stem}.crt") for stem in ("controller", "agent-node-2")}
+    expiring = _serial(certs / "agent-node-1.crt")
+
+    up = tour.up()
+    await up.wait_up()
+    check_least_privilege(certs, up)
+    assert (certs / "ca.crt").read_bytes() == ca  # the same CA: nothing issued is invalidated
+    for stem, serial in kept.items():
+        assert _serial(certs / stem / f"{stem}.crt") == serial
+    renewed = certs / "agent-node-1" / "agent-node-1.crt"
+    assert _serial(renewed) != expiring
+    assert not due_for_renewal(x509.load_pem_x509_certificate(renewed.read_bytes()))
+    assert "re-issued 1 certificate(s) due for renewal" in up.output()
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}
+
+    # Rotate every certificate while the cluster runs: no restart, no stream dropped.
+    registered = {n: _count(tour, n, '"registered"') for n in ("node-1", "node-2")}
+    old_serial = _serial(certs / "controller" / "controller.crt")
+    await tour.orka("certs", "rotate", "--dir", str(certs), "--all")
+    new_serial = _serial(certs / "controller" / "controller.crt")
+    assert new_serial != old_serial
+    served = await asyncio.to_thread(served_serial, tour.controller_port, certs)
+    assert served == new_serial
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}  # new admin cert
+    assert {n: _count(tour, n, '"registered"') for n in registered} == registered
+
+    # A second admin, then revoked: refused within the services' reload interval (5 s).
+    await tour.orka("certs", "issue", "--dir", str(certs), "--role", "admin", "--name", "eve")
+    eve = [
+        str(GRPCURL),
+        "-cacert",
+        str(certs / "ca.crt"),
+        "-cert",
+        str(certs / "admin-eve.crt"),
+        "-key",
+        str(certs / "admin-eve.key"),
+        f"127.0.0.1:{tour.controller_port}",
+        "orka.v1.Controller/ListNodes",
+    ]
+    rc, _, err = await tour.run(*eve)
+    assert rc == 0, err
+    await tour.orka("certs", "revoke", "--dir", str(certs), "--role", "admin", "--name", "eve")
+    revoked_at = time.monotonic()
+
+    async def refused() -> str | None:
+        rc, _, err = await tour.run(*eve)
+        return err if rc != 0 else None
+
+    err = await eventually(refused, timeout=5.0 + 3.0, interval=0.2)
+    print(f"eve refused {time.monotonic() - revoked_at:.1f}s after `orka certs revoke`")
+    assert "Code: Unauthenticated" in err and "Message: certificate revoked" in err, err
+    assert (await tour.nodes()) == {"node-1": "READY", "node-2": "READY"}  # admin still in
+
+    rc, _ = await up.interrupt()
+    assert rc == 0, up.output()
+
+
+def _count(tour: Tour, node: str, needle: str) -> int:
+    log = tour.data_dir / "logs" / f"{node}.log"
+    return sum(needle in line for line in log.read_text(errors="replace").splitlines())
+
+
+def served_serial(port: int, certs: Path) -> int:
+    """A fresh TLS handshake with Python's ssl module: the serial the server presents now."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(certs / "ca.crt"))
+    ctx.load_cert_chain(str(certs / "admin.crt"), str(certs / "admin.key"))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number

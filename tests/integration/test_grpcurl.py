@@ -81,6 +81,8 @@ class Grpcurl:
         args = ["-cacert", str(self.certs / "ca.crt")]
         if stem is not None:
             d = certs or self.certs
+            # A service's pair lives in its own folder (orka.security.issue), an admin's on top.
+            d = d / stem if (d / stem).is_dir() else d
             args += ["-cert", str(d / f"{stem}.crt"), "-key", str(d / f"{stem}.key")]
         return args
 

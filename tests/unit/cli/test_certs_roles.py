@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,30 +47,33 @@ def test_issue_refuses_a_reserved_role_name(
     argv = ["certs", "issue", "--dir", str(d), "--role", "controller", "--name", "c2"]
     assert main([*argv, "--host", "scheduler.orka"]) == 1
     assert "error: hosts: 'scheduler.orka' is reserved" in capsys.readouterr().err
-    assert not (d / "controller-c2.crt").exists()
+    crt = d / "controller-c2" / "controller-c2.crt"
+    assert not crt.exists()
     assert main([*argv, "--host", "c2.example"]) == 0
-    assert _dns(d / "controller-c2.crt")[:1] == ["controller.orka"]
-    assert "c2.example" in _dns(d / "controller-c2.crt")
+    assert _dns(crt)[:1] == ["controller.orka"]
+    assert "c2.example" in _dns(crt)
 
 
 def test_init_host_goes_only_into_server_certs(tmp_path: Path) -> None:
     d = tmp_path / "certs"
     assert main(["certs", "init", "--dir", str(d), "--node", "n1", "--host", "api.example"]) == 0
-    assert "api.example" in _dns(d / "controller.crt")
-    assert "api.example" in _dns(d / "scheduler.crt")
+    assert "api.example" in _dns(d / "controller" / "controller.crt")
+    assert "api.example" in _dns(d / "scheduler" / "scheduler.crt")
     assert _dns(d / "admin.crt") == []
-    assert _dns(d / "agent-n1.crt") == []
+    assert _dns(d / "agent-n1" / "agent-n1.crt") == []
 
 
 def test_server_without_its_role_name_does_not_start(tmp_path: Path) -> None:
     d = tmp_path / "certs"
     assert main(["certs", "init", "--dir", str(d)]) == 0
-    assert check_tls(d, "scheduler", "scheduler").cert == d / "scheduler.crt"
-    # A scheduler certificate from before role names: every Orka client would refuse it, so
-    # the service refuses to start on it (check_tls is what `orka scheduler` runs first).
+    assert check_tls(d, "scheduler", "scheduler", 5.0).cert == d / "scheduler" / "scheduler.crt"
+    # A scheduler certificate from before role names (and before per-service folders): every
+    # Orka client would refuse it, so the service refuses to start on it (check_tls is what
+    # `orka scheduler` runs first).
+    shutil.rmtree(d / "scheduler")
     write_legacy_cert(d, "scheduler", "scheduler", "scheduler")
     with pytest.raises(Invalid) as err:
-        check_tls(d, "scheduler", "scheduler")
+        check_tls(d, "scheduler", "scheduler", 5.0)
     assert err.value.message == (
         f"certs: {d / 'scheduler.crt'} lacks the DNS name scheduler.orka that Orka's "
         "clients verify a scheduler by (issued by an older Orka?); re-issue it: "

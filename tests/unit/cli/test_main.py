@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,17 @@ def test_certs_init_writes_and_is_idempotent(
 ) -> None:
     d = tmp_path / "certs"
     assert main(["certs", "init", "--dir", str(d), "--node", "node-1", "--node", "node-2"]) == 0
-    for name in ("ca.crt", "ca.key", "admin.crt", "admin.key", "controller.crt", "scheduler.crt"):
+    for name in (
+        "ca.crt",
+        "ca/ca.key",
+        "admin.crt",
+        "admin.key",
+        "controller/controller.crt",
+        "scheduler/scheduler.crt",
+        "agent-node-1/agent-node-1.crt",
+        "agent-node-2/agent-node-2.key",
+    ):
         assert (d / name).is_file(), name
-    assert (d / "agent-node-1.crt").is_file() and (d / "agent-node-2.key").is_file()
     assert "wrote" in capsys.readouterr().out
     before = (d / "ca.crt").read_bytes()
     assert main(["certs", "init", "--dir", str(d), "--node", "node-1,node-2"]) == 0
@@ -69,7 +78,7 @@ def test_certs_issue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     d = tmp_path / "certs"
     assert main(["certs", "init", "--dir", str(d)]) == 0
     assert main(["certs", "issue", "--dir", str(d), "--role", "agent", "--name", "n9"]) == 0
-    assert (d / "agent-n9.crt").is_file()
+    assert (d / "agent-n9" / "agent-n9.crt").is_file()
     assert main(["certs", "issue", "--dir", str(d), "--role", "boss", "--name", "x"]) == 1
     assert "role" in capsys.readouterr().err
 
@@ -185,8 +194,7 @@ def test_service_checks_cert_role(tmp_path: Path, capsys: pytest.CaptureFixture[
     d = tmp_path / "certs"
     assert main(["certs", "init", "--dir", str(d), "--node", "node-1"]) == 0
     # An agent given a cert of another role must fail before anything starts, naming the file.
-    (d / "agent-node-1.crt").unlink()
-    (d / "agent-node-1.key").unlink()
+    shutil.rmtree(d / "agent-node-1")
     (d / "admin.crt").rename(d / "agent.crt")
     (d / "admin.key").rename(d / "agent.key")
     capsys.readouterr()
