@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+from google.protobuf.message import Message
 from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
@@ -22,16 +23,42 @@ from orka.models import (
     WorkloadSpec,
     WorkloadStatus,
 )
+from orka.validation import MAX_SPEC_BYTES, quote
+
+# The errors named in one message: a spec with 1,000 bad arguments gets a short answer.
+MAX_REPORTED_ERRORS = 5
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """pydantic's error location as the field is written: `command[2]`, `env['KEY']`,
+    `vm.kernel`. A map key is user input, so it is quoted and cut."""
+    out = ""
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            out += " (key)"
+        elif isinstance(part, int):
+            out += f"[{part}]"
+        elif i > 0 and isinstance(loc[i - 1], str) and loc[i - 1] in _MAPPING_FIELDS:
+            out += f"[{quote(part)}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_MAPPING_FIELDS = frozenset({"env", "node_selector", "labels"})
 
 
 def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
     """Turn pydantic's report into one message that names each offending field."""
     parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+    errors = err.errors(include_input=False, include_url=False)
+    for e in errors[:MAX_REPORTED_ERRORS]:
+        loc = field_path(tuple(e["loc"]))
         msg = str(e["msg"]).removeprefix("Value error, ")
         field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         parts.append(f"{field}: {msg}" if field else msg)
+    if len(errors) > MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
     return Invalid("; ".join(parts))
 
 
@@ -46,7 +73,36 @@ def resources_to_pb(r: Resources) -> pb.Resources:
 def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
     # Agents parse the same spec for every offer and start of a workload's instances, and the
     # model is frozen, so one validated model per distinct message serves them all.
+    check_spec_size(msg)
     return _spec_from_bytes(msg.SerializeToString(deterministic=True))
+
+
+def check_spec_size(msg: pb.WorkloadSpec) -> None:
+    """A spec travels whole in every List, watch event, offer and start: over the limit it is
+    refused, naming its largest field (before any field is parsed)."""
+    size = msg.ByteSize()
+    if size <= MAX_SPEC_BYTES:
+        return
+    fields = [(f.name, _field_bytes(msg, f.name)) for f, _ in msg.ListFields()]
+    name, biggest = max(fields, key=lambda f: f[1])
+    raise Invalid(
+        f"spec.{name}: is {biggest} bytes serialized, making the spec {size} bytes,"
+        f" over the limit of {MAX_SPEC_BYTES} bytes"
+    )
+
+
+def _field_bytes(msg: pb.WorkloadSpec, name: str) -> int:
+    one = pb.WorkloadSpec()
+    value = getattr(msg, name)
+    if isinstance(value, Message):
+        getattr(one, name).CopyFrom(value)
+    elif hasattr(value, "items"):
+        getattr(one, name).update(value)
+    elif hasattr(value, "extend"):
+        getattr(one, name).extend(value)
+    else:
+        setattr(one, name, value)
+    return one.ByteSize()
 
 
 @functools.lru_cache(maxsize=1024)
