@@ -136,6 +136,7 @@ class GracefulStop:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from orka.controller.api import Quotas
     from orka.controller.service import Controller, ControllerConfig
 
     listen = _listen(args.listen)
@@ -163,12 +164,15 @@ def cmd_controller(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag}: {path} is not a file")
+    _positive("--max-workloads", args.max_workloads)
+    _positive("--max-instances", args.max_instances)
     config = ControllerConfig(
         listen=listen,
         schedulers=schedulers,
         store_url=args.store or "",
         data_dir=data_dir,
         advertise=args.advertise or "",
+        quotas=Quotas(max_workloads=args.max_workloads, max_instances=args.max_instances),
         **etcd_tls,
     )
 
@@ -345,6 +349,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
     add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    add_flag(
+        p,
+        "--max-workloads",
+        type=_int_arg,
+        default=10_000,
+        metavar="N",
+        help="quota: workloads in the cluster (10000)",
+    )
+    add_flag(
+        p,
+        "--max-instances",
+        type=_int_arg,
+        default=100_000,
+        metavar="N",
+        help="quota: replicas summed over all workloads (100000)",
+    )
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")
