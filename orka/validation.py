@@ -35,6 +35,12 @@ MAX_SPEC_BYTES = 1 << 20
 
 # Labels under this prefix are set by the scheduler only (`orka.io/node`, ...).
 RESERVED_LABEL_PREFIX = "orka.io/"
+# The node's name, from its certificate: what a workload pins itself to a node with.
+NODE_LABEL = "orka.io/node"
+# What an agent may announce at registration.
+MAX_NODE_LABELS = 64
+MAX_DRIVERS = 16
+MAX_DRIVER_NAME = 64
 
 # C0 controls, DEL and C1 controls; NUL is reported on its own (the most common attack).
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

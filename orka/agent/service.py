@@ -36,6 +36,7 @@ from orka.rpc.frames import drain
 from orka.runtime.base import Driver, TaskState
 from orka.runtime.registry import make_driver
 from orka.security.tls import TlsFiles
+from orka.validation import RESERVED_LABEL_PREFIX, reserved_labels
 
 log = structlog.get_logger("orka.agent")
 
@@ -62,6 +63,12 @@ class AgentConfig:
             raise Invalid("--scheduler: at least one HOST:PORT is required")
         if not self.runtimes:
             raise Invalid("--runtime: at least one driver is required")
+        reserved = reserved_labels(self.labels)
+        if reserved:
+            raise Invalid(
+                f"--labels: {', '.join(reserved)}: the {RESERVED_LABEL_PREFIX} prefix is set by"
+                " the scheduler only"
+            )
         for flag, value in (
             ("--cpu-millis", self.cpu_millis),
             ("--memory-bytes", self.memory_bytes),
@@ -334,7 +341,8 @@ class Agent:
             node=apb.NodeInfo(
                 capacity=convert.resources_to_pb(self.capacity),
                 allocatable=convert.resources_to_pb(self.capacity),
-                labels={**self.config.labels, "orka.io/node": self.name},
+                # orka.io/node is the scheduler's to set, from our certificate.
+                labels=self.config.labels,
                 drivers=sorted(self.healthy),
                 version=VERSION,
             )

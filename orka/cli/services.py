@@ -25,6 +25,7 @@ from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security.ca import validate_name
 from orka.security.tls import TlsFiles, load_and_check
+from orka.validation import RESERVED_LABEL_PREFIX, check_label_key, check_label_value
 
 POLICIES = ("spread", "binpack")
 DOMAIN_TYPES = ("auto", "kvm", "qemu")
@@ -81,7 +82,18 @@ def parse_labels(value: str | None) -> dict[str, str]:
         key, sep, val = part.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--labels: {part!r} is not KEY=VALUE")
-        labels[key.strip()] = val.strip()
+        key, val = key.strip(), val.strip()
+        if key.startswith(RESERVED_LABEL_PREFIX):
+            raise UsageError(
+                f"--labels: {key!r}: the {RESERVED_LABEL_PREFIX} prefix is set by the scheduler"
+                " only (orka.io/node is the node's name, from its certificate)"
+            )
+        try:
+            check_label_key(key)
+            check_label_value(val)
+        except ValueError as err:
+            raise UsageError(f"--labels: {key!r}: {err}") from None
+        labels[key] = val
     return labels
 
 
