@@ -271,6 +271,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         labels=labels,
         leave_timeout=args.leave_timeout,
         driver_options=driver_options,
+        allowed_paths=_allowed_paths(args.allowed_paths),
     )
 
     async def main() -> None:
@@ -286,6 +287,16 @@ def cmd_agent(args: argparse.Namespace) -> int:
     gctune.tune()
     asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
     return 0
+
+
+def _allowed_paths(value: str | None) -> list[Path] | None:
+    if not value:
+        return None  # the agent's default: <data dir>/images
+    paths = [Path(p).expanduser() for p in parse_list(value, "--allowed-paths")]
+    for path in paths:
+        if not path.is_absolute():
+            raise UsageError(f"--allowed-paths: {str(path)!r} must be an absolute path")
+    return paths
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -408,6 +419,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=60.0,
         metavar="S",
         help="on SIGTERM, wait this long for instances to move (60)",
+    )
+    add_flag(
+        p,
+        "--allowed-paths",
+        metavar="DIR[,...]",
+        help="directories VM images, kernels and oci-archive: images may be read from"
+        " (default <data dir>/images)",
     )
     add_flag(
         p,
