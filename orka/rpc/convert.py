@@ -318,17 +318,30 @@ def report_to_pb(r: InstanceReport, resources: Resources | None = None) -> apb.I
     return msg
 
 
+# Bounds on what an agent reports about an instance (instance names are `<workload>-<hex>`).
+MAX_INSTANCE_NAME = 253
+MAX_REASON = 256
+MAX_STATUS_MESSAGE = 4096
+
+
 def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
     """Agent input: validated here, so a bad message is rejected before it touches state."""
     if not msg.name:
         raise Invalid("instance status: name is required")
+    name = msg.name
+    if len(name) > MAX_INSTANCE_NAME or len(msg.workload) > MAX_INSTANCE_NAME:
+        raise Invalid(
+            f"instance status {quote(name)}: name and workload must be at most"
+            f" {MAX_INSTANCE_NAME} characters"
+        )
     return InstanceReport(
-        name=msg.name,
+        name=name,
         workload=msg.workload,
         node=node,
-        phase=phase_from_pb(msg.phase, f"instance status {msg.name}: phase"),
-        reason=msg.reason,
-        message=msg.message,
+        phase=phase_from_pb(msg.phase, f"instance status {name}: phase"),
+        # What a runtime said can be long (a stack, a log line): kept, but cut.
+        reason=msg.reason[:MAX_REASON],
+        message=msg.message[:MAX_STATUS_MESSAGE],
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         restarts=msg.restarts,
         started_at=_time(msg.started_at, f"instance status {msg.name}: started_at"),

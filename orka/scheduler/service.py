@@ -731,8 +731,8 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
     if (
         phase is not old.phase
         or status.restarts != old.restarts
-        or status.reason != old.reason
-        or status.message != old.message
+        or status.reason[: convert.MAX_REASON] != old.reason
+        or status.message[: convert.MAX_STATUS_MESSAGE] != old.message
         or status.workload != old.workload
         or (status.started_at or None) != old.started_at
         or (status.finished_at or None) != old.finished_at
