@@ -178,13 +178,18 @@ def cmd_controller(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag}: {path} is not a file")
     _positive("--max-workloads", args.max_workloads)
     _positive("--max-instances", args.max_instances)
+    _positive("--max-spec-bytes", args.max_spec_bytes)
     config = ControllerConfig(
         listen=listen,
         schedulers=schedulers,
         store_url=args.store or "",
         data_dir=data_dir,
         advertise=args.advertise or "",
-        quotas=Quotas(max_workloads=args.max_workloads, max_instances=args.max_instances),
+        quotas=Quotas(
+            max_workloads=args.max_workloads,
+            max_instances=args.max_instances,
+            max_spec_bytes=args.max_spec_bytes,
+        ),
         **etcd_tls,
     )
 
@@ -387,6 +392,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=100_000,
         metavar="N",
         help="quota: replicas summed over all workloads (100000)",
+    )
+    add_flag(
+        p,
+        "--max-spec-bytes",
+        type=_int_arg,
+        default=32 << 20,
+        metavar="N",
+        help="quota: serialized specs summed over all workloads (32 MiB)",
     )
     p.set_defaults(func=cmd_controller)
 

@@ -16,7 +16,8 @@ from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
-from orka.models import InstancePhase, Node, Workload, check_name
+from orka.memo import ByIdentity
+from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
 from orka.rpc.server import stream, unary
 from orka.security.identity import Identity
@@ -42,9 +43,12 @@ class Quotas:
     # Replicas summed over every workload: each is an instance record, and every List,
     # reconcile pass and placement round grows with them.
     max_instances: int = 100_000
+    # Serialized specs summed over every workload: one ListWorkloads answer carries them all,
+    # and past gRPC's 64 MiB message limit it failed for every client.
+    max_spec_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_workloads", "max_instances"):
+        for name in ("max_workloads", "max_instances", "max_spec_bytes"):
             if getattr(self, name) <= 0:
                 raise Invalid(f"--{name.replace('_', '-')}: must be > 0")
 
@@ -62,6 +66,12 @@ def leader_only(fn: F) -> F:
         return await fn(self, *args)
 
     return handler  # type: ignore[return-value]
+
+
+# A stored spec's serialized size, remembered per (frozen) spec: quota checks sum them all.
+_stored_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
+    lambda spec: convert.spec_to_pb(spec).ByteSize(), size=1 << 16
+)
 
 
 def _name(value: str, field: str = "name") -> str:
@@ -93,6 +103,17 @@ class ControllerApi(pb_grpc.ControllerServicer):
     def _replicas(self, skip: str = "") -> int:
         return sum(w.spec.replicas for n, w in self.repo.workloads.items() if n != skip)
 
+    def _check_spec_bytes(self, size: int, skip: str = "") -> None:
+        total = size + sum(
+            _stored_spec_bytes(w.spec) for n, w in self.repo.workloads.items() if n != skip
+        )
+        limit = self.quotas.max_spec_bytes
+        if total > limit:
+            raise ResourceExhausted(
+                f"quota max_spec_bytes: the workloads' specs would take {total} bytes, over the"
+                f" cluster's limit of {limit} (this spec: {size} bytes)"
+            )
+
     def _check_instances(self, replicas: int, skip: str = "") -> None:
         total = self._replicas(skip) + replicas
         limit = self.quotas.max_instances
@@ -119,6 +140,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
                     f" workloads, its limit is {self.quotas.max_workloads}"
                 )
             self._check_instances(spec.replicas)
+            self._check_spec_bytes(request.spec.ByteSize())
             return [Change("workloads", spec.name, workload, create=True)]
 
         await self.repo.mutate(plan)
@@ -144,6 +166,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
                 return []
             if spec.replicas > old.spec.replicas:
                 self._check_instances(spec.replicas, skip=spec.name)
+            size = request.spec.ByteSize()
+            if size > _stored_spec_bytes(old.spec):
+                self._check_spec_bytes(size, skip=spec.name)
             # Only a change to what runs needs new instances; replicas alone just scales.
             runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == spec
             generation = old.generation if runs_same else old.generation + 1

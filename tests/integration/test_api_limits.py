@@ -112,6 +112,24 @@ async def test_quotas_refuse_with_resource_exhausted_naming_the_quota(cluster: C
     await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=spec("a", replicas=1)))
 
 
+async def test_the_specs_together_have_a_quota_so_listing_keeps_fitting(cluster: Cluster) -> None:
+    assert cluster.api is not None and cluster.controller is not None
+    cluster.controller.api.quotas = Quotas(max_spec_bytes=1_850_000)
+    big = {f"K{i}": "v" * 100_000 for i in range(9)}  # about 900 kB
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("a", env=big)))
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("b", env=big)))
+    err = await create_error(cluster, spec("c", env=big))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (err.details() or "").startswith("quota max_spec_bytes: the workloads' specs would")
+    # Growing a spec past it is refused too; a small one still fits.
+    bigger = {**big, "K9": "v" * 100_000}
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=spec("b", env=bigger)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("c")))
+    assert await names(cluster) == ["a", "b", "c"]
+
+
 async def test_a_watcher_that_never_reads_is_cut_off_by_bytes(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
