@@ -248,6 +248,8 @@ class Reconciler:
 
     def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
         if self._settled(w, insts):
+            if w.name in self.crashes:
+                self._crash_streak(w, insts, now)  # a settled workload may end its streak
             return self._status_change(w, insts.values(), now)
         changes: list[Change] = []
         updated: dict[str, Instance] = {}

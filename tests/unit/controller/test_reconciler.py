@@ -13,7 +13,7 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.controller.placement import PlacementQueue, _Backoff
-from orka.controller.reconciler import KEEP_FINISHED, Reconciler, _apply_report
+from orka.controller.reconciler import KEEP_FINISHED, CrashBackoff, Reconciler, _apply_report
 from orka.controller.repo import Change, Repo
 from orka.models import (
     Instance,
@@ -804,3 +804,15 @@ async def test_a_failing_rolling_update_successor_waits_too(env: Env) -> None:
     clock.now += 0.2
     await env.plan()
     assert env.inst("web-a").replaced_by not in ("", succ)
+
+
+async def test_a_settled_workload_ends_its_streak_too(env: Env) -> None:
+    """Failed history trimmed away, the workload is settled (one RUNNING replica): the
+    replacement's healthy run still ends the streak."""
+    clock = Clock()
+    env.rec.clock = clock
+    probe = inst("web-p", P.RUNNING, started_at=clock.now - 61)
+    await env.put(node("n1"), workload(replicas=1), probe)
+    env.rec.crashes["web"] = CrashBackoff(failures=3, probes={"web-p"})
+    await env.plan()
+    assert env.rec.crashes["web"].failures == 0
