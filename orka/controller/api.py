@@ -16,7 +16,6 @@ from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
-from orka.memo import ByIdentity
 from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
 from orka.rpc.server import stream, unary
@@ -68,12 +67,6 @@ def leader_only(fn: F) -> F:
     return handler  # type: ignore[return-value]
 
 
-# A stored spec's serialized size, remembered per (frozen) spec: quota checks sum them all.
-_stored_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
-    lambda spec: convert.spec_to_pb(spec).ByteSize(), size=1 << 16
-)
-
-
 def _name(value: str, field: str = "name") -> str:
     try:
         return check_name(value, field)
@@ -99,14 +92,27 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # the reconciler and link of each new term.
         self.gate = gate
         self.quotas = quotas or Quotas()
+        # Each workload's current spec and its serialized size (quota checks sum them all):
+        # only the spec the repo holds anyway is kept, never an old one.
+        self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    def _stored_spec_bytes(self, name: str, spec: WorkloadSpec) -> int:
+        hit = self._spec_sizes.get(name)
+        if hit is None or hit[0] is not spec:
+            hit = (spec, convert.spec_to_pb(spec).ByteSize())
+            self._spec_sizes[name] = hit
+        return hit[1]
 
     def _replicas(self, skip: str = "") -> int:
         return sum(w.spec.replicas for n, w in self.repo.workloads.items() if n != skip)
 
     def _check_spec_bytes(self, size: int, skip: str = "") -> None:
+        workloads = self.repo.workloads
         total = size + sum(
-            _stored_spec_bytes(w.spec) for n, w in self.repo.workloads.items() if n != skip
+            self._stored_spec_bytes(n, w.spec) for n, w in workloads.items() if n != skip
         )
+        for gone in [n for n in self._spec_sizes if n not in workloads]:
+            del self._spec_sizes[gone]
         limit = self.quotas.max_spec_bytes
         if total > limit:
             raise ResourceExhausted(
@@ -167,7 +173,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
             if spec.replicas > old.spec.replicas:
                 self._check_instances(spec.replicas, skip=spec.name)
             size = request.spec.ByteSize()
-            if size > _stored_spec_bytes(old.spec):
+            if size > self._stored_spec_bytes(spec.name, old.spec):
                 self._check_spec_bytes(size, skip=spec.name)
             # Only a change to what runs needs new instances; replicas alone just scales.
             runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == spec

@@ -74,7 +74,16 @@ def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
     # Agents parse the same spec for every offer and start of a workload's instances, and the
     # model is frozen, so one validated model per distinct message serves them all.
     check_spec_size(msg)
-    return _spec_from_bytes(msg.SerializeToString(deterministic=True))
+    data = msg.SerializeToString(deterministic=True)
+    if len(data) > MAX_CACHED_SPEC_BYTES:
+        # Not kept: the cache holds each key and model, and 1,024 specs of up to 1 MiB each
+        # grew the controller by ~1.7 MB per update of a big workload.
+        return _parse_spec(msg)
+    return _spec_from_bytes(data)
+
+
+# Specs up to this size are remembered (most are a few hundred bytes): at most ~32 MiB held.
+MAX_CACHED_SPEC_BYTES = 16 << 10
 
 
 def check_spec_size(msg: pb.WorkloadSpec) -> None:

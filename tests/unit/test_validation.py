@@ -184,3 +184,14 @@ def test_reserved_labels() -> None:
         "orka.io/pool",
     ]
     assert reserved_labels({"orka.iox": "a", "myorka.io/x": "b"}) == []
+
+
+def test_big_specs_are_not_kept_in_the_parse_cache() -> None:
+    """The cache holds each key and model: 1,024 big specs were ~1.7 GB of controller memory
+    (every update of a big workload added ~1.7 MB)."""
+    before = convert._spec_from_bytes.cache_info().currsize
+    for i in range(3):
+        convert.spec_from_pb(spec_pb(env={"V": f"{i}" + "x" * 100_000}))
+    assert convert._spec_from_bytes.cache_info().currsize == before
+    convert.spec_from_pb(spec_pb(env={"V": "small-and-new"}))
+    assert convert._spec_from_bytes.cache_info().currsize == before + 1
