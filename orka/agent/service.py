@@ -138,7 +138,9 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
 
 
 # A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
-_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(lambda spec: spec.model_dump_json())
+_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
+    lambda spec: spec.model_dump_json(), weigh=len, max_weight=32 << 20
+)
 
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
