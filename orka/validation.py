@@ -49,11 +49,16 @@ _CONTROL_BUT_WHITESPACE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def quote(value: object, limit: int = MAX_QUOTED) -> str:
-    """`repr` of a value for an error message, cut to `limit` characters with '...'."""
+    """`repr` of a value for an error message, cut to about `limit` characters with '...'.
+    The text is cut before `repr` (cheap on a huge value) and after (escapes such as
+    '\\U0010ffff' make a character ten)."""
+    cut = False
     if isinstance(value, str | bytes) and len(value) > limit:
-        return repr(value[:limit]) + "..."
+        value, cut = value[:limit], True
     text = repr(value)
-    return text if len(text) <= limit + 2 else text[: limit + 2] + "..."
+    if len(text) > limit + 2:
+        text, cut = text[: limit + 2], True
+    return text + "..." if cut else text
 
 
 def check_length(value: str, limit: int) -> str:

@@ -155,11 +155,14 @@ def test_many_errors_are_summed_up() -> None:
     [
         ("abc", "'abc'"),
         ("a" * 100, "'" + "a" * 64 + "'..."),
-        (b"\0" * 70, repr(b"\0" * 64) + "..."),
+        (b"\0" * 70, repr(b"\0" * 64)[:66] + "..."),
+        # Escapes make one character ten: the quoted text stays short all the same.
+        ("\U0010ffff" * 10, repr("\U0010ffff" * 10)[:66] + "..."),
     ],
 )
 def test_quote_cuts(value: object, expected: str) -> None:
     assert quote(value) == expected
+    assert len(quote(value)) <= 69
 
 
 @pytest.mark.parametrize(
