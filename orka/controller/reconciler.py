@@ -408,6 +408,7 @@ class Reconciler:
             crash.last_error = (inst.message or inst.reason or "failed")[:200]
             finished = inst.finished_at or now
             crash.not_before = max(crash.not_before, finished + crash.delay())
+            self._wake_at(w.name, crash.not_before - now)
             # Once per failure, without a traceback: a failing spec is the user's to fix.
             log.info(
                 "instance failed; replacing with backoff",
@@ -436,6 +437,19 @@ class Reconciler:
                 crash.probes.clear()
                 return crash
         return crash
+
+    def _wake_at(self, workload: str, delay: float) -> None:
+        """Plan `workload` again when its backoff ends: an incremental pass only looks at
+        workloads that changed, and a full one may be up to FULL_PASS_EVERY away."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_later(max(0.0, delay) + 0.01, self._wake, workload)
+
+    def _wake(self, workload: str) -> None:
+        self._changed_workloads.add(workload)
+        self.kick()
 
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as

@@ -4,6 +4,7 @@ backoff, on a real cluster (controller, scheduler and agents on grpc.aio servers
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -37,7 +38,8 @@ async def test_a_spec_failing_at_start_is_retried_with_backoff(cluster: Cluster)
         replicas=1,
     )
     created: list[str] = []
-    failed: set[str] = set()
+    failed: dict[str, float] = {}  # instance -> when its FAILED event came
+    added_at: list[float] = []
     stream = cluster.api.WatchEvents(pb.WatchEventsRequest(workload="broken"))
 
     async def watch() -> None:
@@ -45,8 +47,9 @@ async def test_a_spec_failing_at_start_is_retried_with_backoff(cluster: Cluster)
             if ev.HasField("instance"):
                 if ev.type == pb.Event.ADDED:
                     created.append(ev.instance.name)
+                    added_at.append(time.monotonic())
                 if ev.instance.phase == pb.Instance.FAILED:
-                    failed.add(ev.instance.name)
+                    failed.setdefault(ev.instance.name, time.monotonic())
 
     watcher = asyncio.create_task(watch())
     try:
@@ -59,3 +62,8 @@ async def test_a_spec_failing_at_start_is_retried_with_backoff(cluster: Cluster)
     # in the window (with none it was hundreds), and it does keep trying.
     assert 3 <= len(created) <= 5, created
     assert len(failed) >= 3
+    # Each replacement came the backoff (1 s, then 2 s) after its predecessor failed: not
+    # sooner, and not much later (the reconciler wakes for it).
+    for i, backoff in enumerate([1.0, 2.0]):
+        waited = added_at[i + 1] - failed[created[i]]
+        assert backoff - 0.2 <= waited <= backoff + 0.5, (i, waited)
