@@ -397,18 +397,27 @@ class Reconciler:
         crash = self.crashes.get(w.name)
         if w.spec.restart_policy is RestartPolicy.NEVER:
             return None  # a failed replica is done, never replaced
-        for inst in insts.values():
-            if inst.phase is not InstancePhase.FAILED or inst.desired_stop:
-                continue
-            if crash is not None and inst.name in crash.counted:
-                continue
+        new = sorted(
+            (
+                i
+                for i in insts.values()
+                if i.phase is InstancePhase.FAILED
+                and not i.desired_stop
+                and (crash is None or i.name not in crash.counted)
+            ),
+            key=lambda i: i.finished_at or now,
+        )
+        for inst in new:
             crash = crash or self.crashes.setdefault(w.name, CrashBackoff())
-            crash.failures += 1
             crash.counted.add(inst.name)
             crash.last_error = (inst.message or inst.reason or "failed")[:200]
             finished = inst.finished_at or now
-            crash.not_before = max(crash.not_before, finished + crash.delay())
-            self._wake_at(w.name, crash.not_before - now)
+            if finished >= crash.not_before:
+                # A new round; replicas failing before it ends are replaced in it too, so
+                # 100 replicas failing at once wait 1 s, not 2**99.
+                crash.failures += 1
+                crash.not_before = finished + crash.delay()
+                self._wake_at(w.name, crash.not_before - now)
             # Once per failure, without a traceback: a failing spec is the user's to fix.
             log.info(
                 "instance failed; replacing with backoff",

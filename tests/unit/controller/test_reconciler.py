@@ -816,3 +816,18 @@ async def test_a_settled_workload_ends_its_streak_too(env: Env) -> None:
     env.rec.crashes["web"] = CrashBackoff(failures=3, probes={"web-p"})
     await env.plan()
     assert env.rec.crashes["web"].failures == 0
+
+
+async def test_replicas_failing_together_wait_one_round(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    failed = [
+        inst(f"web-{i}", P.FAILED, finished_at=clock.now - 0.1 * i, message="cannot exec")
+        for i in range(3)
+    ]
+    await env.put(node("n1"), workload(replicas=3), *failed)
+    await env.plan()
+    assert active(env.of()) == []
+    assert env.rec.crashes["web"].failures == 1  # one round, not three failures in a row
+    assert await wait_for_replacement(env, clock) == 1.0
+    assert len(active(env.of())) == 3  # all three replaced together
