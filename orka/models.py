@@ -11,12 +11,20 @@ import re
 import time
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from orka import validation as checks
+from orka.validation import MAX_NAME_LENGTH, quote
 
 MAX_REPLICAS = 1000
-MAX_NAME_LENGTH = 63
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-_LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]{0,252})$")
 # A user or group a process workload runs as: a name (POSIX portable user names, as useradd
 # takes them) or a numeric id. Nothing else, so no NUL, control character or path reaches
 # getpwnam or a log line; 32 is the longest name useradd accepts.
@@ -45,6 +53,8 @@ KIND_DRIVER: dict[WorkloadKind, str] = {
     WorkloadKind.VM: "libvirt",
 }
 FAKE_DRIVER = "fake"
+# A container image read from an OCI archive on the node rather than pulled from a registry.
+OCI_ARCHIVE_PREFIX = "oci-archive:"
 
 
 class RestartPolicy(StrEnum):
@@ -93,7 +103,7 @@ def check_name(value: str, field: str = "name") -> str:
         raise ValueError(f"{field} is required")
     if len(value) > MAX_NAME_LENGTH or not _NAME_RE.match(value):
         raise ValueError(
-            f"{field} {value!r} must be 1-{MAX_NAME_LENGTH} lowercase letters, digits or '-',"
+            f"{field} {quote(value)} must be 1-{MAX_NAME_LENGTH} lowercase letters, digits or '-',"
             " starting and ending with a letter or digit"
         )
     return value
@@ -141,9 +151,9 @@ class Resources(BaseModel):
 class VmSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    kernel: str = ""
-    initrd: str = ""
-    cmdline: str = ""
+    kernel: checks.AbsPath = ""
+    initrd: checks.AbsPath = ""
+    cmdline: checks.CmdLine = ""
 
 
 class WorkloadSpec(BaseModel):
@@ -154,14 +164,18 @@ class WorkloadSpec(BaseModel):
     name: str
     kind: WorkloadKind
     image: str = ""
-    command: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    command: list[checks.Arg] = Field(default_factory=list, max_length=checks.MAX_ARGS)
+    env: dict[checks.EnvKey, checks.EnvValue] = Field(
+        default_factory=dict, max_length=checks.MAX_ENV_ENTRIES
+    )
     replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     resources: Resources = Field(default_factory=Resources)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[checks.LabelKey, checks.LabelValue] = Field(
+        default_factory=dict, max_length=checks.MAX_SELECTOR_ENTRIES
+    )
     restart_policy: RestartPolicy = RestartPolicy.ALWAYS
     vm: VmSpec | None = None
-    working_dir: str = ""
+    working_dir: checks.AbsPath = ""
     # Spread rule: at most this many replicas of the workload on one node (0: no limit).
     max_per_node: int = Field(default=0, ge=0)
     # Seconds between SIGTERM and SIGKILL when an instance is stopped.
@@ -181,13 +195,18 @@ class WorkloadSpec(BaseModel):
     def _name(cls, v: str) -> str:
         return check_name(v)
 
-    @field_validator("env")
+    @field_validator("image")
     @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if not key or "=" in key or "\0" in key:
-                raise ValueError(f"env key {key!r} must be non-empty without '=' or NUL")
-        return v
+    def _image(cls, value: str, info: ValidationInfo) -> str:
+        """A VM's image is a disk on the node and an `oci-archive:` image a file there: both
+        are paths, held to the path rules; any other image is a registry reference."""
+        kind = info.data.get("kind")
+        checks.check_text(value, checks.MAX_IMAGE_LENGTH)
+        if kind is WorkloadKind.VM and value:
+            checks.check_path(value)
+        elif kind is WorkloadKind.CONTAINER and value.startswith(OCI_ARCHIVE_PREFIX):
+            checks.check_path(value.removeprefix(OCI_ARCHIVE_PREFIX))
+        return value
 
     @field_validator("user", "group")
     @classmethod
@@ -237,14 +256,6 @@ class WorkloadSpec(BaseModel):
                     f"the path of {key!r} must be absolute and normalised (no '..', '.' or"
                     f" '//'), at most {MAX_PATH_CHARS} characters without NUL"
                 )
-        return v
-
-    @field_validator("node_selector")
-    @classmethod
-    def _selector(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
-            if not _LABEL_KEY_RE.match(key):
-                raise ValueError(f"node_selector key {key!r} is not a valid label key")
         return v
 
     @model_validator(mode="after")

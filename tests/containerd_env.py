@@ -58,6 +58,10 @@ class Containerd:
         """`ContainerdDriver` keyword arguments (the agent's `driver_options["containerd"]`)."""
         return {"socket": self.socket, "cgroup_parent": self.cgroup_parent}
 
+    def allowed_paths(self) -> list[Path]:
+        """What the agent must allow (`AgentConfig.allowed_paths`) for the archive image."""
+        return [Path(self.image.removeprefix("oci-archive:")).parent]
+
     def agent_flags(self) -> list[str]:
         """The same, as `orka agent` flags."""
         return [

@@ -26,6 +26,7 @@ from orka.memo import ByIdentity
 from orka.models import (
     FAKE_DRIVER,
     KIND_DRIVER,
+    OCI_ARCHIVE_PREFIX,
     TERMINAL_PHASES,
     Resources,
     WorkloadKind,
@@ -38,6 +39,7 @@ from orka.runtime.base import Driver, TaskState
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
 from orka.runtime.registry import make_driver
 from orka.security.tls import TlsFiles
+from orka.validation import RESERVED_LABEL_PREFIX, path_within, quote, reserved_labels
 
 log = structlog.get_logger("orka.agent")
 
@@ -66,18 +68,48 @@ class AgentConfig:
     cgroup_parent: str = ""
     # Directories whose files workloads may name in secret_env_files (none: no such files).
     secret_dirs: list[Path] = field(default_factory=list)
+    # Directories VM images, kernels, initrds and oci-archive: images may come from; a spec
+    # naming a file elsewhere is refused at admission. None: `<data dir>/images`.
+    allowed_paths: list[Path] | None = None
 
     def __post_init__(self) -> None:
         if not self.schedulers:
             raise Invalid("--scheduler: at least one HOST:PORT is required")
         if not self.runtimes:
             raise Invalid("--runtime: at least one driver is required")
+        if self.allowed_paths is None:
+            self.allowed_paths = [self.data_dir / "images"]
+        for path in self.allowed_paths:
+            if not path.is_absolute():
+                raise Invalid(f"--allowed-paths: {str(path)!r} must be an absolute path")
+        reserved = reserved_labels(self.labels)
+        if reserved:
+            raise Invalid(
+                f"--labels: {', '.join(reserved)}: the {RESERVED_LABEL_PREFIX} prefix is set by"
+                " the scheduler only"
+            )
         for flag, value in (
             ("--cpu-millis", self.cpu_millis),
             ("--memory-bytes", self.memory_bytes),
         ):
             if value is not None and value <= 0:
                 raise Invalid(f"{flag}: must be > 0, got {value}")
+
+
+def node_files(spec: WorkloadSpec) -> list[tuple[str, str]]:
+    """(field, path) of each file on the node that running `spec` opens."""
+    files: list[tuple[str, str]] = []
+    if spec.kind is WorkloadKind.VM and spec.image:
+        files.append(("spec.image", spec.image))
+    if spec.kind is WorkloadKind.CONTAINER and spec.image.startswith(OCI_ARCHIVE_PREFIX):
+        files.append(("spec.image", spec.image.removeprefix(OCI_ARCHIVE_PREFIX)))
+    if spec.kind is WorkloadKind.VM and spec.vm is not None:
+        files += [
+            (f"spec.vm.{k}", p)
+            for k, p in (("kernel", spec.vm.kernel), ("initrd", spec.vm.initrd))
+            if p
+        ]
+    return files
 
 
 def detect_capacity() -> Resources:
@@ -116,7 +148,9 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
 
 
 # A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
-_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(lambda spec: spec.model_dump_json())
+_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
+    lambda spec: spec.model_dump_json(), weigh=len, max_weight=32 << 20
+)
 
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
@@ -357,7 +391,8 @@ class Agent:
             node=apb.NodeInfo(
                 capacity=convert.resources_to_pb(self.capacity),
                 allocatable=convert.resources_to_pb(self.capacity),
-                labels={**self.config.labels, "orka.io/node": self.name},
+                # orka.io/node is the scheduler's to set, from our certificate.
+                labels=self.config.labels,
                 drivers=sorted(self.healthy),
                 version=VERSION,
             )
@@ -532,6 +567,9 @@ class Agent:
         if name in self.reservations:
             used = used - self.reservations[name][0]
         free = self.capacity - used
+        outside = self._outside_allowed(spec)
+        if outside is not None:
+            return outside
         need = spec.resources
         if need.cpu_millis > free.cpu_millis:
             return f"insufficient cpu: {need.cpu_millis}m requested, {free.cpu_millis}m free"
@@ -540,6 +578,21 @@ class Agent:
                 f"insufficient memory: {_mib(need.memory_bytes)} requested,"
                 f" {_mib(free.memory_bytes)} free"
             )
+        return None
+
+    def _outside_allowed(self, spec: WorkloadSpec) -> str | None:
+        """Files a driver opens on this node (VM disks, kernels, initrds, OCI archives) must
+        be under --allowed-paths, so a workload cannot boot or import whatever the agent can
+        read. The path and, through symlinks, the file it names are both checked."""
+        roots = [str(p) for p in self.config.allowed_paths or []]
+        for field_name, path in node_files(spec):
+            real = os.path.realpath(path)
+            real_roots = [os.path.realpath(r) for r in roots]
+            if not (path_within(path, roots) and path_within(real, real_roots)):
+                return (
+                    f"{field_name}: {quote(path, 512)} is outside the paths this node allows"
+                    f" ({', '.join(roots) or 'none'}; agent flag --allowed-paths)"
+                )
         return None
 
     def _on_message(self, msg: apb.SchedulerMessage) -> None:

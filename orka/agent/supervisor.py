@@ -10,7 +10,7 @@ from collections.abc import Callable
 import structlog
 
 from orka.agent.secret_files import SecretFiles
-from orka.errors import RuntimeFailure
+from orka.errors import OrkaError, RuntimeFailure
 from orka.models import (
     TERMINAL_PHASES,
     InstancePhase,
@@ -154,6 +154,11 @@ class Supervised:
                 info = None
         except asyncio.CancelledError:
             raise
+        except OrkaError as err:
+            # An error the code expects (a spec the driver refuses): logged once, without a
+            # traceback; the controller re-places the instance, with backoff.
+            log.warning("instance failed", instance=self.name, error=err.message[:200])
+            self._set(InstancePhase.FAILED, "AgentError", err.message)
         except Exception as err:
             log.exception("instance supervisor failed", instance=self.name)
             self._set(InstancePhase.FAILED, "AgentError", str(err))

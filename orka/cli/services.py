@@ -29,6 +29,7 @@ from orka.security import tls as tls_files
 from orka.security.ca import validate_name
 from orka.security.identity import check_serves_as
 from orka.security.tls import TlsFiles, load_and_check
+from orka.validation import RESERVED_LABEL_PREFIX, check_label_key, check_label_value
 
 POLICIES = ("spread", "binpack")
 DOMAIN_TYPES = ("auto", "kvm", "qemu")
@@ -93,7 +94,18 @@ def parse_labels(value: str | None) -> dict[str, str]:
         key, sep, val = part.partition("=")
         if not sep or not key.strip():
             raise UsageError(f"--labels: {part!r} is not KEY=VALUE")
-        labels[key.strip()] = val.strip()
+        key, val = key.strip(), val.strip()
+        if key.startswith(RESERVED_LABEL_PREFIX):
+            raise UsageError(
+                f"--labels: {key!r}: the {RESERVED_LABEL_PREFIX} prefix is set by the scheduler"
+                " only (orka.io/node is the node's name, from its certificate)"
+            )
+        try:
+            check_label_key(key)
+            check_label_value(val)
+        except ValueError as err:
+            raise UsageError(f"--labels: {key!r}: {err}") from None
+        labels[key] = val
     return labels
 
 
@@ -148,6 +160,7 @@ class GracefulStop:
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
+    from orka.controller.api import Quotas
     from orka.controller.service import Controller, ControllerConfig
 
     listen = _listen(args.listen)
@@ -177,6 +190,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
         if path is not None and not path.is_file():
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag}: {path} is not a file")
+    _positive("--max-workloads", args.max_workloads)
+    _positive("--max-instances", args.max_instances)
+    _positive("--max-spec-bytes", args.max_spec_bytes)
     config = ControllerConfig(
         listen=listen,
         schedulers=schedulers,
@@ -185,6 +201,11 @@ def cmd_controller(args: argparse.Namespace) -> int:
         advertise=args.advertise or "",
         audit_log=audit_log,
         audit_reads=args.audit_reads,
+        quotas=Quotas(
+            max_workloads=args.max_workloads,
+            max_instances=args.max_instances,
+            max_spec_bytes=args.max_spec_bytes,
+        ),
         **etcd_tls,
     )
 
@@ -302,6 +323,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         allow_root_workloads=bool(args.allow_root_workloads),
         cgroup_parent=cgroup_parent,
         secret_dirs=secret_dirs,
+        allowed_paths=_allowed_paths(args.allowed_paths),
     )
 
     async def main() -> None:
@@ -341,6 +363,16 @@ def _secret_dirs(value: str | None) -> list[Path]:
         if not d.is_absolute() or not d.is_dir():
             raise UsageError(f"--secret-dir: {d} is not an absolute path to a directory")
     return dirs
+
+
+def _allowed_paths(value: str | None) -> list[Path] | None:
+    if not value:
+        return None  # the agent's default: <data dir>/images
+    paths = [Path(p).expanduser() for p in parse_list(value, "--allowed-paths")]
+    for path in paths:
+        if not path.is_absolute():
+            raise UsageError(f"--allowed-paths: {str(path)!r} must be an absolute path")
+    return paths
 
 
 def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -439,6 +471,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=False,
         help="audit Get, List and Watch calls as well",
     )
+    add_flag(
+        p,
+        "--max-workloads",
+        type=_int_arg,
+        default=10_000,
+        metavar="N",
+        help="quota: workloads in the cluster (10000)",
+    )
+    add_flag(
+        p,
+        "--max-instances",
+        type=_int_arg,
+        default=100_000,
+        metavar="N",
+        help="quota: replicas summed over all workloads (100000)",
+    )
+    add_flag(
+        p,
+        "--max-spec-bytes",
+        type=_int_arg,
+        default=32 << 20,
+        metavar="N",
+        help="quota: serialized specs summed over all workloads (32 MiB)",
+    )
     p.set_defaults(func=cmd_controller)
 
     p = sub.add_parser("scheduler", help="run the scheduler (agents connect here)")
@@ -491,6 +547,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--cgroup-parent",
         metavar="PATH",
         help="cgroup under which each process instance gets its own (default orka/<name>)",
+    )
+    add_flag(
+        p,
+        "--allowed-paths",
+        metavar="DIR[,...]",
+        help="directories VM images, kernels and oci-archive: images may be read from"
+        " (default <data dir>/images)",
     )
     add_flag(
         p,

@@ -33,11 +33,15 @@ def assignment(inst: Instance, w: Workload) -> apb.Assignment:
 
 # Converted once per spec rather than twice per instance. The messages are shared: only ever
 # copied from (as the Assignment constructor does).
-_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(convert.spec_to_pb)
+_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(
+    convert.spec_to_pb, weigh=lambda msg: msg.ByteSize(), max_weight=32 << 20
+)
 
 
 # What one instance adds to a Place or Command request: its spec plus name and framing.
-_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(lambda spec: _spec_msg(spec).ByteSize())
+_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
+    lambda spec: _spec_msg(spec).ByteSize(), weigh=lambda size: size, max_weight=32 << 20
+)
 _ASSIGNMENT_OVERHEAD = 64
 
 

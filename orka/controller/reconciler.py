@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -45,6 +47,30 @@ KEEP_FINISHED = 5
 FULL_PASS_EVERY = 2.0
 # Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
+# A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
+# the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
+# counted from when the failed instance finished. A replacement that then runs for
+# CRASH_HEALTHY_RUN seconds ends the streak. Without it a spec that fails at start was placed,
+# started and failed about 150 times a second, keeping three services busy.
+CRASH_BACKOFF_START = 1.0
+CRASH_BACKOFF_MAX = 300.0
+CRASH_HEALTHY_RUN = 60.0
+
+
+@dataclass
+class CrashBackoff:
+    """One workload's streak of failed instances (controller memory, per leader term)."""
+
+    failures: int = 0
+    # No replacement for a failed instance before this time (time.time()).
+    not_before: float = 0.0
+    # Failed instances already counted, and replacements made during the streak.
+    counted: set[str] = dataclasses.field(default_factory=set)
+    probes: set[str] = dataclasses.field(default_factory=set)
+    last_error: str = ""
+
+    def delay(self) -> float:
+        return min(CRASH_BACKOFF_START * 2 ** max(0, self.failures - 1), CRASH_BACKOFF_MAX)
 
 
 def new_instance(w: Workload) -> Instance:
@@ -76,6 +102,9 @@ class Reconciler:
         self._reloads_seen = repo.reloads
         # The workloads the current pass looks at; None: all of them.
         self._scope: set[str] | None = None
+        # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
+        self.crashes: dict[str, CrashBackoff] = {}
+        self.clock: Callable[[], float] = time.time
 
     def kick(self) -> None:
         self._dirty.set()
@@ -172,7 +201,7 @@ class Reconciler:
 
     def plan(self) -> list[Change]:
         changes: list[Change] = []
-        now = time.time()
+        now = self.clock()
         scope = self._scope
         names = list(self.repo.workloads) if scope is None else sorted(scope)
         for name in names:
@@ -186,6 +215,8 @@ class Reconciler:
                 changes += self._plan_workload(w, insts, now)
         if scope is not None:
             return changes
+        for name in [n for n in self.crashes if n not in self.repo.workloads]:
+            del self.crashes[name]
         # Instances whose workload record is gone (should not happen; heal it anyway).
         for inst in list(self.repo.instances.values()):
             if inst.workload not in self.repo.workloads:
@@ -217,6 +248,8 @@ class Reconciler:
 
     def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
         if self._settled(w, insts):
+            if w.name in self.crashes:
+                self._crash_streak(w, insts, now)  # a settled workload may end its streak
             return self._status_change(w, insts.values(), now)
         changes: list[Change] = []
         updated: dict[str, Instance] = {}
@@ -259,6 +292,8 @@ class Reconciler:
                     put(_stop(inst, f"replaced by {succ.name}"))
         current = merged()
 
+        crash = self._crash_streak(w, current, now)
+
         # 3. Old generations (rolling update) and draining nodes: surge one replacement each.
         replacing = [
             i for i in current.values() if i.replaced_by and not i.desired_stop and not i.terminal
@@ -287,7 +322,11 @@ class Reconciler:
                 continue
             if outdated and not draining and replacing:
                 continue  # a rolling update replaces one instance at a time
+            if crash is not None and now < crash.not_before:
+                continue  # a successor failed: the next waits out the backoff
             succ = new_instance(w)
+            if crash is not None:
+                crash.probes.add(succ.name)
             put(succ)
             put(inst.model_copy(update={"replaced_by": succ.name}))
             replacing.append(inst)
@@ -311,8 +350,13 @@ class Reconciler:
             )
         ]
         missing = w.spec.replicas - len(active) - len(done)
+        if missing > 0 and crash is not None and now < crash.not_before:
+            missing = 0  # failed replicas wait out the backoff
         for _ in range(max(0, missing)):
-            put(new_instance(w))
+            fresh = new_instance(w)
+            if crash is not None:
+                crash.probes.add(fresh.name)
+            put(fresh)
         if missing < 0:
             order = {
                 InstancePhase.PENDING: 0,
@@ -345,6 +389,77 @@ class Reconciler:
         # 6. Status.
         return changes + self._status_change(w, current.values(), now)
 
+    def _crash_streak(
+        self, w: Workload, insts: dict[str, Instance], now: float
+    ) -> CrashBackoff | None:
+        """Count the workload's newly failed instances into its streak, end the streak when a
+        replacement has run long enough; the streak, or None when there is none."""
+        crash = self.crashes.get(w.name)
+        if w.spec.restart_policy is RestartPolicy.NEVER:
+            return None  # a failed replica is done, never replaced
+        new = sorted(
+            (
+                i
+                for i in insts.values()
+                if i.phase is InstancePhase.FAILED
+                and not i.desired_stop
+                and (crash is None or i.name not in crash.counted)
+            ),
+            key=lambda i: i.finished_at or now,
+        )
+        for inst in new:
+            crash = crash or self.crashes.setdefault(w.name, CrashBackoff())
+            crash.counted.add(inst.name)
+            crash.last_error = (inst.message or inst.reason or "failed")[:200]
+            finished = inst.finished_at or now
+            if finished >= crash.not_before:
+                # A new round; replicas failing before it ends are replaced in it too, so
+                # 100 replicas failing at once wait 1 s, not 2**99.
+                crash.failures += 1
+                crash.not_before = finished + crash.delay()
+                self._wake_at(w.name, crash.not_before - now)
+            # Once per failure, without a traceback: a failing spec is the user's to fix.
+            log.info(
+                "instance failed; replacing with backoff",
+                workload=w.name,
+                instance=inst.name,
+                reason=inst.reason,
+                error=inst.message[:200],
+                failures=crash.failures,
+                retry_in=round(max(0.0, crash.not_before - now), 1),
+            )
+        if crash is None:
+            return None
+        crash.counted &= insts.keys()  # history is trimmed; so is what we remember of it
+        for name in list(crash.probes):
+            probe = insts.get(name)
+            if probe is None or probe.terminal:
+                crash.probes.discard(name)
+            elif (
+                probe.phase is InstancePhase.RUNNING
+                and probe.started_at is not None
+                and now - probe.started_at >= CRASH_HEALTHY_RUN
+            ):
+                log.info("workload recovered", workload=w.name, failures=crash.failures)
+                # The streak ends; the failures already counted stay counted.
+                crash.failures, crash.not_before = 0, 0.0
+                crash.probes.clear()
+                return crash
+        return crash
+
+    def _wake_at(self, workload: str, delay: float) -> None:
+        """Plan `workload` again when its backoff ends: an incremental pass only looks at
+        workloads that changed, and a full one may be up to FULL_PASS_EVERY away."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_later(max(0.0, delay) + 0.01, self._wake, workload)
+
+    def _wake(self, workload: str) -> None:
+        self._changed_workloads.add(workload)
+        self.kick()
+
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
         replicas, none finished, stopping, replaced or of an old generation, none on a node
@@ -369,6 +484,12 @@ class Reconciler:
 
     def _status_change(self, w: Workload, insts: Iterable[Instance], now: float) -> list[Change]:
         status = self._status(w, insts)
+        crash = self.crashes.get(w.name)
+        if crash is not None and now < crash.not_before and not status.message:
+            status.message = (
+                f"{crash.failures} instance failure(s) in a row (the last: {crash.last_error});"
+                f" replaced with backoff, up to {CRASH_BACKOFF_MAX:.0f}s"
+            )
         if status == w.status:
             return []
         return [

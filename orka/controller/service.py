@@ -18,7 +18,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller.api import ControllerApi
+from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
 from orka.controller.events import EventHub
 from orka.controller.leadership import ELECTION, Leadership, default_advertise
@@ -36,6 +36,9 @@ from orka.store.factory import open_store
 log = structlog.get_logger("orka.controller")
 
 SERVICE_NAME = "orka.v1.Controller"
+# The largest request the public API takes: a spec is at most 1 MiB (orka.validation), so
+# anything past a few MiB is no request of ours and is refused before it is parsed.
+API_MAX_RECEIVE = 4 << 20
 
 
 @dataclass
@@ -56,6 +59,8 @@ class ControllerConfig:
     # Where the audit log's JSON lines go (None: through structlog only); reads too if asked.
     audit_log: Path | None = None
     audit_reads: bool = False
+    # Cluster-wide quotas (per tenant later): workloads, and replicas over all workloads.
+    quotas: Quotas = field(default_factory=Quotas)
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -78,7 +83,9 @@ class Controller:
         self.events = EventHub()
         self.repo.listeners.append(self.events.on_change)
         self._build()
-        self.api = ControllerApi(self.repo, self.reconciler, self.link, self.events, self._gate)
+        self.api = ControllerApi(
+            self.repo, self.reconciler, self.link, self.events, self._gate, config.quotas
+        )
         self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
         self.api.auditor = self.audit
         self.election: Election | None = None
@@ -130,6 +137,7 @@ class Controller:
             self.tls,
             [lambda s: pb_grpc.add_ControllerServicer_to_server(self.api, s)],
             [SERVICE_NAME],
+            max_receive=API_MAX_RECEIVE,
         )
         # Not serving the API until elected and loaded; the gate answers UNAVAILABLE meanwhile.
         await self._set_serving(False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 
+from google.protobuf.message import Message
 from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
@@ -23,16 +24,42 @@ from orka.models import (
     WorkloadSpec,
     WorkloadStatus,
 )
+from orka.validation import MAX_SPEC_BYTES, quote
+
+# The errors named in one message: a spec with 1,000 bad arguments gets a short answer.
+MAX_REPORTED_ERRORS = 5
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """pydantic's error location as the field is written: `command[2]`, `env['KEY']`,
+    `vm.kernel`. A map key is user input, so it is quoted and cut."""
+    out = ""
+    for i, part in enumerate(loc):
+        if part == "[key]":
+            out += " (key)"
+        elif isinstance(part, int):
+            out += f"[{part}]"
+        elif i > 0 and isinstance(loc[i - 1], str) and loc[i - 1] in _MAPPING_FIELDS:
+            out += f"[{quote(part)}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_MAPPING_FIELDS = frozenset({"env", "node_selector", "labels"})
 
 
 def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
     """Turn pydantic's report into one message that names each offending field."""
     parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+    errors = err.errors(include_input=False, include_url=False)
+    for e in errors[:MAX_REPORTED_ERRORS]:
+        loc = field_path(tuple(e["loc"]))
         msg = str(e["msg"]).removeprefix("Value error, ")
         field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         parts.append(f"{field}: {msg}" if field else msg)
+    if len(errors) > MAX_REPORTED_ERRORS:
+        parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
     return Invalid("; ".join(parts))
 
 
@@ -47,7 +74,45 @@ def resources_to_pb(r: Resources) -> pb.Resources:
 def spec_from_pb(msg: pb.WorkloadSpec) -> WorkloadSpec:
     # Agents parse the same spec for every offer and start of a workload's instances, and the
     # model is frozen, so one validated model per distinct message serves them all.
-    return _spec_from_bytes(msg.SerializeToString(deterministic=True))
+    check_spec_size(msg)
+    data = msg.SerializeToString(deterministic=True)
+    if len(data) > MAX_CACHED_SPEC_BYTES:
+        # Not kept: the cache holds each key and model, and 1,024 specs of up to 1 MiB each
+        # grew the controller by ~1.7 MB per update of a big workload.
+        return _parse_spec(msg)
+    return _spec_from_bytes(data)
+
+
+# Specs up to this size are remembered (most are a few hundred bytes): at most ~32 MiB held.
+MAX_CACHED_SPEC_BYTES = 16 << 10
+
+
+def check_spec_size(msg: pb.WorkloadSpec) -> None:
+    """A spec travels whole in every List, watch event, offer and start: over the limit it is
+    refused, naming its largest field (before any field is parsed)."""
+    size = msg.ByteSize()
+    if size <= MAX_SPEC_BYTES:
+        return
+    fields = [(f.name, _field_bytes(msg, f.name)) for f, _ in msg.ListFields()]
+    name, biggest = max(fields, key=lambda f: f[1])
+    raise Invalid(
+        f"spec.{name}: is {biggest} bytes serialized, making the spec {size} bytes,"
+        f" over the limit of {MAX_SPEC_BYTES} bytes"
+    )
+
+
+def _field_bytes(msg: pb.WorkloadSpec, name: str) -> int:
+    one = pb.WorkloadSpec()
+    value = getattr(msg, name)
+    if isinstance(value, Message):
+        getattr(one, name).CopyFrom(value)
+    elif hasattr(value, "items"):
+        getattr(one, name).update(value)
+    elif hasattr(value, "extend"):
+        getattr(one, name).extend(value)
+    else:
+        setattr(one, name, value)
+    return one.ByteSize()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -279,17 +344,30 @@ def report_to_pb(r: InstanceReport, resources: Resources | None = None) -> apb.I
     return msg
 
 
+# Bounds on what an agent reports about an instance (instance names are `<workload>-<hex>`).
+MAX_INSTANCE_NAME = 253
+MAX_REASON = 256
+MAX_STATUS_MESSAGE = 4096
+
+
 def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
     """Agent input: validated here, so a bad message is rejected before it touches state."""
     if not msg.name:
         raise Invalid("instance status: name is required")
+    name = msg.name
+    if len(name) > MAX_INSTANCE_NAME or len(msg.workload) > MAX_INSTANCE_NAME:
+        raise Invalid(
+            f"instance status {quote(name)}: name and workload must be at most"
+            f" {MAX_INSTANCE_NAME} characters"
+        )
     return InstanceReport(
-        name=msg.name,
+        name=name,
         workload=msg.workload,
         node=node,
-        phase=phase_from_pb(msg.phase, f"instance status {msg.name}: phase"),
-        reason=msg.reason,
-        message=msg.message,
+        phase=phase_from_pb(msg.phase, f"instance status {name}: phase"),
+        # What a runtime said can be long (a stack, a log line): kept, but cut.
+        reason=msg.reason[:MAX_REASON],
+        message=msg.message[:MAX_STATUS_MESSAGE],
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         restarts=msg.restarts,
         started_at=_time(msg.started_at, f"instance status {msg.name}: started_at"),

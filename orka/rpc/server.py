@@ -32,7 +32,7 @@ def split_hostport(value: str, flag: str = "--listen") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def grpc_options(bulk: bool = False) -> list[tuple[str, Any]]:
+def grpc_options(bulk: bool = False, max_receive: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Channel and server arguments for Orka's own connections.
 
     `bulk` keeps gRPC's bandwidth-delay probing, for a client that downloads large listings
@@ -42,7 +42,7 @@ def grpc_options(bulk: bool = False) -> list[tuple[str, Any]]:
     from 0.29 to 0.17 of a core without it), and a 64 KiB window is plenty.
     """
     options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # Liveness of agents is the heartbeat's job; keepalive only finds dead TCP peers, so
         # it pings rarely and waits long: thousands of streams on a loaded loop must not be
@@ -63,10 +63,12 @@ async def start_server(
     tls: TlsFiles,
     register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
+    max_receive: int = MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start a mutual-TLS server with health and reflection; returns it and its bound port."""
+    """Start a mutual-TLS server with health and reflection; returns it and its bound port.
+    `max_receive` bounds each request message (gRPC answers RESOURCE_EXHAUSTED above it)."""
     host, port = split_hostport(listen)
-    server = grpc.aio.server(options=grpc_options())
+    server = grpc.aio.server(options=grpc_options(max_receive=max_receive))
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

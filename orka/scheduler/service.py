@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ import structlog
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
-from orka.errors import Invalid, NotFound
+from orka.errors import Invalid, NotFound, PermissionDenied
 from orka.models import (
     TERMINAL_PHASES,
     InstancePhase,
@@ -33,6 +33,18 @@ from orka.scheduler.session import AgentSession, Expected, Reply, next_id, repli
 from orka.scheduler.snapshot import PlacementRequest
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
+from orka.validation import (
+    MAX_DRIVER_NAME,
+    MAX_DRIVERS,
+    MAX_NODE_LABELS,
+    NODE_LABEL,
+    RESERVED_LABEL_PREFIX,
+    check_label_key,
+    check_label_value,
+    check_text,
+    quote,
+    reserved_labels,
+)
 
 log = structlog.get_logger("orka.scheduler")
 
@@ -263,7 +275,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             self._disconnected(session)
         if session.error:
             # Raised from the handler itself (not the reader task) so the agent gets the code.
-            raise Invalid(session.error)
+            raise session.error_type(session.error)
 
     async def _read_agent(
         self, messages: AsyncIterator[apb.AgentMessage], session: AgentSession
@@ -280,9 +292,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 self._on_agent_message(node, session, msg)
         except (TimeoutError, StopAsyncIteration):
             pass
-        except Invalid as err:
+        except (Invalid, PermissionDenied) as err:
             log.warning("agent sent bad input", node=session.node, error=err.message)
             session.error = err.message
+            session.error_type = type(err)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -298,6 +311,14 @@ class Scheduler(apb_grpc.SchedulerServicer):
             raise Invalid("register: node.capacity must not be negative")
         if allocatable.cpu_millis < 0 or allocatable.memory_bytes < 0:
             raise Invalid("register: node.allocatable must not be negative")
+        labels = node_labels(info.labels, session.node)
+        if len(info.drivers) > MAX_DRIVERS:
+            raise Invalid(f"register: node.drivers: at most {MAX_DRIVERS}, got {len(info.drivers)}")
+        for i, driver in enumerate(info.drivers):
+            try:
+                check_text(driver, MAX_DRIVER_NAME)
+            except ValueError as err:
+                raise Invalid(f"register: node.drivers[{i}]: {err}") from None
         reports = [
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
@@ -308,7 +329,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         node.session = session
         node.capacity = capacity
         node.allocatable = allocatable
-        node.labels = dict(info.labels)
+        node.labels = labels
         node.drivers = frozenset(info.drivers)
         node.last_seen = time.monotonic()
         node.last_heartbeat_wall = time.time()
@@ -663,6 +684,28 @@ class _Attempt:
     result: apb.PlaceResult | None = None
 
 
+def node_labels(announced: Mapping[str, str], node: str) -> dict[str, str]:
+    """The labels an agent announces, checked, plus those the scheduler sets itself: a node
+    may not pick its own `orka.io/` labels (a rogue agent announcing `orka.io/node=n1` would
+    receive the replicas pinned to n1), so `orka.io/node` comes from its certificate."""
+    reserved = reserved_labels(announced)
+    if reserved:
+        keys = ", ".join(quote(k) for k in reserved[:5])
+        raise PermissionDenied(
+            f"register: node.labels {keys}: the {RESERVED_LABEL_PREFIX} prefix is set by the"
+            " scheduler only"
+        )
+    if len(announced) > MAX_NODE_LABELS:
+        raise Invalid(f"register: node.labels: at most {MAX_NODE_LABELS}, got {len(announced)}")
+    for key, value in announced.items():
+        try:
+            check_label_key(key)
+            check_label_value(value)
+        except ValueError as err:
+            raise Invalid(f"register: node.labels[{quote(key)}]: {err}") from None
+    return {**announced, NODE_LABEL: node}
+
+
 def _sync_update(node: NodeRecord) -> apb.ClusterUpdate:
     """Everything the node reports holding, for the controller to reconcile against."""
     sync = apb.NodeSync(node=node.name)
@@ -688,8 +731,8 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
     if (
         phase is not old.phase
         or status.restarts != old.restarts
-        or status.reason != old.reason
-        or status.message != old.message
+        or status.reason[: convert.MAX_REASON] != old.reason
+        or status.message[: convert.MAX_STATUS_MESSAGE] != old.message
         or status.workload != old.workload
         or (status.started_at or None) != old.started_at
         or (status.finished_at or None) != old.finished_at

@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 
 from orka.api import agent_pb2 as apb
+from orka.errors import Invalid, OrkaError
 
 _ids = itertools.count(1)
 
@@ -56,8 +57,10 @@ class AgentSession:
         self.waiting: dict[str, asyncio.Future[Reply]] = {}
         self.closed = False
         self.left = False
-        # Why the agent's input was refused; the stream ends with INVALID_ARGUMENT and this.
+        # Why the agent's input was refused; the stream ends with `error_type`'s code (an
+        # OrkaError class: INVALID_ARGUMENT, or PERMISSION_DENIED for a reserved label) and this.
         self.error = ""
+        self.error_type: type[OrkaError] = Invalid
 
     def send(self, msg: apb.SchedulerMessage) -> None:
         if not self.closed:

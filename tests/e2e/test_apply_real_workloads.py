@@ -52,8 +52,11 @@ async def cluster(
     tmp_path: Path,
     containerd: Containerd,
     libvirt_daemons: LibvirtDaemons,
+    guest: Guest,
 ) -> AsyncIterator[ProcessCluster]:
     c = ProcessCluster(certs_dir, tmp_path, runtime="containerd,libvirt,process")
+    # The archive and the guest's files live in test dirs; the agent must allow them.
+    allowed = {*containerd.allowed_paths(), guest.kernel.parent, guest.initrd.parent}
     c.start_scheduler()
     c.start_controller()
     c.start_agent(
@@ -63,6 +66,8 @@ async def cluster(
         libvirt_daemons.uri,
         "--libvirt-domain-type",
         DOMAIN_TYPE,
+        "--allowed-paths",
+        ",".join(str(p) for p in sorted(allowed)),
     )
     await c.connect()
     try:

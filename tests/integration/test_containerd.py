@@ -229,7 +229,12 @@ async def test_container_workload_end_to_end(
     cluster = Cluster(certs_dir, tmp_path)
     options = {"containerd": containerd.options()}
     try:
-        await cluster.start(agents=1, runtimes=["containerd"], driver_options=options)
+        await cluster.start(
+            agents=1,
+            runtimes=["containerd"],
+            driver_options=options,
+            allowed_paths=containerd.allowed_paths(),
+        )
         assert cluster.api is not None
         spec = pb.WorkloadSpec(
             name="web",
@@ -264,7 +269,12 @@ async def test_container_workload_end_to_end(
         await agent.crash()
         await driver.close()
         del cluster.agents["node-1"]
-        revived = await cluster.add_agent("node-1", runtimes=["containerd"], driver_options=options)
+        revived = await cluster.add_agent(
+            "node-1",
+            runtimes=["containerd"],
+            driver_options=options,
+            allowed_paths=containerd.allowed_paths(),
+        )
         new_driver = revived.drivers["containerd"]
         assert new_driver is not driver
         (task,) = await new_driver.list()

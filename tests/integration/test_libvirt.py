@@ -111,6 +111,7 @@ async def test_vm_runs_through_scheduler_and_agent(
                     "domain_type": DOMAIN_TYPE,
                 }
             },
+            allowed_paths=[guest.kernel.parent, guest.initrd.parent],
         )
         assert cluster.api is not None
         agent = cluster.agents["node-1"]

@@ -61,13 +61,28 @@ INVALID = [
     ("container without image", spec(kind="CONTAINER"), "", "image is required"),
     ("vm without image", spec(kind="VM"), "", "image or vm.kernel"),
     ("vm with empty kernel", spec(kind="VM", vm={"initrd": "/x"}), "", "image or vm.kernel"),
-    ("empty env key", spec(env={"": "x"}), "env", "non-empty"),
-    ("env key with =", spec(env={"A=B": "x"}), "env", "without '='"),
-    ("env key with NUL", spec(env={"A\0": "x"}), "env", "NUL"),
-    ("selector key with space", spec(node_selector={"a b": "x"}), "node_selector", "label key"),
-    ("empty selector key", spec(node_selector={"": "x"}), "node_selector", "label key"),
-    ("selector key leading dot", spec(node_selector={".a": "x"}), "node_selector", "label key"),
-    ("selector key too long", spec(node_selector={"a" * 254: "x"}), "node_selector", "label"),
+    ("empty env key", spec(env={"": "x"}), "env..[key]", "non-empty"),
+    ("env key with =", spec(env={"A=B": "x"}), "env.A=B.[key]", "without '='"),
+    ("env key with NUL", spec(env={"A\0": "x"}), "env.A\0.[key]", "NUL"),
+    (
+        "selector key with space",
+        spec(node_selector={"a b": "x"}),
+        "node_selector.a b.[key]",
+        "label key",
+    ),
+    ("empty selector key", spec(node_selector={"": "x"}), "node_selector..[key]", "label key"),
+    (
+        "selector key leading dot",
+        spec(node_selector={".a": "x"}),
+        "node_selector..a.[key]",
+        "label key",
+    ),
+    (
+        "selector key too long",
+        spec(node_selector={"a" * 254: "x"}),
+        f"node_selector.{'a' * 254}.[key]",
+        "over the limit of 253",
+    ),
     ("negative grace", spec(stop_grace_seconds=-0.1), "stop_grace_seconds", "greater than"),
     ("grace too long", spec(stop_grace_seconds=3601), "stop_grace_seconds", "less than"),
     ("negative max_per_node", spec(max_per_node=-1), "max_per_node", "greater than"),
@@ -97,7 +112,7 @@ def test_spec_is_frozen() -> None:
 
 def test_driver_follows_kind() -> None:
     drivers = {
-        k: WorkloadSpec.model_validate(spec(kind=k, image="i")).driver
+        k: WorkloadSpec.model_validate(spec(kind=k, image="/i")).driver
         for k in ("PROCESS", "CONTAINER", "VM")
     }
     assert drivers == {"PROCESS": "process", "CONTAINER": "containerd", "VM": "libvirt"}

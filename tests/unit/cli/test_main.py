@@ -110,6 +110,8 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["get", "nodes", "-o", "xml"], "-o/--output"),
         (["get", "nodes", "--controller", "nohostport"], "--controller"),
         (["agent", "--labels", "zone"], "--labels"),
+        (["agent", "--labels", "orka.io/node=n1"], "prefix is set by the scheduler only"),
+        (["agent", "--labels", "a b=1"], "not a valid label key"),
         (["agent", "--name", "Bad_Name"], "--name"),
         (["agent", "--cpu-millis", "0"], "--cpu-millis"),
         (

@@ -13,7 +13,7 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.controller.placement import PlacementQueue, _Backoff
-from orka.controller.reconciler import KEEP_FINISHED, Reconciler, _apply_report
+from orka.controller.reconciler import KEEP_FINISHED, CrashBackoff, Reconciler, _apply_report
 from orka.controller.repo import Change, Repo
 from orka.models import (
     Instance,
@@ -274,7 +274,8 @@ async def test_failed_replacement_lets_predecessor_be_replaced_again(env: Env) -
     await env.put(node("n1", draining=True), workload(replicas=1), inst("web-a"))
     await env.plan()
     first = env.inst("web-a").replaced_by
-    await env.set_inst(first, phase=P.FAILED, node="n2", finished_at=time.time())
+    # Failed long enough ago that the crash backoff (1 s after a first failure) has passed.
+    await env.set_inst(first, phase=P.FAILED, node="n2", finished_at=time.time() - 5)
     await env.plan()  # clears replaced_by
     await env.plan()  # and surges a new successor
     second = env.inst("web-a").replaced_by
@@ -719,3 +720,114 @@ def test_apply_report(
     assert changed == set(expected)
     for k, v in expected.items():
         assert getattr(out, k) == v
+
+
+# ---- planning: crash-loop backoff ----
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def fail_newest(env: Env, at: float) -> str:
+    """The workload's newest live instance fails at `at`; its name."""
+    newest = active(env.of())[-1]
+    await env.set_inst(newest.name, phase=P.FAILED, finished_at=at, message="cannot exec")
+    return newest.name
+
+
+async def wait_for_replacement(env: Env, clock: Clock, step: float = 0.25) -> float:
+    """Plan every `step` seconds until the failed replica is replaced; how long that took."""
+    start = clock.now
+    while not active(env.of()):
+        await env.plan()
+        if active(env.of()):
+            break
+        clock.now += step
+        assert clock.now - start < 1000, "never replaced"
+    return clock.now - start
+
+
+async def test_failing_replicas_are_replaced_with_doubling_backoff(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.RUNNING))
+    delays = []
+    for _ in range(11):
+        await fail_newest(env, clock.now)
+        delays.append(await wait_for_replacement(env, clock))
+    assert delays == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
+    assert env.rec.crashes["web"].failures == 11
+
+
+async def test_backoff_shows_in_status_and_ends_after_a_healthy_run(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.RUNNING))
+    for _ in range(3):
+        await fail_newest(env, clock.now)
+        await wait_for_replacement(env, clock)
+    await fail_newest(env, clock.now)
+    await env.plan()
+    message = env.repo.workloads["web"].status.message
+    assert message.startswith("4 instance failure(s) in a row (the last: cannot exec)")
+    await wait_for_replacement(env, clock)
+    probe = active(env.of())[0]
+    await env.set_inst(probe.name, phase=P.RUNNING, node="n1", started_at=clock.now)
+    clock.now += 59
+    await env.plan()
+    assert env.rec.crashes["web"].failures == 4  # not yet a healthy run
+    clock.now += 2
+    await env.plan()
+    assert env.rec.crashes["web"].failures == 0
+    assert not env.repo.workloads["web"].status.message
+    # The streak starts over: the next failure waits 1 s again.
+    await fail_newest(env, clock.now)
+    assert await wait_for_replacement(env, clock) == 1
+
+
+async def test_a_failing_rolling_update_successor_waits_too(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1, generation=2), inst("web-a", generation=1))
+    await env.plan()
+    succ = env.inst("web-a").replaced_by
+    await env.set_inst(succ, phase=P.FAILED, node="n1", finished_at=clock.now)
+    for _ in range(4):
+        clock.now += 0.9 / 4
+        await env.plan()
+    assert not env.inst("web-a").replaced_by  # the predecessor keeps serving, no successor
+    clock.now += 0.2
+    await env.plan()
+    assert env.inst("web-a").replaced_by not in ("", succ)
+
+
+async def test_a_settled_workload_ends_its_streak_too(env: Env) -> None:
+    """Failed history trimmed away, the workload is settled (one RUNNING replica): the
+    replacement's healthy run still ends the streak."""
+    clock = Clock()
+    env.rec.clock = clock
+    probe = inst("web-p", P.RUNNING, started_at=clock.now - 61)
+    await env.put(node("n1"), workload(replicas=1), probe)
+    env.rec.crashes["web"] = CrashBackoff(failures=3, probes={"web-p"})
+    await env.plan()
+    assert env.rec.crashes["web"].failures == 0
+
+
+async def test_replicas_failing_together_wait_one_round(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    failed = [
+        inst(f"web-{i}", P.FAILED, finished_at=clock.now - 0.1 * i, message="cannot exec")
+        for i in range(3)
+    ]
+    await env.put(node("n1"), workload(replicas=3), *failed)
+    await env.plan()
+    assert active(env.of()) == []
+    assert env.rec.crashes["web"].failures == 1  # one round, not three failures in a row
+    assert await wait_for_replacement(env, clock) == 1.0
+    assert len(active(env.of())) == 3  # all three replaced together

@@ -91,8 +91,8 @@ def test_defaults_from_empty_fields() -> None:
         ({"replicas": 1001}, "spec.replicas", "less than or equal to 1000"),
         ({"resources": pb.Resources(cpu_millis=-1)}, "spec.resources.cpu_millis", "greater"),
         ({"resources": pb.Resources(memory_bytes=-1)}, "spec.resources.memory_bytes", "greater"),
-        ({"env": {"A=B": "1"}}, "spec.env", "'='"),
-        ({"node_selector": {"bad key": "1"}}, "spec.node_selector", "label key"),
+        ({"env": {"A=B": "1"}}, "spec.env['A=B'] (key)", "'='"),
+        ({"node_selector": {"bad key": "1"}}, "spec.node_selector['bad key'] (key)", "label key"),
         ({"stop_grace_seconds": -1.0}, "spec.stop_grace_seconds", "greater"),
         ({"stop_grace_seconds": 4000.0}, "spec.stop_grace_seconds", "less"),
         ({"max_per_node": -2}, "spec.max_per_node", "greater"),
@@ -263,12 +263,29 @@ def test_report_round_trip(report: InstanceReport) -> None:
         (apb.InstanceStatus(phase=pb.Instance.RUNNING), "name is required"),
         (apb.InstanceStatus(name="a"), "phase: is required"),
         (apb.InstanceStatus(name="a", phase=99), "unknown phase"),
+        (
+            apb.InstanceStatus(name="n" * 100_000, phase=pb.Instance.RUNNING),
+            "name and workload must be at most 253 characters",
+        ),
+        (
+            apb.InstanceStatus(name="a", workload="w" * 254, phase=pb.Instance.RUNNING),
+            "name and workload must be at most 253",
+        ),
     ],
 )
 def test_report_from_pb_rejects_bad_input(msg: apb.InstanceStatus, fragment: str) -> None:
     with pytest.raises(Invalid) as info:
         convert.report_from_pb(msg, "n1")
     assert fragment in info.value.message
+    assert len(info.value.message) < 200  # never the whole name
+
+
+def test_report_from_pb_cuts_long_reasons_and_messages() -> None:
+    msg = apb.InstanceStatus(
+        name="a", phase=pb.Instance.FAILED, reason="R" * 1000, message="M" * 100_000
+    )
+    r = convert.report_from_pb(msg, "n1")
+    assert (r.reason, r.message) == ("R" * 256, "M" * 4096)
 
 
 def test_report_from_pb_takes_node_from_caller() -> None:

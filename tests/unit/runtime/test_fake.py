@@ -24,7 +24,7 @@ async def test_fail_start(command: list[str], image: str, kind: WorkloadKind) ->
 
 async def test_runs_until_stopped() -> None:
     driver = FakeDriver()
-    info = await driver.start(run_spec(kind=WorkloadKind.VM, image="disk.img"))
+    info = await driver.start(run_spec(kind=WorkloadKind.VM, image="/disk.img"))
     assert info.state is TaskState.RUNNING and info.driver == "fake"
     stopped = await driver.stop("web-0", grace=10)
     assert stopped.state is TaskState.EXITED
