@@ -386,7 +386,9 @@ async def test_agent_messages_never_fail_the_scheduler(
 
     # node-2's certificate: a node of its own, apart from the agent that keeps running.
     channel = secure_channel(
-        f"127.0.0.1:{cluster.scheduler.port}", TlsFiles.for_service(certs_dir, "agent", "node-2")
+        f"127.0.0.1:{cluster.scheduler.port}",
+        TlsFiles.for_service(certs_dir, "agent", "node-2"),
+        "scheduler",
     )
     api = apb_grpc.SchedulerStub(channel)
 
