@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from orka.errors import Invalid, OrkaError
+from orka.rpc import own_cert
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
 from orka.security.tls import TlsFiles, server_credentials
 
@@ -74,7 +75,9 @@ async def start_server(
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, server_credentials(tls))
+    credentials = server_credentials(tls)  # loads the CRL the guard checks against
+    own_cert.guard(tls, server)
+    bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise Invalid(f"--listen: cannot listen on {listen}")
     await server.start()

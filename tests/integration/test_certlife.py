@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
+from structlog.testing import capture_logs
 
 from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2_grpc as apb_grpc
@@ -241,3 +242,47 @@ async def test_an_agent_moves_to_its_rotated_key_when_the_old_one_is_revoked(
     finally:
         await agent.stop()
         await scheduler.stop()
+
+
+async def test_a_server_stops_serving_when_its_own_certificate_is_revoked(
+    server: str, certs: Path
+) -> None:
+    """The operator revoked the controller's certificate and forgot to re-issue it: the
+    server stops presenting it (clients cannot check a CRL themselves: own_cert.py)."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        assert (await who(admin)).startswith("admin/admin ")
+        with capture_logs() as entries:
+            revoke(certs, [serial_of(certs, "controller", "controller")])
+
+            async def stopped() -> grpc.aio.AioRpcError | None:
+                async with channel(server, certs, "admin", "admin") as fresh:
+                    try:
+                        await who(fresh)
+                    except grpc.aio.AioRpcError as err:
+                        return err
+                return None
+
+            err = await eventually(stopped, timeout=INTERVAL + SLACK, interval=0.02)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        said = [e for e in entries if e["event"].startswith("this server's own certificate")]
+        assert [(e["log_level"], e["event"], e["fix"]) for e in said] == [
+            (
+                "error",
+                "this server's own certificate is revoked; stopping the server",
+                "orka certs rotate --role controller --name controller",
+            )
+        ]
+
+
+async def test_a_server_rotated_before_its_old_serial_is_revoked_keeps_serving(
+    server: str, certs: Path
+) -> None:
+    """The right order (rotate, then revoke the old serial) must not stop the server: it
+    serves the re-issued certificate from the next handshake."""
+    old = serial_of(certs, "controller", "controller")
+    rotate(certs, role="controller", name="controller")
+    revoke(certs, [old])
+    # A wait for something that must not happen: three reload intervals.
+    await asyncio.sleep(3 * INTERVAL)
+    async with channel(server, certs, "admin", "admin") as fresh:
+        assert (await who(fresh)).startswith("admin/admin ")
