@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from orka.errors import Invalid, OrkaError
 from orka.rpc import own_cert
+from orka.rpc.revocation_check import RevocationInterceptor
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
 from orka.security.tls import TlsFiles, server_credentials
 
@@ -67,7 +68,8 @@ async def start_server(
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a mutual-TLS server with health and reflection; returns it and its bound port."""
     host, port = split_hostport(listen)
-    server = grpc.aio.server(options=grpc_options())
+    # Revoked peers are refused on every method, health and reflection included.
+    server = grpc.aio.server(options=grpc_options(), interceptors=[RevocationInterceptor()])
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

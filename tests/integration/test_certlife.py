@@ -7,12 +7,14 @@ import dataclasses
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 
 from orka.agent.service import Agent, AgentConfig
@@ -286,3 +288,49 @@ async def test_a_server_rotated_before_its_old_serial_is_revoked_keeps_serving(
     await asyncio.sleep(3 * INTERVAL)
     async with channel(server, certs, "admin", "admin") as fresh:
         assert (await who(fresh)).startswith("admin/admin ")
+
+
+async def _health(channel: grpc.aio.Channel) -> str:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=5
+    )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def _reflection(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(timeout=5)
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    reply = await call.read()
+    await call.done_writing()
+    return sorted(s.name for s in reply.list_services_response.service)
+
+
+async def _refusal(rpc: Awaitable[object]) -> tuple[grpc.StatusCode, str] | None:
+    try:
+        await rpc
+    except grpc.aio.AioRpcError as err:
+        return err.code(), err.details() or ""
+    return None
+
+
+async def test_a_revoked_admin_is_refused_by_health_and_reflection(
+    server: str, certs: Path
+) -> None:
+    """Standard services have no Orka handler reading the peer: the interceptor that
+    start_server installs checks the serial for them (orka/rpc/revocation_check.py)."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        assert await _health(admin) == "SERVING"
+        assert "grpc.health.v1.Health" in await _reflection(admin)
+        revoke(certs, [serial_of(certs, "admin", "admin")])
+
+        async def refused() -> tuple[grpc.StatusCode, str] | None:
+            return await _refusal(_health(admin))
+
+        revoked = (grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")
+        assert await eventually(refused, timeout=INTERVAL + SLACK, interval=0.02) == revoked
+        assert await _refusal(_reflection(admin)) == revoked
+    # Everyone else is still served by both.
+    async with channel(server, certs, "agent", "node-1") as agent:
+        assert await _health(agent) == "SERVING"
+        assert "orka.test.Probe" in await _reflection(agent)
