@@ -285,6 +285,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
             session.error = err.message
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AbortError:
+            # Nothing aborts a live agent stream from outside its handler but the CRL watcher
+            # cutting a peer a new CRL revoked (security/revocation.py): expected, so one line.
+            log.warning("agent certificate revoked; stream ended", node=session.node)
         except Exception:
             log.exception("agent stream failed", node=session.node)
         finally:
