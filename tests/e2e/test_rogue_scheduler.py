@@ -12,7 +12,9 @@ the harness would see it if the checks let an impostor through.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -89,6 +91,23 @@ def _events(log: Path, event: str) -> list[dict[str, object]]:
 
 
 @pytest.fixture
+def marker() -> Iterator[Path]:
+    """Where the impostor's `touch` writes. Not under /tmp (process workloads get a private
+    /tmp) nor under pytest's root-only tmp_path (they run as nobody): a world-writable
+    folder of its own in /var/tmp, so the control row can see the agent obey."""
+    folder = Path(tempfile.mkdtemp(prefix="orka-rogue-", dir="/var/tmp"))
+    folder.chmod(0o777)
+    try:
+        yield folder / "ran"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _touched(marker: Path) -> bool:
+    return marker.exists()  # one stat: fine on the test's loop
+
+
+@pytest.fixture
 def certs(tmp_path: Path) -> Certs:
     return make_certs(tmp_path)
 
@@ -109,7 +128,7 @@ async def cluster(certs: Certs, tmp_path: Path) -> AsyncIterator[ProcessCluster]
 
 @pytest.mark.parametrize("held", ["agent-node-2", "legacy-agent-node-2"])
 async def test_agent_refuses_a_scheduler_holding_an_agent_certificate(
-    cluster: ProcessCluster, certs: Certs, tmp_path: Path, held: str
+    cluster: ProcessCluster, certs: Certs, marker: Path, held: str
 ) -> None:
     # agent-node-2 as issued now (clientAuth only, no host names), and as Orka issued agent
     # certificates before (serverAuth and 127.0.0.1): both must be refused.
@@ -118,7 +137,6 @@ async def test_agent_refuses_a_scheduler_holding_an_agent_certificate(
         if held.startswith("legacy")
         else TlsFiles.for_service(certs.dir, "agent", "node-2")
     )
-    marker = tmp_path / "ran"
     impostor = Impostor(marker)
     server, port = await _serve(certs, files, impostor)
     try:
@@ -133,7 +151,7 @@ async def test_agent_refuses_a_scheduler_holding_an_agent_certificate(
         refusals = await eventually(refused_twice, timeout=30)
         assert impostor.streams == 0
         assert _events(agent.log, "registered") == []
-        assert not marker.exists()
+        assert not _touched(marker)
         assert host_copies(WORKLOAD) == {}
         assert refusals[0]["level"] == "error"
         assert refusals[0]["target"] == f"127.0.0.1:{port}"
@@ -143,11 +161,10 @@ async def test_agent_refuses_a_scheduler_holding_an_agent_certificate(
 
 
 async def test_control_the_impostor_with_a_scheduler_certificate_is_obeyed(
-    cluster: ProcessCluster, certs: Certs, tmp_path: Path
+    cluster: ProcessCluster, certs: Certs, marker: Path
 ) -> None:
     """What a stolen *scheduler* key can do (revocation's business): and proof that the rows
     above would see an agent that let the impostor in."""
-    marker = tmp_path / "ran"
     impostor = Impostor(marker)
     server, port = await _serve(certs, certs.role("scheduler"), impostor)
     try:
@@ -155,7 +172,7 @@ async def test_control_the_impostor_with_a_scheduler_certificate_is_obeyed(
         agent = cluster.start_agent("node-1")
 
         async def ran() -> bool:
-            return marker.exists() and len(host_copies(WORKLOAD)) == 1
+            return _touched(marker) and len(host_copies(WORKLOAD)) == 1
 
         await eventually(ran, timeout=30)
         assert impostor.streams >= 1

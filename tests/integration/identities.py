@@ -7,7 +7,9 @@ Orka issued (serverAuth plus host names), which is what a rogue scheduler would 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +89,8 @@ def make_certs(root: Path) -> Certs:
         issue_cert(d, role, REVOKED_NAME)
         # The operator's path: the CLI writes the CA-signed CRL into DIR and every folder.
         argv = ["certs", "revoke", "--dir", str(d), "--role", role, "--name", REVOKED_NAME]
-        assert cli_main(argv) == 0
+        with contextlib.redirect_stdout(io.StringIO()):  # its "wrote ..." lines
+            assert cli_main(argv) == 0
     write_legacy_cert(d, "agent", "node-2", "legacy-agent-node-2")
     return Certs(dir=d, other=other)
 
