@@ -354,3 +354,21 @@ async def test_a_revoked_admin_is_refused_by_health_and_reflection(
     async with channel(server, certs, "agent", "node-1") as agent:
         assert await _health(agent) == "SERVING"
         assert "orka.test.Probe" in await _reflection(agent)
+
+
+async def test_a_revoked_admins_health_watch_is_cut(server: str, certs: Path) -> None:
+    """A stream of a standard service is cut like Orka's own when a CRL revokes its peer."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        watch = health_pb2_grpc.HealthStub(admin).Watch(health_pb2.HealthCheckRequest())
+        first = await asyncio.wait_for(watch.read(), 5)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        revoke(certs, [serial_of(certs, "admin", "admin")])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(INTERVAL + SLACK):
+                while await watch.read() is not grpc.aio.EOF:
+                    pass
+                await watch.code()
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "certificate revoked",
+        )
