@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -43,9 +44,16 @@ class OwnCertificate:
     the next handshake serves) against the CRLs its process loads."""
 
     def __init__(
-        self, files: TlsFiles, server: grpc.aio.Server, registry: Revocations = REVOCATIONS
+        self,
+        files: TlsFiles,
+        server: grpc.aio.Server,
+        registry: Revocations = REVOCATIONS,
+        on_revoked: Callable[[Invalid], None] | None = None,
     ) -> None:
         self.files = files
+        # The service's own shutdown, so that the process ends with the reason (a supervisor
+        # restarting it then gets the start-up refusal, naming the fix, until it is re-issued).
+        self.on_revoked = on_revoked
         self.server: weakref.ref[grpc.aio.Server] = weakref.ref(server)
         self.registry = registry
         self.stopping: asyncio.Future[None] | None = None
@@ -56,15 +64,18 @@ class OwnCertificate:
         except (OSError, ValueError):
             return None  # mid-rotation: the server keeps serving what it has (tls.py)
 
+    def _refusal(self, cert: x509.Certificate) -> Invalid:
+        return Invalid(
+            f"certs: {self.files.cert} (serial {cert.serial_number:x}) is revoked by "
+            f"{self.files.crl}; a server does not present a revoked certificate: "
+            f"re-issue it with `{_fix(cert)}`"
+        )
+
     def check(self) -> None:
         """At start: refuse to serve a revoked certificate, naming it and the fix."""
         cert = self._cert()
         if cert is not None and self.registry.is_revoked(cert.serial_number):
-            raise Invalid(
-                f"certs: {self.files.cert} (serial {cert.serial_number:x}) is revoked by "
-                f"{self.files.crl}; a server does not present a revoked certificate: "
-                f"re-issue it with `{_fix(cert)}`"
-            )
+            raise self._refusal(cert)
         self.registry.guards.add(self)
 
     def revoked(self, serials: frozenset[int]) -> None:
@@ -83,12 +94,18 @@ class OwnCertificate:
         )
         self.registry.guards.discard(self)
         self.stopping = asyncio.ensure_future(server.stop(STOP_GRACE))
+        if self.on_revoked is not None:
+            self.on_revoked(self._refusal(cert))
 
 
-def guard(files: TlsFiles, server: grpc.aio.Server) -> OwnCertificate:
+def guard(
+    files: TlsFiles,
+    server: grpc.aio.Server,
+    on_revoked: Callable[[Invalid], None] | None = None,
+) -> OwnCertificate:
     """Check the server's certificate now and on every new CRL; the guard lives as long as
     the server (the registry only holds it weakly)."""
-    own = OwnCertificate(files, server)
+    own = OwnCertificate(files, server, on_revoked=on_revoked)
     own.check()
     setattr(server, "_orka_own_certificate", own)  # noqa: B010 - keeps the guard alive
     return own

@@ -65,8 +65,12 @@ async def start_server(
     tls: TlsFiles,
     register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
+    on_revoked: Callable[[Invalid], None] | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Start a mutual-TLS server with health and reflection; returns it and its bound port."""
+    """Start a mutual-TLS server with health and reflection; returns it and its bound port.
+
+    It refuses to start on a revoked certificate and stops when a CRL revokes it later,
+    then calls `on_revoked` with the reason (the service's own shutdown)."""
     host, port = split_hostport(listen)
     # Revoked peers are refused on every method, health and reflection included.
     server = grpc.aio.server(options=grpc_options(), interceptors=[RevocationInterceptor()])
@@ -78,7 +82,7 @@ async def start_server(
     reflection.enable_server_reflection(names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     credentials = server_credentials(tls)  # loads the CRL the guard checks against
-    own_cert.guard(tls, server)
+    own_cert.guard(tls, server, on_revoked)
     bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise Invalid(f"--listen: cannot listen on {listen}")
