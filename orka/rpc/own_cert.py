@@ -3,11 +3,11 @@
 grpc-python's clients cannot check a CRL in the handshake, nor show the caller the server's
 certificate afterwards, so an Orka client would talk to a server holding a revoked
 certificate. What the server side can do is refuse to present one: an Orka server will not
-start on a revoked certificate, and stops serving when a CRL it loads revokes the certificate
-it would serve. That covers an operator who revoked a server's certificate and forgot to
-re-issue it. It does not stop a thief who runs their own server with a stolen key and no CRL:
-the remedy for a stolen server key is rotating it and revoking the old serial, as clients
-cannot refuse it.
+start on a revoked certificate, and stops serving (its service then ends, naming the reason)
+when a CRL it loads revokes the certificate it would serve. That covers an operator who
+revoked a server's certificate and forgot to re-issue it. It does not stop a thief who runs
+their own server with a stolen key and no CRL: the remedy for a stolen server key is rotating
+it and revoking the old serial, as clients cannot refuse it.
 """
 
 from __future__ import annotations
