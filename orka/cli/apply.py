@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from orka.cli.client import AdminClient
-from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_target
+from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.cli.manifest import load_manifests
 from orka.errors import NotFound, OrkaError
 from orka.models import Workload, WorkloadSpec
@@ -74,7 +74,7 @@ def _not_ready_message(items: list[Workload], timeout: float) -> str:
 
 async def _apply(args: argparse.Namespace, specs: list[WorkloadSpec]) -> int:
     address, certs = client_target(args)
-    async with AdminClient(address, certs) as client:
+    async with AdminClient(address, certs, identity=client_identity(args)) as client:
         for spec in specs:
             verb = await apply_one(client, spec)
             print(f"workload/{spec.name} {verb}")

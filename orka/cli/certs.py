@@ -1,10 +1,12 @@
-"""`orka certs init|issue|revoke|rotate`: the cluster CA and the certificates each identity uses."""
+"""`orka certs init|issue|revoke|rotate|list`: the cluster CA and each identity's certificate."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from orka.cli import output
 from orka.cli.defaults import (
     UsageError,
     add_flag,
@@ -13,6 +15,7 @@ from orka.cli.defaults import (
     resolve_certs,
     resolve_data_dir,
 )
+from orka.security.inventory import list_certs
 from orka.security.issue import init_certs, issue_cert
 from orka.security.revoke import parse_serial, revoke, serial_of
 from orka.security.rotate import rotate
@@ -82,9 +85,34 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
+LIST_FORMATS = ("table", "json")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    if args.output not in LIST_FORMATS:
+        raise UsageError(f"-o/--output: {args.output[:32]!r} is not one of table, json")
+    infos = list_certs(_dir(args))
+    if args.output == "json":
+        print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return 0
+    rows = [
+        (
+            i.role,
+            i.name,
+            i.serial,
+            i.not_after.strftime("%Y-%m-%d %H:%M") + (" (expired)" if i.expired else ""),
+            "yes" if i.revoked else "no",
+            i.path,
+        )
+        for i in infos
+    ]
+    print(output.table(["ROLE", "NAME", "SERIAL", "NOT-AFTER (UTC)", "REVOKED", "PATH"], rows))
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("certs", help="create the cluster CA and certificates")
-    csub = p.add_subparsers(dest="certs_command", metavar="init|issue|revoke|rotate")
+    csub = p.add_subparsers(dest="certs_command", metavar="init|issue|revoke|rotate|list")
     csub.required = True
 
     init = csub.add_parser("init", help="CA + controller, scheduler, admin and agent certs")
@@ -113,3 +141,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(rot, "--name", metavar="NAME", help="its name")
     add_flag(rot, "--all", action="store_true", help="every certificate in DIR")
     rot.set_defaults(func=cmd_rotate)
+
+    ls = csub.add_parser("list", help="each certificate: role, name, serial, expiry, revoked")
+    add_flag(ls, "--dir", metavar="DIR", help="certs directory (default <data-dir>/certs)")
+    add_flag(ls, "--output", "-o", default="table", help="table or json", metavar="FORMAT")
+    ls.set_defaults(func=cmd_list)

@@ -39,17 +39,37 @@ def leader_named(message: str) -> str | None:
 
 
 def admin_tls(certs: Path) -> TlsFiles:
+    return client_tls(certs, ("admin", "admin"))
+
+
+def client_tls(certs: Path, identity: tuple[str, str]) -> TlsFiles:
+    """The pair of `identity` (role, name) in `certs`, as `orka certs` wrote it."""
+    role, name = identity
     try:
-        return TlsFiles.for_service(certs, "admin", "admin")
+        return TlsFiles.for_service(certs, role, name)
     except Invalid as e:
-        raise Invalid(
-            f"{e.message} (run `orka up`, or `orka certs init --dir {certs}`, "
-            "or point --certs / ORKA_CERTS at your cluster's certs)"
-        ) from None
+        if identity == ("admin", "admin"):
+            hint = (
+                f"run `orka up`, or `orka certs init --dir {certs}`, "
+                "or point --certs / ORKA_CERTS at your cluster's certs"
+            )
+        else:
+            hint = (
+                f"issue it with `orka certs issue --dir {certs} --role {role} --name {name}`, "
+                "or pick another with --identity / ORKA_IDENTITY"
+            )
+        raise Invalid(f"{e.message} ({hint})") from None
 
 
 class AdminClient:
-    def __init__(self, address: str, certs: Path, timeout: float = RPC_TIMEOUT) -> None:
+    def __init__(
+        self,
+        address: str,
+        certs: Path,
+        timeout: float = RPC_TIMEOUT,
+        identity: tuple[str, str] = ("admin", "admin"),
+    ) -> None:
+        self.identity = identity
         self.addresses = [a.strip() for a in address.split(",") if a.strip()] or [address]
         self.address = self.addresses[0]
         self.certs = certs
@@ -63,7 +83,9 @@ class AdminClient:
 
     def _connect(self, address: str) -> None:
         self.address = address
-        self._channel = secure_channel(address, admin_tls(self.certs), "controller", bulk=True)
+        self._channel = secure_channel(
+            address, client_tls(self.certs, self.identity), "controller", bulk=True
+        )
         self._stub = pb_grpc.ControllerStub(self._channel)
 
     async def _switch(self, address: str) -> None:

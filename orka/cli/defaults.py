@@ -7,8 +7,18 @@ import os
 from pathlib import Path
 from typing import Any
 
+from orka.errors import Invalid
+from orka.security.ca import validate_name
+from orka.security.issue import role_of_stem
+
 DEFAULT_CONTROLLER = "127.0.0.1:7443"
 DEFAULT_SCHEDULER = "127.0.0.1:7444"
+# The certificate client commands present: `<certs>/<NAME>.crt/.key` (or its own folder).
+DEFAULT_IDENTITY = "admin"
+IDENTITY_HELP = (
+    "which certificate of --certs to use: admin, or <role>-<name> as `orka certs issue` "
+    "names it, e.g. viewer-alice (default admin)"
+)
 ENV_PREFIX = "ORKA_"
 
 
@@ -97,6 +107,26 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
         help=f"controller address(es); the leader is found (default {DEFAULT_CONTROLLER})",
     )
     add_location_flags(parser)
+    # Also accepted before the command (`orka --identity viewer-alice get wl`), where its
+    # default and $ORKA_IDENTITY live: SUPPRESS here keeps that value when not repeated.
+    parser.add_argument("--identity", metavar="NAME", default=argparse.SUPPRESS, help=IDENTITY_HELP)
+
+
+def client_identity(args: argparse.Namespace) -> tuple[str, str]:
+    """The (role, name) of the certificate the client presents, from --identity."""
+    value = str(getattr(args, "identity", DEFAULT_IDENTITY) or DEFAULT_IDENTITY).strip()
+    role = role_of_stem(value)
+    name = role if value == role else value[len(role) + 1 :] if role else ""
+    try:
+        if role is None or not name:
+            raise Invalid("")
+        validate_name(name)
+    except Invalid:
+        raise UsageError(
+            f"--identity: {value[:64]!r} is not admin or <role>-<name> (e.g. viewer-alice), "
+            "the name `orka certs issue --role ROLE --name NAME` writes"
+        ) from None
+    return role, name
 
 
 def client_target(args: argparse.Namespace) -> tuple[str, Path]:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from orka.cli import apply, certs, resources, services, up
-from orka.cli.defaults import UsageError
-from orka.errors import OrkaError
+from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
+from orka.errors import OrkaError, PermissionDenied
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="orka",
         description="Orka: a cluster control plane. Every flag also reads ORKA_<FLAG>.",
     )
+    add_flag(parser, "--identity", metavar="NAME", default=DEFAULT_IDENTITY, help=IDENTITY_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up.register(sub)
     services.register(sub)
@@ -55,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         _error(e.message)
         return EXIT_USAGE
+    except PermissionDenied as e:
+        # The controller's reason names the role; say first what kind of failure it is.
+        _error(f"permission denied: {e.message}")
+        return EXIT_FAILED
     except OrkaError as e:
         _error(e.message)
         return EXIT_FAILED

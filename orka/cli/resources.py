@@ -8,7 +8,7 @@ import time
 
 from orka.cli import output
 from orka.cli.client import AdminClient
-from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_target
+from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.errors import NotFound, OrkaError
 from orka.models import InstancePhase
 
@@ -31,7 +31,7 @@ def resource_kind(value: str) -> str:
 
 def _client(args: argparse.Namespace) -> AdminClient:
     address, certs = client_target(args)
-    return AdminClient(address, certs)
+    return AdminClient(address, certs, identity=client_identity(args))
 
 
 def _phase(value: str | None) -> InstancePhase | None:

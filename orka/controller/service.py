@@ -132,13 +132,21 @@ class Controller:
     async def start(self) -> int:
         private_dir(self.config.data_dir)  # the store holds specs, with their secrets
         await self.store.open()
-        self._server, self.port, self._health = await start_server(
-            self.config.listen,
-            self.tls,
-            [lambda s: pb_grpc.add_ControllerServicer_to_server(self.api, s)],
-            [SERVICE_NAME],
-            max_receive=API_MAX_RECEIVE,
-        )
+        try:
+            self._server, self.port, self._health = await start_server(
+                self.config.listen,
+                self.tls,
+                [lambda s: pb_grpc.add_ControllerServicer_to_server(self.api, s)],
+                [SERVICE_NAME],
+                max_receive=API_MAX_RECEIVE,
+                on_revoked=self._fail,
+            )
+        except BaseException:
+            # Refused to serve (a revoked certificate, a port in use): the store's and the
+            # audit file's threads would keep the process alive after the error.
+            await self.store.close()
+            await asyncio.to_thread(self.audit.close)
+            raise
         # Not serving the API until elected and loaded; the gate answers UNAVAILABLE meanwhile.
         await self._set_serving(False)
         advertise = self.config.advertise or default_advertise(self.config.listen, self.port)
@@ -221,6 +229,12 @@ class Controller:
         # Watchers reconnect to whoever leads next; the cache is not ours to answer from.
         self.events.close()
         self.repo.reset()
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the service with `exc`: run() stops everything, then raises it."""
+        if self._failed is None:
+            self._failed = exc
+        self._stopped.set()
 
     def _child_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or self._stopped.is_set():

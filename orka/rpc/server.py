@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from orka.errors import Invalid, OrkaError
+from orka.rpc import own_cert
+from orka.rpc.revocation_check import RevocationInterceptor
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
 from orka.security.tls import TlsFiles, server_credentials
 
@@ -64,11 +66,18 @@ async def start_server(
     register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
     max_receive: int = MAX_MESSAGE_BYTES,
+    on_revoked: Callable[[Invalid], None] | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a mutual-TLS server with health and reflection; returns it and its bound port.
-    `max_receive` bounds each request message (gRPC answers RESOURCE_EXHAUSTED above it)."""
+
+    `max_receive` bounds each request message (gRPC answers RESOURCE_EXHAUSTED above it). It
+    refuses to start on a revoked certificate and stops when a CRL revokes it later, then
+    calls `on_revoked` with the reason (the service's own shutdown)."""
     host, port = split_hostport(listen)
-    server = grpc.aio.server(options=grpc_options(max_receive=max_receive))
+    # Revoked peers are refused on every method, health and reflection included.
+    server = grpc.aio.server(
+        options=grpc_options(max_receive=max_receive), interceptors=[RevocationInterceptor()]
+    )
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -76,7 +85,9 @@ async def start_server(
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(address, server_credentials(tls))
+    credentials = server_credentials(tls)  # loads the CRL the guard checks against
+    own_cert.guard(tls, server, on_revoked)
+    bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise Invalid(f"--listen: cannot listen on {listen}")
     await server.start()

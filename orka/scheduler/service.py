@@ -184,6 +184,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._failed: BaseException | None = None
+        self._failing: set[asyncio.Future[None]] = set()  # a reference to the stop task
         self.port = 0
 
     # ---- lifecycle ----
@@ -194,6 +196,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             self.tls,
             [lambda s: apb_grpc.add_SchedulerServicer_to_server(self, s)],
             [SERVICE_NAME],
+            on_revoked=self._fail,
         )
         self._tasks.append(asyncio.create_task(self._liveness(), name="liveness"))
         log.info("scheduler listening", port=self.port)
@@ -202,6 +205,16 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def run(self) -> None:
         await self.start()
         await self._stopped.wait()
+        if self._failing:
+            await asyncio.gather(*self._failing, return_exceptions=True)
+        if self._failed is not None:
+            raise self._failed
+
+    def _fail(self, exc: BaseException) -> None:
+        """End the service with `exc` (its own certificate revoked): run() raises it."""
+        if self._failed is None:
+            self._failed = exc
+        self._failing.add(asyncio.ensure_future(self.stop()))
 
     async def stop(self) -> None:
         if self._stopped.is_set():
@@ -298,6 +311,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
             session.error_type = type(err)
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AbortError:
+            # Nothing aborts a live agent stream from outside its handler but the CRL watcher
+            # cutting a peer a new CRL revoked (security/revocation.py): expected, so one line.
+            log.warning("agent certificate revoked; stream ended", node=session.node)
         except Exception:
             log.exception("agent stream failed", node=session.node)
         finally:

@@ -21,6 +21,7 @@ import os
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import structlog
@@ -78,6 +79,12 @@ def _serial(pem: bytes) -> int:
         raise Unauthenticated("peer certificate does not parse") from None
 
 
+class Guard(Protocol):
+    """Told of each CRL that revokes something new (a server watching its own certificate)."""
+
+    def revoked(self, serials: frozenset[int]) -> None: ...
+
+
 @dataclass
 class _Call:
     task: asyncio.Task[object]
@@ -95,6 +102,9 @@ class Revocations:
         field(default_factory=dict)
     )
     revoked: frozenset[int] = frozenset()
+    # Servers checking their own certificate against each new CRL; weak, so a server that is
+    # gone drops out without unregistering.
+    guards: weakref.WeakSet[Guard] = field(default_factory=weakref.WeakSet)
     _cutting: set[asyncio.Future[None]] = field(default_factory=set)
 
     def is_revoked(self, serial: int) -> bool:
@@ -138,6 +148,9 @@ class Revocations:
                 self._cutting.add(cutting)  # a reference, so the task is not collected
                 cutting.add_done_callback(self._cutting.discard)
                 cut += 1
+        if self.revoked - before:
+            for guard in list(self.guards):
+                guard.revoked(self.revoked)
         return cut
 
 

@@ -91,20 +91,25 @@ def _events(log: Path, event: str) -> list[dict[str, object]]:
 
 
 @pytest.fixture
-def certs(tmp_path: Path) -> Certs:
-    return make_certs(tmp_path)
-
-
-@pytest.fixture
 def marker() -> Iterator[Path]:
-    """Where the offered command would leave its mark: workloads run as nobody with a private
-    /tmp, so the folder is world-writable and outside /tmp (pytest's tmp_path is neither)."""
+    """Where the impostor's `touch` writes. Not under /tmp (process workloads get a private
+    /tmp) nor under pytest's root-only tmp_path (they run as nobody): a world-writable
+    folder of its own in /var/tmp, so the control row can see the agent obey."""
     folder = Path(tempfile.mkdtemp(prefix="orka-rogue-", dir="/var/tmp"))
     folder.chmod(0o777)
     try:
         yield folder / "ran"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _touched(marker: Path) -> bool:
+    return marker.exists()  # one stat: fine on the test's loop
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Certs:
+    return make_certs(tmp_path)
 
 
 @pytest.fixture
@@ -146,7 +151,7 @@ async def test_agent_refuses_a_scheduler_holding_an_agent_certificate(
         refusals = await eventually(refused_twice, timeout=30)
         assert impostor.streams == 0
         assert _events(agent.log, "registered") == []
-        assert not marker.exists()  # noqa: ASYNC240 (one stat in a test)
+        assert not _touched(marker)
         assert host_copies(WORKLOAD) == {}
         assert refusals[0]["level"] == "error"
         assert refusals[0]["target"] == f"127.0.0.1:{port}"
@@ -167,7 +172,7 @@ async def test_control_the_impostor_with_a_scheduler_certificate_is_obeyed(
         agent = cluster.start_agent("node-1")
 
         async def ran() -> bool:
-            return marker.exists() and len(host_copies(WORKLOAD)) == 1  # noqa: ASYNC240
+            return _touched(marker) and len(host_copies(WORKLOAD)) == 1
 
         await eventually(ran, timeout=30)
         assert impostor.streams >= 1

@@ -7,7 +7,9 @@ Orka issued (serverAuth plus host names), which is what a rogue scheduler would 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import io
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from orka.cli.main import main as cli_main
 from orka.security.ca import CLOCK_SKEW, cert_pem, key_pem, spiffe_uri
 from orka.security.issue import init_certs, issue_cert, load_ca
 from orka.security.tls import TlsFiles
@@ -32,12 +35,13 @@ NAMES = {
     "agent": "node-1",
 }
 # Ways a certificate is refused before any role is looked at, in every listener and client
-# table. REVOKED ROWS: "revoked" is the row the revocation work (a CRL enforced at the
-# handshake) fills in: make `Certs.bad("revoked", role)` return a revoked certificate of
-# `role` and empty PENDING; every table then checks it like the other bad kinds.
+# table. "revoked" is a certificate of the cluster CA revoked with `orka certs revoke` (CRL
+# in every service folder): gRPC cannot check a CRL in the handshake, so listeners refuse it
+# right after it with UNAUTHENTICATED "certificate revoked" (orka/security/revocation.py),
+# and an Orka server will not present one (orka/rpc/own_cert.py).
 BAD = ("none", "other-ca", "expired", "not-yet-valid", "revoked")
-PENDING: frozenset[str] = frozenset({"revoked"})
-REVOCATION_PENDING = "revocation: the CRL is enforced by the certlife slice, which fills this row"
+# The name revoked certificates carry (`<role>-revoked`, or `revoked.crt` for the singletons).
+REVOKED_NAME = "revoked"
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,8 @@ class Certs:
         if kind == "other-ca":
             other = TlsFiles.for_service(self.other, role, NAMES[role])
             return TlsFiles(ca=ca, cert=other.cert, key=other.key)
-        if kind in ("expired", "not-yet-valid"):
+        if kind in ("expired", "not-yet-valid", REVOKED_NAME):
             return TlsFiles.for_service(self.dir, role, kind)
-        # "revoked": see PENDING above.
         raise ValueError(kind)
 
     def legacy_agent(self) -> TlsFiles:
@@ -83,6 +86,11 @@ def make_certs(root: Path) -> Certs:
     for role in ROLES:
         for kind, (start, end) in spans.items():
             issue_cert(d, role, kind, not_valid_before=start, not_valid_after=end)
+        issue_cert(d, role, REVOKED_NAME)
+        # The operator's path: the CLI writes the CA-signed CRL into DIR and every folder.
+        argv = ["certs", "revoke", "--dir", str(d), "--role", role, "--name", REVOKED_NAME]
+        with contextlib.redirect_stdout(io.StringIO()):  # its "wrote ..." lines
+            assert cli_main(argv) == 0
     write_legacy_cert(d, "agent", "node-2", "legacy-agent-node-2")
     return Certs(dir=d, other=other)
 

@@ -7,12 +7,15 @@ import dataclasses
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from structlog.testing import capture_logs
 
 from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2_grpc as apb_grpc
@@ -136,13 +139,33 @@ async def test_a_revoked_agents_stream_is_cut(certs: Path) -> None:
             await call.write(register())
             first = await asyncio.wait_for(call.read(), 5)
             assert first.HasField("registered"), first
-            revoke(certs, [serial_of(certs, "agent", "node-1")])
-            revoked_at = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async with asyncio.timeout(INTERVAL + SLACK):
-                    while (msg := await call.read()) is not grpc.aio.EOF:
-                        assert not msg.HasField("registered"), msg
-                    await call.code()
+            with capture_logs() as entries:
+                revoke(certs, [serial_of(certs, "agent", "node-1")])
+                revoked_at = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async with asyncio.timeout(INTERVAL + SLACK):
+                        while (msg := await call.read()) is not grpc.aio.EOF:
+                            assert not msg.HasField("registered"), msg
+                        await call.code()
+
+                async def ended() -> bool:
+                    return any(e["event"] == "agent disconnected" for e in entries)
+
+                # The reader logs before the session's end is recorded.
+                await eventually(ended, timeout=5, interval=0.02)
+            # One warning line, no traceback: the cut is expected, not a failure.
+            said = [
+                {k: v for k, v in e.items() if k != "timestamp"}
+                for e in entries
+                if e["event"].startswith("agent") and e["event"] != "agent disconnected"
+            ]
+            assert said == [
+                {
+                    "event": "agent certificate revoked; stream ended",
+                    "log_level": "warning",
+                    "node": "node-1",
+                }
+            ]
             took = time.monotonic() - revoked_at
             assert (info.value.code(), info.value.details()) == (
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -241,3 +264,111 @@ async def test_an_agent_moves_to_its_rotated_key_when_the_old_one_is_revoked(
     finally:
         await agent.stop()
         await scheduler.stop()
+
+
+async def test_a_server_stops_serving_when_its_own_certificate_is_revoked(
+    server: str, certs: Path
+) -> None:
+    """The operator revoked the controller's certificate and forgot to re-issue it: the
+    server stops presenting it (clients cannot check a CRL themselves: own_cert.py)."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        assert (await who(admin)).startswith("admin/admin ")
+        with capture_logs() as entries:
+            revoke(certs, [serial_of(certs, "controller", "controller")])
+
+            async def stopped() -> grpc.aio.AioRpcError | None:
+                async with channel(server, certs, "admin", "admin") as fresh:
+                    try:
+                        await who(fresh)
+                    except grpc.aio.AioRpcError as err:
+                        return err
+                return None
+
+            err = await eventually(stopped, timeout=INTERVAL + SLACK, interval=0.02)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        said = [e for e in entries if e["event"].startswith("this server's own certificate")]
+        assert [(e["log_level"], e["event"], e["fix"]) for e in said] == [
+            (
+                "error",
+                "this server's own certificate is revoked; stopping the server",
+                "orka certs rotate --role controller --name controller",
+            )
+        ]
+
+
+async def test_a_server_rotated_before_its_old_serial_is_revoked_keeps_serving(
+    server: str, certs: Path
+) -> None:
+    """The right order (rotate, then revoke the old serial) must not stop the server: it
+    serves the re-issued certificate from the next handshake."""
+    old = serial_of(certs, "controller", "controller")
+    rotate(certs, role="controller", name="controller")
+    revoke(certs, [old])
+    # A wait for something that must not happen: three reload intervals.
+    await asyncio.sleep(3 * INTERVAL)
+    async with channel(server, certs, "admin", "admin") as fresh:
+        assert (await who(fresh)).startswith("admin/admin ")
+
+
+async def _health(channel: grpc.aio.Channel) -> str:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=5
+    )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def _reflection(channel: grpc.aio.Channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(timeout=5)
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    reply = await call.read()
+    await call.done_writing()
+    return sorted(s.name for s in reply.list_services_response.service)
+
+
+async def _refusal(rpc: Awaitable[object]) -> tuple[grpc.StatusCode, str] | None:
+    try:
+        await rpc
+    except grpc.aio.AioRpcError as err:
+        return err.code(), err.details() or ""
+    return None
+
+
+async def test_a_revoked_admin_is_refused_by_health_and_reflection(
+    server: str, certs: Path
+) -> None:
+    """Standard services have no Orka handler reading the peer: the interceptor that
+    start_server installs checks the serial for them (orka/rpc/revocation_check.py)."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        assert await _health(admin) == "SERVING"
+        assert "grpc.health.v1.Health" in await _reflection(admin)
+        revoke(certs, [serial_of(certs, "admin", "admin")])
+
+        async def refused() -> tuple[grpc.StatusCode, str] | None:
+            return await _refusal(_health(admin))
+
+        revoked = (grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")
+        assert await eventually(refused, timeout=INTERVAL + SLACK, interval=0.02) == revoked
+        assert await _refusal(_reflection(admin)) == revoked
+    # Everyone else is still served by both.
+    async with channel(server, certs, "agent", "node-1") as agent:
+        assert await _health(agent) == "SERVING"
+        assert "orka.test.Probe" in await _reflection(agent)
+
+
+async def test_a_revoked_admins_health_watch_is_cut(server: str, certs: Path) -> None:
+    """A stream of a standard service is cut like Orka's own when a CRL revokes its peer."""
+    async with channel(server, certs, "admin", "admin") as admin:
+        watch = health_pb2_grpc.HealthStub(admin).Watch(health_pb2.HealthCheckRequest())
+        first = await asyncio.wait_for(watch.read(), 5)
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        revoke(certs, [serial_of(certs, "admin", "admin")])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async with asyncio.timeout(INTERVAL + SLACK):
+                while await watch.read() is not grpc.aio.EOF:
+                    pass
+                await watch.code()
+        assert (info.value.code(), info.value.details()) == (
+            grpc.StatusCode.UNAUTHENTICATED,
+            "certificate revoked",
+        )

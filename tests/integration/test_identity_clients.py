@@ -2,6 +2,12 @@
 reach only a `scheduler`, the CLI only a `controller`. Each real client dials a real server
 that presents one certificate of the table; a refused server never sees a call, and the
 client says why. The right certificate is the control row: the same server is reached.
+
+The revoked row is different, and says exactly what holds: grpc-python's clients cannot
+check a CRL in the handshake nor see the server's certificate, so no client refuses a revoked
+server certificate. An honest Orka server refuses to start on one (and stops when a CRL
+revokes it: test_certlife), so it is never reached; a thief serving a stolen key without the
+CRL IS reached (`test_limit_...` pins that documented limit).
 """
 
 from __future__ import annotations
@@ -19,14 +25,13 @@ from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2 as apb
 from orka.cli.client import AdminClient
 from orka.controller.link import SchedulerLink
-from orka.errors import OrkaError
+from orka.errors import Invalid, OrkaError
+from orka.rpc.server import start_server
 from orka.security.tls import TlsFiles
 from tests.integration.cluster import eventually
 from tests.integration.identities import (
     BAD,
     NAMES,
-    PENDING,
-    REVOCATION_PENDING,
     Certs,
     make_certs,
 )
@@ -90,7 +95,7 @@ def server_rows(certs: Certs, role: str) -> dict[str, TlsFiles]:
     """Every certificate a server could present to a client that wants `role`."""
     rows: dict[str, TlsFiles | None] = {"right": certs.role(role)}
     # A server always presents a certificate, so "none" is not a row here.
-    rows |= {kind: certs.bad(kind, role) for kind in BAD if kind != "none" and kind not in PENDING}
+    rows |= {kind: certs.bad(kind, role) for kind in BAD if kind != "none"}
     rows["legacy-agent"] = certs.legacy_agent()
     for other in ("admin", "viewer", "agent", "controller", "scheduler"):
         if other != role:
@@ -103,6 +108,20 @@ def server_rows(certs: Certs, role: str) -> dict[str, TlsFiles]:
 # fails the chain or validity check.
 WRONG_NAME = "does not name role"
 NOT_SERVING = "not for serving (no serverAuth)"
+NOT_STARTED = "not reached: the Orka server refuses to start on its revoked certificate"
+
+
+async def orka_server(files: TlsFiles) -> str:
+    """What an honest Orka server does with a revoked certificate (the client has nothing to
+    dial: no port was ever opened)."""
+    try:
+        server, _, _ = await start_server("127.0.0.1:0", files, [], [])
+    except Invalid as e:
+        assert e.message.startswith(f"certs: {files.cert} (serial ")
+        assert f"is revoked by {files.crl}" in e.message
+        return NOT_STARTED
+    await server.stop(None)
+    return "an Orka server started on a revoked certificate"
 
 
 def expected(role: str) -> dict[str, str]:
@@ -111,7 +130,7 @@ def expected(role: str) -> dict[str, str]:
         "other-ca": "refused: unable to get local issuer certificate",
         "expired": "refused: certificate has expired",
         "not-yet-valid": "refused: certificate is not yet valid",
-        # "revoked" (see PENDING): the revocation work adds its expected refusal here.
+        "revoked": NOT_STARTED,
         # The attack of the issue: an agent certificate with serverAuth and 127.0.0.1.
         "legacy-agent": f"refused: {WRONG_NAME}",
         "admin": f"refused: {NOT_SERVING}",
@@ -226,14 +245,33 @@ async def test_client_table(
 ) -> None:
     got: dict[str, str] = {}
     for row, files in server_rows(certs, role).items():
+        if row == "revoked":
+            got[row] = await orka_server(files)
+            continue
         async with serving(certs, files) as (target, seen):
             got[row] = await run(certs, target, seen, tmp_path / row)
     assert got == expected(role)
 
 
-@pytest.mark.skip(reason=REVOCATION_PENDING)
-async def test_revoked_server_certificate_rows() -> None:
-    """Placeholder: a server presenting a revoked certificate, for each client."""
+@pytest.mark.parametrize(
+    ("client", "role", "run"),
+    [
+        ("agent", "scheduler", run_agent),
+        ("controller-link", "scheduler", run_link),
+        ("cli", "controller", run_cli),
+    ],
+)
+async def test_limit_a_thief_serving_a_revoked_key_without_the_crl_is_reached(
+    certs: Certs, tmp_path: Path, client: str, role: str, run: Runner
+) -> None:
+    """The documented limit, pinned so that it is not forgotten (and so that a future gRPC
+    with client-side CRLs shows up here): a server of the thief's own, presenting a stolen
+    and since revoked certificate, is reached by every Orka client. Rotate the key and revoke
+    the old serial still matters: honest servers then stop presenting it."""
+    stolen = certs.bad("revoked", role)
+    assert stolen is not None
+    async with serving(certs, stolen) as (target, seen):
+        assert await run(certs, target, seen, tmp_path / "thief") == "served"
 
 
 async def test_cli_error_names_the_refusal(certs: Certs) -> None:

@@ -2,9 +2,12 @@
 against every RPC of the controller API and of the scheduler (agent stream, controller feed
 and the controller's unary calls), on real servers over mutual TLS.
 
-A bad certificate is refused at the handshake (UNAVAILABLE: no RPC runs); a good one of a
-role the RPC does not admit gets PERMISSION_DENIED; an admitted one is served (the RPC's own
-answer, asserted exactly, so "served" means the handler ran).
+A bad certificate is refused at the handshake (UNAVAILABLE: no RPC runs), except a revoked
+one: gRPC cannot check a CRL in the handshake, so it is refused right after it, before the
+handler runs, with UNAUTHENTICATED "certificate revoked" (every UNAUTHENTICATED here is
+asserted to say that). A good certificate of a role the RPC does not admit gets
+PERMISSION_DENIED; an admitted one is served (the RPC's own answer, asserted exactly, so
+"served" means the handler ran).
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ from tests.integration.cluster import Cluster, eventually
 from tests.integration.identities import (
     BAD,
     NAMES,
-    PENDING,
-    REVOCATION_PENDING,
     ROLES,
     Certs,
     channel_credentials_for,
@@ -39,6 +40,7 @@ from tests.integration.identities import (
 OK = grpc.StatusCode.OK
 DENIED = grpc.StatusCode.PERMISSION_DENIED
 REFUSED = grpc.StatusCode.UNAVAILABLE
+REVOKED = grpc.StatusCode.UNAUTHENTICATED
 _serial = itertools.count()
 
 
@@ -67,11 +69,17 @@ def _channel(target: str, certs: Certs, files: TlsFiles | None, server: str) -> 
     )
 
 
+def _failed(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
+    if err.code() is REVOKED:
+        assert err.details() == "certificate revoked"
+    return err.code()
+
+
 async def _code(call: Awaitable[object]) -> grpc.StatusCode:
     try:
         await asyncio.wait_for(call, 10)
     except grpc.aio.AioRpcError as err:
-        return err.code()
+        return _failed(err)
     return OK
 
 
@@ -91,14 +99,15 @@ async def _first_of_stream(
             await poke()
         msg = await asyncio.wait_for(reader, 10)
     except grpc.aio.AioRpcError as err:
-        return err.code()
+        return _failed(err)
     finally:
         call.cancel()
     return OK if msg is not grpc.aio.EOF else await call.code()
 
 
 def _expected(allowed: set[str], served: grpc.StatusCode) -> dict[str, grpc.StatusCode]:
-    row = {kind: REFUSED for kind in BAD if kind not in PENDING}
+    row = {kind: REFUSED for kind in BAD}
+    row["revoked"] = REVOKED
     row |= {role: (served if role in allowed else DENIED) for role in ROLES}
     return row
 
@@ -106,9 +115,7 @@ def _expected(allowed: set[str], served: grpc.StatusCode) -> dict[str, grpc.Stat
 def _subjects(certs: Certs, allowed_role: str) -> dict[str, TlsFiles | None]:
     """Every row of the table: the bad kinds spoil a certificate of a role the RPC admits,
     so that only the spoiling can be what refuses it."""
-    subjects: dict[str, TlsFiles | None] = {
-        kind: certs.bad(kind, allowed_role) for kind in BAD if kind not in PENDING
-    }
+    subjects: dict[str, TlsFiles | None] = {kind: certs.bad(kind, allowed_role) for kind in BAD}
     subjects |= {role: certs.role(role) for role in ROLES}
     return subjects
 
@@ -211,11 +218,6 @@ async def test_controller_api_table(cluster: Cluster, certs: Certs) -> None:
     assert len(listed.workloads) == 2 * len(READERS)
 
 
-@pytest.mark.skip(reason=REVOCATION_PENDING)
-async def test_revoked_certificate_rows() -> None:
-    """Placeholder row "revoked" of both listener tables (and of the client tables)."""
-
-
 async def test_scheduler_table(cluster: Cluster, certs: Certs) -> None:
     target = f"127.0.0.1:{cluster.scheduler.port}"
 
@@ -232,7 +234,7 @@ async def test_scheduler_table(cluster: Cluster, certs: Certs) -> None:
         try:
             msg = await asyncio.wait_for(call.read(), 10)
         except grpc.aio.AioRpcError as err:
-            return err.code()
+            return _failed(err)
         finally:
             call.cancel()
         if msg is grpc.aio.EOF:
@@ -247,7 +249,7 @@ async def test_scheduler_table(cluster: Cluster, certs: Certs) -> None:
         try:
             msg = await asyncio.wait_for(call.read(), 10)
         except grpc.aio.AioRpcError as err:
-            return err.code()
+            return _failed(err)
         finally:
             call.cancel()
         return OK if msg is not grpc.aio.EOF else await call.code()

@@ -69,3 +69,64 @@ def test_rotate(certs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert len(capsys.readouterr().out.splitlines()) == 8
     assert main(["certs", "rotate", "--dir", str(certs)]) == 2
     assert "give either --role and --name, or --all" in capsys.readouterr().err
+
+
+def test_list_shows_each_certificate_and_whether_it_is_revoked(
+    certs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import datetime as dt
+    import json
+
+    from orka.security.issue import issue_cert
+
+    assert main(["certs", "issue", "--dir", str(certs), "--role", "viewer", "--name", "alice"]) == 0
+    past = dt.datetime.now(dt.UTC) - dt.timedelta(days=2)
+    issue_cert(
+        certs, "admin", "old", not_valid_before=past, not_valid_after=past + dt.timedelta(days=1)
+    )
+    old_node = serial_of(certs, "agent", "node-1")
+    # Rotate, then revoke the old serial: the list follows serials, not names.
+    assert (
+        main(["certs", "rotate", "--dir", str(certs), "--role", "agent", "--name", "node-1"]) == 0
+    )
+    assert main(["certs", "revoke", "--dir", str(certs), "--serial", f"{old_node:x}"]) == 0
+    assert (
+        main(["certs", "revoke", "--dir", str(certs), "--role", "viewer", "--name", "alice"]) == 0
+    )
+    capsys.readouterr()
+
+    assert main(["certs", "list", "--dir", str(certs), "-o", "json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    got = {(c["role"], c["name"]): (c["serial"], c["revoked"], c["expired"]) for c in listed}
+    want = {
+        (role, name): (format(serial_of(certs, role, name), "x"), revoked, expired)
+        for role, name, revoked, expired in [
+            ("admin", "admin", False, False),
+            ("admin", "old", False, True),
+            ("viewer", "alice", True, False),
+            ("agent", "node-1", False, False),
+            ("controller", "controller", False, False),
+            ("scheduler", "scheduler", False, False),
+        ]
+    }
+    assert got == want
+    assert len(listed) == len(want)
+    assert all(Path(c["path"]).is_file() and c["not_after"].endswith("Z") for c in listed)
+
+    assert main(["certs", "list", "--dir", str(certs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["ROLE", "NAME", "SERIAL", "NOT-AFTER", "(UTC)", "REVOKED", "PATH"]
+    alice = next(line.split() for line in lines if line.startswith("viewer"))
+    assert alice[:3] == ["viewer", "alice", format(serial_of(certs, "viewer", "alice"), "x")]
+    assert alice[-2:] == ["yes", str(certs / "viewer-alice.crt")]
+    old = next(line for line in lines if " old " in line)
+    assert "(expired)" in old and old.split()[-2] == "no"
+
+
+def test_list_refuses_a_bad_format_and_a_missing_dir(
+    certs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["certs", "list", "--dir", str(certs), "-o", "yaml"]) == 2
+    assert "-o/--output: 'yaml' is not one of table, json" in capsys.readouterr().err
+    assert main(["certs", "list", "--dir", str(tmp_path / "absent")]) == 1
+    assert f"certs: {tmp_path / 'absent'} is not a directory" in capsys.readouterr().err
