@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -38,6 +38,7 @@ class Supervised:
         driver: Driver,
         on_change: Callable[[Supervised], None],
         secret_files: SecretFiles | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self.generation = generation
@@ -45,6 +46,8 @@ class Supervised:
         self.driver = driver
         self.on_change = on_change
         self.secret_files = secret_files or SecretFiles()
+        # How the restart backoff waits; a test passes a clock it controls.
+        self._sleep = sleep
         self.phase = InstancePhase.SCHEDULED
         self.reason = ""
         self.message = ""
@@ -116,7 +119,7 @@ class Supervised:
                             "StartFailed",
                             f"{err.message}; retrying in {backoff:.0f}s",
                         )
-                        await asyncio.sleep(backoff)
+                        await self._sleep(backoff)
                         backoff = min(backoff * 2, BACKOFF_MAX)
                         self.restarts += 1
                         continue
@@ -148,7 +151,7 @@ class Supervised:
                     f"{info.reason + ': ' if info.reason else ''}{text};"
                     f" restarting in {backoff:.0f}s",
                 )
-                await asyncio.sleep(backoff)
+                await self._sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
                 self.restarts += 1
                 info = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from orka.api import controller_pb2 as pb
+from orka.scheduler.service import SchedulerConfig
 from tests.e2e.procs import ProcessCluster, host_copies, kill_host_copies, nodes_ready
 from tests.integration.cluster import eventually
 
@@ -152,27 +154,78 @@ async def test_controller_restart_loses_and_duplicates_nothing(cluster: ProcessC
     await eventually(lambda: _asyncify(host_copies(WORKLOAD) == {}), timeout=30)
 
 
+async def _watching(c: ProcessCluster) -> tuple[list[pb.Event], asyncio.Task[None]]:
+    """Every event the controller sends from now on, collected until the task is cancelled.
+    Returns once the subscription is known to be there: a marker workload (no replicas) has
+    been seen ADDED on it."""
+    assert c.api is not None
+    seen: list[pb.Event] = []
+    stream = c.api.WatchEvents(pb.WatchEventsRequest())
+
+    async def collect() -> None:
+        try:
+            async for ev in stream:
+                seen.append(ev)
+        finally:
+            stream.cancel()
+
+    task = asyncio.create_task(collect())
+    marker = pb.WorkloadSpec(name="watch-marker", kind=pb.WorkloadSpec.PROCESS, command=["true"])
+    await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=marker))
+    await eventually(
+        lambda: _asyncify(any(e.workload.spec.name == "watch-marker" for e in seen)), timeout=10
+    )
+    return seen, task
+
+
 async def test_agent_restart_readopts_without_restarting(cluster: ProcessCluster) -> None:
     running, pids = await _three_on_host(cluster)
     before = {i.name: i.node for i in running}
+    seen, watcher = await _watching(cluster)
 
     # SIGKILL the agent (its processes keep running) and bring it straight back.
     victim = running[0].node
     cluster.services[victim].signal(signal.SIGKILL)
+    killed = time.monotonic()
     cluster.services[victim].wait()
     log = cluster.services[victim].log
     registrations = log.read_text().count('"registered"')
     cluster.start_agent(victim)
 
     async def registered_again() -> bool:
-        # The node never stopped being READY (it was gone for less than two heartbeats): the
-        # restarted agent's own log says when it is back on the stream.
+        # The restarted agent's own log says when it is back on the stream.
         return log.read_text().count('"registered"') > registrations
 
     await eventually(registered_again, timeout=30)
-    await eventually(lambda: nodes_ready(cluster, NODES), timeout=30)
-    # Wait past node_lost_after: had anything been declared lost, it would be replaced by now.
-    await asyncio.sleep(6)
+    away = time.monotonic() - killed
+    # Watch on past node_lost_after (counted from the kill, the last moment the scheduler can
+    # have heard the old agent), and past a reconcile after it: a node declared lost in that
+    # time would show LOST here and its instance would be replaced.
+    lost_after = SchedulerConfig.node_lost_after
+    await asyncio.sleep(max(0.0, killed + lost_after + 2.0 - time.monotonic()))
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    print(f"\nagent away {away:.2f}s; watched {time.monotonic() - killed:.2f}s from the kill")
+
+    node_states = {n: [e.node.state for e in seen if e.node.name == n] for n in NODES}
+    # The node is never lost, and a short absence at most makes it NOT_READY (no heartbeat
+    # for two intervals: only possible when the restart took about that long).
+    assert pb.Node.LOST not in node_states[victim]
+    if away < SchedulerConfig.heartbeat_interval:
+        assert set(node_states[victim]) <= {pb.Node.READY}, node_states[victim]
+    else:
+        assert set(node_states[victim]) <= {pb.Node.READY, pb.Node.NOT_READY}
+    for other in set(NODES) - {victim}:
+        assert set(node_states[other]) <= {pb.Node.READY}, (other, node_states[other])
+    # No instance of the workload moved, restarted, stopped or was added meanwhile.
+    changes = [e for e in seen if e.instance.workload == WORKLOAD]
+    assert all(
+        (e.type, e.instance.name, e.instance.node, e.instance.phase, e.instance.restarts)
+        == (pb.Event.MODIFIED, e.instance.name, before.get(e.instance.name), pb.Instance.RUNNING, 0)
+        for e in changes
+    ), [(e.type, e.instance.name, e.instance.node, e.instance.phase) for e in changes]
+
     after = await cluster.running(WORKLOAD)
     assert {i.name: i.node for i in after} == before
     assert all(i.restarts == 0 for i in after)

@@ -126,6 +126,26 @@ def check_bound_once(
     assert not strays, f"agents run instances the controller does not know: {strays}"
 
 
+async def files_agree(
+    c: ProcessCluster, nodes: list[str], workloads: dict[str, int], timeout: float = 10.0
+) -> tuple[dict[str, list[pb.Instance]], dict[str, dict[str, str]]]:
+    """Wait until the agents' state files (written coalesced, a moment after a change) say
+    what the controller says: settled, each instance RUNNING on its node only. Fails with
+    check_bound_once's complaint if they still disagree after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        by = await eventually(lambda: settled(c, workloads), timeout=timeout)
+        states = agent_states(c, nodes)
+        try:
+            check_bound_once(by, states, workloads)
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        else:
+            return by, states
+        await asyncio.sleep(0.05)
+
+
 async def test_leader_sigkill_while_placing_100(fake_cluster: ProcessCluster) -> None:
     c = fake_cluster
     nodes = [f"node-{i}" for i in range(1, 6)]
@@ -174,10 +194,8 @@ async def test_leader_sigkill_while_placing_100(fake_cluster: ProcessCluster) ->
         f"(instances running at the kill: {running_before}/{sum(workloads.values())})"
     )
 
-    by = await eventually(lambda: settled(c, workloads), timeout=60)
-    await asyncio.sleep(1.5)  # let agents flush their state files (coalesced writes)
-    by = await eventually(lambda: settled(c, workloads), timeout=10)
-    check_bound_once(by, agent_states(c, nodes), workloads)
+    await eventually(lambda: settled(c, workloads), timeout=60)
+    await files_agree(c, nodes, workloads)
 
 
 async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> None:
@@ -194,10 +212,10 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
     workloads = {f"svc{i}": 10 for i in range(5)}
     for name, n in workloads.items():
         await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec(name, n)), timeout=10)
-    by = await eventually(lambda: settled(c, workloads), timeout=60)
-    await asyncio.sleep(1.5)  # state files are written coalesced
+    await eventually(lambda: settled(c, workloads), timeout=60)
+    by, states = await files_agree(c, nodes, workloads)
     before = {i.name: (i.node, i.restarts, i.started_at) for v in by.values() for i in v}
-    states_before = {a: set(s) for a, s in agent_states(c, nodes).items()}
+    states_before = {a: set(s) for a, s in states.items()}
     assert len(before) == 50
 
     scheduler.signal(signal.SIGKILL)
@@ -222,13 +240,10 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
     placed = time.monotonic() - restarted
     print(f"\nscheduler restart: agents back {back:.2f}s, new workload running {placed:.2f}s")
 
-    by = await eventually(lambda: settled(c, {**workloads, "after": 5}), timeout=10)
+    by, states_after = await files_agree(c, nodes, {**workloads, "after": 5})
     after = {i.name: (i.node, i.restarts, i.started_at) for v in by.values() for i in v}
     for name, was in before.items():
         assert after.get(name) == was, f"{name}: {was} before the crash, {after.get(name)} after"
-    await asyncio.sleep(1.5)
-    states_after = agent_states(c, nodes)
     new = {i.name for i in by["after"]}
     for agent, names in states_before.items():
         assert set(states_after[agent]) - new == names, f"{agent}'s instances changed"
-    check_bound_once(by, states_after, {**workloads, "after": 5})

@@ -12,7 +12,7 @@ import pytest
 
 from orka.api import controller_pb2 as pb
 from orka.controller import events
-from tests.integration.cluster import Cluster
+from tests.integration.cluster import Cluster, eventually
 
 
 @pytest.fixture
@@ -23,6 +23,18 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
         yield c
     finally:
         await c.stop()
+
+
+async def subscribed(cluster: Cluster, count: int) -> None:
+    """Wait until the controller holds `count` subscribers: the changes made after this reach
+    them (a stream call starts at once, but its subscriber is added when the server runs it)."""
+    assert cluster.controller is not None
+    subs = cluster.controller.events.subscribers
+
+    async def there() -> int | None:
+        return len(subs) if len(subs) >= count else None
+
+    assert await eventually(there, timeout=10) == count
 
 
 def spec(name: str, replicas: int) -> pb.WorkloadSpec:
@@ -48,7 +60,7 @@ async def test_a_workload_subscriber_sees_its_instances_through_running(cluster:
                 return
 
     reader = asyncio.create_task(read())
-    await asyncio.sleep(0.2)  # subscribed before the changes happen
+    await subscribed(cluster, 1)
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("other", 1)))
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
     async with asyncio.timeout(30):
@@ -71,7 +83,7 @@ async def test_a_subscriber_that_falls_behind_gets_resource_exhausted(
     assert cluster.api is not None
     monkeypatch.setattr(events, "MAX_BACKLOG", 5)
     stream = getattr(cluster.api, rpc)(pb.WatchEventsRequest())
-    await asyncio.sleep(0.3)  # subscribed (the call starts at once), but reading nothing yet
+    await subscribed(cluster, 1)  # but reading nothing yet
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 10)))
     received: list[pb.Event] = []
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -118,7 +130,7 @@ async def test_batches_carry_the_same_events_in_the_same_order(cluster: Cluster)
                 return
 
     readers = [asyncio.create_task(read_single()), asyncio.create_task(read_batched())]
-    await asyncio.sleep(0.3)  # both subscribed before the changes happen
+    await subscribed(cluster, 2)
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("other", 1)))
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 20)))
     async with asyncio.timeout(30):

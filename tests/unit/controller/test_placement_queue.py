@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from orka.api import agent_pb2 as apb
 from orka.controller.placement import PlacementConfig, PlacementQueue, _Backoff, _spec_bytes
 from orka.controller.repo import Change, Repo
 from orka.models import (
@@ -130,3 +131,51 @@ async def test_the_batch_shrinks_as_the_ready_nodes_grow(
     for n in names:
         q.add(n)
     assert len(q._take(time.monotonic())) == limit
+
+
+class _RecordingLink:
+    """Stands in for the scheduler link: records the commands it is sent, answers nothing."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[apb.NodeCommand]] = []
+
+    async def command(self, cmds: list[apb.NodeCommand]) -> None:
+        self.commands.append(list(cmds))
+
+
+@pytest.mark.parametrize(
+    "phase", [InstancePhase.SCHEDULED, InstancePhase.STARTING, InstancePhase.RUNNING]
+)
+async def test_bind_leaves_an_instance_bound_elsewhere_and_releases_the_offer(
+    repo: Repo, phase: InstancePhase
+) -> None:
+    # A late Place answer for an instance that is no longer PENDING (bound by an earlier batch
+    # or term) must not bind it a second time: the first node keeps it, the second's offer is
+    # released so its reservation does not leak.
+    [done] = await add(repo, spec("db"), 1, phase=phase, node="n1")
+    [fresh] = await add(repo, spec("web"), 1)
+    link = _RecordingLink()
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    committed = await q._bind({done: "n2", fresh: "n3"})
+    assert [(i.name, i.node, i.phase) for i in committed] == [
+        (fresh, "n3", InstancePhase.SCHEDULED)
+    ]
+    stored = repo.instances[done]
+    assert (stored.phase, stored.node) == (phase, "n1")
+    assert repo.instances[fresh].node == "n3"
+    assert [
+        [(c.node, c.WhichOneof("command"), c.release.instance) for c in b] for b in link.commands
+    ] == [[("n2", "release", done)]]
+
+
+async def test_bind_releases_offers_for_deleted_and_stopping_instances(repo: Repo) -> None:
+    [stopping] = await add(repo, spec("web"), 1, desired_stop=True)
+    link = _RecordingLink()
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    assert await q._bind({stopping: "n1", "gone-0000": "n2"}) == []
+    assert repo.instances[stopping].phase is InstancePhase.PENDING
+    assert repo.instances[stopping].node == ""
+    assert [(c.node, c.release.instance) for c in link.commands[0]] == [
+        ("n1", stopping),
+        ("n2", "gone-0000"),
+    ]

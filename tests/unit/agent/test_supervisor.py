@@ -1,0 +1,199 @@
+"""The restart policy and its backoff (orka/agent/supervisor.py), on a clock the test drives.
+
+A scripted driver plays each run: it exits with a given code after a given time on the test's
+clock (or fails to start). The supervisor's backoff sleeps go to that clock, which records each
+delay and moves time on, so a 30 s backoff costs nothing and the exact sequence is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from orka.agent.supervisor import BACKOFF_MAX, HEALTHY_RUN, Supervised
+from orka.errors import RuntimeFailure
+from orka.models import InstancePhase, RestartPolicy, WorkloadKind, WorkloadSpec
+from orka.runtime.base import RunSpec, TaskInfo, TaskState
+from orka.runtime.fake import FakeDriver
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+    slept: list[float] = field(default_factory=list)
+
+    async def sleep(self, delay: float) -> None:
+        self.slept.append(delay)
+        self.now += delay
+        await asyncio.sleep(0)
+
+
+@dataclass
+class Run:
+    """One start: it fails to start (start_error), or runs `ran` seconds and exits `code`."""
+
+    code: int | None = 1
+    ran: float = 1.0
+    start_error: str = ""
+
+
+class ScriptedDriver(FakeDriver):
+    """The fake driver's health, usage and logs; its runs come from the script."""
+
+    name = "scripted"
+
+    def __init__(self, clock: Clock, runs: list[Run]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.runs = list(runs)
+        self.starts = 0
+        self.current: Run | None = None
+        # Set when the script is used up and the last run goes on for ever.
+        self.idle = asyncio.Event()
+
+    def _info(self, run: RunSpec | None, state: TaskState, **kw: object) -> TaskInfo:
+        return TaskInfo(instance="i", workload="w", driver=self.name, state=state, **kw)  # type: ignore[arg-type]
+
+    async def start(self, run: RunSpec) -> TaskInfo:
+        self.starts += 1
+        self.current = self.runs.pop(0) if self.runs else None
+        if self.current is not None and self.current.start_error:
+            raise RuntimeFailure(self.current.start_error)
+        return self._info(run, TaskState.RUNNING, started_at=self.clock.now)
+
+    async def wait(self, instance: str) -> TaskInfo:
+        if self.current is None:
+            self.idle.set()
+            await asyncio.Event().wait()
+        assert self.current is not None
+        started = self.clock.now
+        self.clock.now += self.current.ran
+        return self._info(
+            None,
+            TaskState.EXITED,
+            exit_code=self.current.code,
+            started_at=started,
+            finished_at=self.clock.now,
+        )
+
+    async def stop(self, instance: str, grace: float) -> TaskInfo:
+        return self._info(None, TaskState.EXITED, exit_code=0, started_at=self.clock.now)
+
+    async def remove(self, instance: str) -> None:
+        return None
+
+    async def list(self) -> list[TaskInfo]:
+        return []
+
+
+@dataclass
+class Played:
+    sup: Supervised
+    driver: ScriptedDriver
+    clock: Clock
+    messages: list[str]
+
+
+async def play(policy: RestartPolicy, runs: list[Run]) -> Played:
+    """Run the supervisor until it gives up (a final phase) or the script is used up."""
+    clock = Clock()
+    driver = ScriptedDriver(clock, runs)
+    spec = WorkloadSpec(name="w", kind=WorkloadKind.PROCESS, command=["x"], restart_policy=policy)
+    messages: list[str] = []
+    sup = Supervised(
+        "w-0",
+        1,
+        spec,
+        driver,
+        lambda s: messages.append(f"{s.phase}/{s.reason}: {s.message}"),
+        sleep=clock.sleep,
+    )
+    sup.start()
+    assert sup._task is not None
+    idle = asyncio.create_task(driver.idle.wait())
+    done, _ = await asyncio.wait({sup._task, idle}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert done, "the supervisor neither finished nor used up its script"
+    await sup.close()
+    idle.cancel()
+    return Played(sup, driver, clock, messages)
+
+
+RESTARTS = "restarts"
+
+
+@pytest.mark.parametrize(
+    ("policy", "code", "outcome"),
+    [
+        (RestartPolicy.ALWAYS, 0, RESTARTS),
+        (RestartPolicy.ALWAYS, 1, RESTARTS),
+        (RestartPolicy.ALWAYS, -9, RESTARTS),
+        (RestartPolicy.ON_FAILURE, 0, (InstancePhase.SUCCEEDED, "Completed", "exited with code 0")),
+        (RestartPolicy.ON_FAILURE, 1, RESTARTS),
+        (RestartPolicy.ON_FAILURE, 137, RESTARTS),
+        (RestartPolicy.ON_FAILURE, -9, RESTARTS),
+        (RestartPolicy.ON_FAILURE, None, RESTARTS),  # exit unknown: not known to be clean
+        (RestartPolicy.NEVER, 0, (InstancePhase.SUCCEEDED, "Completed", "exited with code 0")),
+        (RestartPolicy.NEVER, 1, (InstancePhase.FAILED, "Error", "exited with code 1")),
+        (RestartPolicy.NEVER, -9, (InstancePhase.FAILED, "Error", "killed by signal 9")),
+    ],
+)
+async def test_policy_by_exit_code(
+    policy: RestartPolicy, code: int | None, outcome: object
+) -> None:
+    p = await play(policy, [Run(code=code)])
+    if outcome == RESTARTS:
+        assert (p.driver.starts, p.sup.restarts, p.clock.slept) == (2, 1, [1.0])
+        assert p.sup.phase is InstancePhase.RUNNING
+        assert any("BackOff" in m and "restarting in 1s" in m for m in p.messages)
+    else:
+        assert (p.driver.starts, p.sup.restarts, p.clock.slept) == (1, 0, [])
+        assert (p.sup.phase, p.sup.reason, p.sup.message) == outcome
+        assert p.sup.exit_code == code
+
+
+# Each delay doubles from 1 s up to BACKOFF_MAX.
+DOUBLING = [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+
+
+@pytest.mark.parametrize("policy", [RestartPolicy.ALWAYS, RestartPolicy.ON_FAILURE])
+async def test_backoff_doubles_up_to_the_cap(policy: RestartPolicy) -> None:
+    assert BACKOFF_MAX == 30.0
+    p = await play(policy, [Run(code=1, ran=1.0)] * len(DOUBLING))
+    assert p.clock.slept == DOUBLING
+    assert p.sup.restarts == len(DOUBLING)
+    said = [m.rsplit("restarting in ", 1)[1] for m in p.messages if "BackOff" in m]
+    assert said == [f"{d:.0f}s" for d in DOUBLING]
+
+
+async def test_start_failures_back_off_the_same_way_and_never_gives_up() -> None:
+    runs = [Run(start_error="no such binary")] * 6 + [Run(code=1, ran=1.0)]
+    p = await play(RestartPolicy.ON_FAILURE, runs)
+    # The exit after the failed starts continues the same sequence.
+    assert p.clock.slept == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert p.sup.restarts == 7
+    assert sum("StartFailed: no such binary; retrying in" in m for m in p.messages) == 6
+
+
+async def test_a_start_failure_under_never_fails_the_instance() -> None:
+    p = await play(RestartPolicy.NEVER, [Run(start_error="no such binary")])
+    assert (p.sup.phase, p.sup.reason, p.sup.message) == (
+        InstancePhase.FAILED,
+        "StartFailed",
+        "no such binary",
+    )
+    assert (p.driver.starts, p.clock.slept) == (1, [])
+
+
+@pytest.mark.parametrize(
+    ("healthy_ran", "after"),
+    [
+        (HEALTHY_RUN, [1.0, 2.0]),  # a healthy run starts the sequence over
+        (HEALTHY_RUN - 0.5, [16.0, 30.0]),  # a shorter one does not
+    ],
+)
+async def test_a_healthy_run_resets_the_backoff(healthy_ran: float, after: list[float]) -> None:
+    runs = [Run(ran=1.0)] * 4 + [Run(ran=healthy_ran), Run(ran=1.0)]
+    p = await play(RestartPolicy.ALWAYS, runs)
+    assert p.clock.slept == [1.0, 2.0, 4.0, 8.0, *after]
