@@ -1,0 +1,326 @@
+"""The scheduler seen from hand-driven agents on real gRPC: what a refused or unanswered offer
+leaves reserved, under which name a node registers, and the READY -> NOT_READY -> LOST steps.
+
+Like Nomad's planner Harness, the agents here record what the scheduler sent them and answer as
+each test tells them to, and the tests then assert the registry (holds, used resources, states).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.api import controller_pb2 as pb
+from orka.models import NodeState
+from orka.rpc.client import secure_channel
+from orka.scheduler.registry import NodeRecord
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
+
+MIB = 1 << 20
+# Agents here send no heartbeats: intervals long enough that none goes NOT_READY mid-test.
+QUIET = {"heartbeat_interval": 5.0, "node_lost_after": 60.0, "offer_timeout": 0.3}
+
+
+async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
+    """Wait for `check()` to be truthy, letting the event loop run in between."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+class HandAgent:
+    """An agent stream driven by the test: `answer` decides each offer (True accepts, a string
+    refuses with that reason, None never answers); every message received is kept."""
+
+    def __init__(
+        self,
+        s: Scheduler,
+        certs: Path,
+        name: str,
+        answer: bool | str | None = True,
+    ) -> None:
+        self.channel = secure_channel(
+            f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "agent", name), "scheduler"
+        )
+        self.call = apb_grpc.SchedulerStub(self.channel).Connect()
+        self.answer = answer
+        self.received: list[apb.SchedulerMessage] = []
+        self.registered: apb.Registered | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def register(self, labels: dict[str, str] | None = None) -> apb.SchedulerMessage:
+        res = pb.Resources(cpu_millis=1000, memory_bytes=1024 * MIB)
+        await self.call.write(
+            apb.AgentMessage(
+                register=apb.Register(
+                    node=apb.NodeInfo(
+                        capacity=res, allocatable=res, drivers=["fake"], labels=labels or {}
+                    )
+                )
+            )
+        )
+        first = await self.call.read()
+        if first is not grpc.aio.EOF and first.WhichOneof("body") == "registered":
+            self.registered = first.registered
+            self.task = asyncio.create_task(self._serve())
+        return first
+
+    def messages(self, kind: str) -> list[apb.SchedulerMessage]:
+        return [m for m in self.received if m.WhichOneof("body") == kind]
+
+    async def _serve(self) -> None:
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            inner = list(msg.batch.messages) if msg.WhichOneof("body") == "batch" else [msg]
+            self.received.extend(inner)
+            for m in inner:
+                if m.WhichOneof("body") != "offer" or self.answer is None:
+                    continue
+                reply = apb.OfferReply(offer_id=m.offer.offer_id, accepted=self.answer is True)
+                if isinstance(self.answer, str):
+                    reply.reason = self.answer
+                await self.call.write(apb.AgentMessage(offer_reply=reply))
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        await self.channel.close()
+
+
+@pytest.fixture
+async def agents() -> AsyncIterator[list[HandAgent]]:
+    made: list[HandAgent] = []
+    yield made
+    for a in made:
+        await a.close()
+
+
+async def start_scheduler(certs: Path, **config: float) -> Scheduler:
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", **config),  # type: ignore[arg-type]
+        TlsFiles.for_service(certs, "scheduler", "scheduler"),
+    )
+    await s.start()
+    return s
+
+
+@pytest.fixture
+async def scheduler(certs_dir: Path) -> AsyncIterator[Scheduler]:
+    s = await start_scheduler(certs_dir, **QUIET)
+    yield s
+    await s.stop()
+
+
+def held(node: NodeRecord) -> tuple[dict[str, float | None], int, int]:
+    """A node's reservations/bindings (instance -> expiry) and the resources they use."""
+    return ({k: h.expires_at for k, h in node.holds.items()}, node.cpu_used, node.mem_used)
+
+
+async def place(s: Scheduler, certs: Path, count: int) -> list[apb.PlaceResult]:
+    channel = secure_channel(
+        f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "controller", "controller"), "scheduler"
+    )
+    try:
+        spec = pb.WorkloadSpec(
+            name="web",
+            kind=pb.WorkloadSpec.PROCESS,
+            resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+        )
+        items = [apb.Assignment(instance=f"web-{i}", spec=spec) for i in range(count)]
+        resp = await apb_grpc.SchedulerStub(channel).Place(apb.PlaceRequest(items=items))
+        return list(resp.results)
+    finally:
+        await channel.close()
+
+
+# ---- reservations after refusals and timeouts ----
+
+
+async def test_refused_and_timed_out_offers_leave_nothing_reserved(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 refuses every offer, node-2 never answers: after Place, neither holds anything
+    and the silent one was told to release each instance it was offered."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="disk full"),
+        HandAgent(scheduler, certs_dir, "node-2", answer=None),
+    ]
+    for a in agents:
+        await a.register()
+    results = await place(scheduler, certs_dir, 3)
+    assert [r.node for r in results] == ["", "", ""]
+    for r in results:
+        assert dict(r.refusals) == {"node-1": "refused: disk full", "node-2": "offer timed out"}
+        assert r.reasons == "1 node: offer timed out; 1 node: refused: disk full"
+    for name in ("node-1", "node-2"):
+        node = scheduler.registry.get(name)
+        assert node is not None
+        assert held(node) == ({}, 0, 0)
+        # The ranking sees the nodes as empty again.
+        view = scheduler.registry.snapshot().by_name[name]
+        assert (view.cpu_used, view.mem_used, view.total_instances) == (0, 0, 0)
+    silent = agents[1]
+    offered = sorted(m.offer.assignment.instance for m in silent.messages("offer"))
+    assert offered == ["web-0", "web-1", "web-2"]
+    await until(lambda: len(silent.messages("release")) == 3)
+    assert sorted(m.release.instance for m in silent.messages("release")) == offered
+    # A refusal is the agent's own answer: nothing to release there.
+    assert agents[0].messages("release") == []
+
+
+async def test_a_refusal_frees_its_node_and_the_taker_holds_the_reservation(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="disk full"),
+        HandAgent(scheduler, certs_dir, "node-2", answer=True),
+    ]
+    for a in agents:
+        await a.register()
+    results = await place(scheduler, certs_dir, 2)
+    assert [r.node for r in results] == ["node-2", "node-2"]
+    # Spread: web-0 is offered to node-1 first, web-1 (ranked with web-0 reserved there) to
+    # node-2 at once; web-0 then goes to node-2 too.
+    assert [dict(r.refusals) for r in results] == [{"node-1": "refused: disk full"}, {}]
+    refuser, taker = scheduler.registry.get("node-1"), scheduler.registry.get("node-2")
+    assert refuser is not None and taker is not None
+    assert held(refuser) == ({}, 0, 0)
+    holds, cpu, mem = held(taker)
+    assert sorted(holds) == ["web-0", "web-1"]
+    # Still reservations (an expiry) until the controller binds them.
+    assert all(expiry is not None for expiry in holds.values())
+    assert (cpu, mem) == (200, 128 * MIB)
+
+
+# ---- the node's name ----
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"node": "node-2", "name": "node-2", "hostname": "node-2"},
+        {"kubernetes.io/hostname": "node-2", "node.name": "node-2"},
+        # A reserved label may be refused outright; it must never rename the node.
+        {"orka.io/node": "node-2"},
+    ],
+)
+async def test_register_takes_the_name_from_the_certificate_not_the_labels(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent], labels: dict[str, str]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    first = await agents[0].register(labels)
+    assert "node-2" not in scheduler.registry.nodes
+    if agents[0].registered is None:
+        assert first is grpc.aio.EOF or first.WhichOneof("body") != "registered"
+        assert "node-1" not in scheduler.registry.nodes
+        return
+    assert agents[0].registered.node == "node-1"
+    assert list(scheduler.registry.nodes) == ["node-1"]
+
+
+# ---- liveness ----
+
+
+class StepClock:
+    """A monotonic clock the test moves by hand; counts reads so a test can wait for the
+    liveness loop to have looked at the time it set."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+    async def step_to(self, t: float) -> None:
+        """Set the time, then wait until liveness has run at least one full pass at it."""
+        self.now = t
+        seen = self.reads
+        await until(lambda: self.reads >= seen + 2)
+
+
+async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """heartbeat_interval 0.2 s, node_lost_after 1.0 s: NOT_READY once silent for more than two
+    intervals (0.4 s), LOST once silent for more than node_lost_after, and those states in that
+    order on the controller feed. The clock is stepped, so the bounds are exact."""
+    clock = StepClock()
+    interval, lost_after = 0.2, 1.0
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0", heartbeat_interval=interval, node_lost_after=lost_after
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
+    s.hub.queues.add(feed)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None and node.last_seen == t0
+
+        await clock.step_to(t0 + 2 * interval - 0.01)
+        assert node.state is NodeState.READY
+        await clock.step_to(t0 + 2 * interval + 0.01)
+        assert node.state is NodeState.NOT_READY
+        assert node.message == "no heartbeat for 0.4s"
+        await clock.step_to(t0 + lost_after - 0.01)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + lost_after + 0.01)
+        assert node.state is NodeState.LOST
+        assert node.message == "no heartbeat for 1.0s"
+    finally:
+        await s.stop()
+    states = []
+    while not feed.empty():
+        update = feed.get_nowait()
+        if update is not None and update.WhichOneof("body") == "node":
+            if not states or states[-1] != update.node.state:
+                states.append(update.node.state)
+    assert states == [pb.Node.READY, pb.Node.NOT_READY, pb.Node.LOST]
+
+
+async def test_a_heartbeat_brings_a_not_ready_node_back(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.NOT_READY
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat()))
+        await until(lambda: node.state is NodeState.READY)
+        assert node.last_seen == t0 + 0.5
+        # Silence is measured from that heartbeat now.
+        await clock.step_to(t0 + 0.5 + 0.39)
+        assert node.state is NodeState.READY
+    finally:
+        await s.stop()
