@@ -58,14 +58,27 @@ class HandAgent:
         self.registered: apb.Registered | None = None
         self.task: asyncio.Task[None] | None = None
 
-    async def register(self, labels: dict[str, str] | None = None) -> apb.SchedulerMessage:
+    async def register(
+        self, labels: dict[str, str] | None = None, running: tuple[str, ...] = ()
+    ) -> apb.SchedulerMessage:
+        """Register, announcing `running` as instances of "web" that use 100 m / 64 MiB."""
         res = pb.Resources(cpu_millis=1000, memory_bytes=1024 * MIB)
+        instances = [
+            apb.InstanceStatus(
+                name=name,
+                workload="web",
+                phase=pb.Instance.RUNNING,
+                resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+            )
+            for name in running
+        ]
         await self.call.write(
             apb.AgentMessage(
                 register=apb.Register(
                     node=apb.NodeInfo(
                         capacity=res, allocatable=res, drivers=["fake"], labels=labels or {}
-                    )
+                    ),
+                    instances=instances,
                 )
             )
         )
@@ -238,7 +251,8 @@ class StepClock:
     liveness loop to have looked at the time it set."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        # Starts at the real clock's time: reservations still expire on time.monotonic.
+        self.now = time.monotonic()
         self.reads = 0
 
     def __call__(self) -> float:
@@ -273,9 +287,10 @@ async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register()
+        await agents[0].register(running=("web-1",))
         node = s.registry.get("node-1")
         assert node is not None and node.last_seen == t0
+        assert held(node) == ({"web-1": None}, 100, 64 * MIB)
 
         await clock.step_to(t0 + 2 * interval - 0.01)
         assert node.state is NodeState.READY
@@ -287,6 +302,12 @@ async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
         await clock.step_to(t0 + lost_after + 0.01)
         assert node.state is NodeState.LOST
         assert node.message == "no heartbeat for 1.0s"
+        # A lost node holds nothing (its instances are replaced elsewhere) and its stream is
+        # cut: an agent that comes back must register again.
+        assert held(node) == ({}, 0, 0)
+        assert node.reports == {}
+        await until(lambda: agents[0].task is not None and agents[0].task.done())
+        assert node.session is None
     finally:
         await s.stop()
     states = []
@@ -324,3 +345,50 @@ async def test_a_heartbeat_brings_a_not_ready_node_back(
         assert node.state is NodeState.READY
     finally:
         await s.stop()
+
+
+# ---- reservations that expire, and re-registering ----
+
+
+async def test_an_unbound_reservation_expires_and_the_agent_is_told(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """An accepted offer the controller never binds holds its resources for hold_seconds,
+    then is dropped and the agent gets a ReleaseOffer for it."""
+    s = await start_scheduler(certs_dir, **QUIET, hold_seconds=0.3)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        (result,) = await place(s, certs_dir, 1)
+        assert result.node == "node-1"
+        node = s.registry.get("node-1")
+        assert node is not None
+        await until(lambda: agents[0].messages("release"))
+        assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
+        assert held(node) == ({}, 0, 0)
+    finally:
+        await s.stop()
+
+
+async def test_re_registering_replaces_what_the_node_holds_but_keeps_offers_in_flight(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    first = HandAgent(scheduler, certs_dir, "node-1")
+    agents.append(first)
+    await first.register(running=("web-old",))
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-1"
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    assert sorted(node.holds) == ["web-0", "web-old"]
+    # The same node again on a new stream (an agent restart), no longer running web-old.
+    second = HandAgent(scheduler, certs_dir, "node-1")
+    agents.append(second)
+    await second.register(running=("web-new",))
+    holds, cpu, mem = held(node)
+    assert sorted(holds) == ["web-0", "web-new"]
+    assert holds["web-new"] is None and holds["web-0"] is not None
+    assert (cpu, mem) == (200, 128 * MIB)
+    assert node.session is not None and node.session is not first
+    # The older stream is closed.
+    await until(lambda: first.task is not None and first.task.done())
