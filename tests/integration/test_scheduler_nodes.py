@@ -40,7 +40,8 @@ async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
 
 class HandAgent:
     """An agent stream driven by the test: `answer` decides each offer (True accepts, a string
-    refuses with that reason, None never answers); every message received is kept."""
+    refuses with that reason, None never answers); commands are acknowledged, a start with
+    an error when `start_errors` has one for the instance; every message received is kept."""
 
     def __init__(
         self,
@@ -54,6 +55,7 @@ class HandAgent:
         )
         self.call = apb_grpc.SchedulerStub(self.channel).Connect()
         self.answer = answer
+        self.start_errors: dict[str, str] = {}
         self.received: list[apb.SchedulerMessage] = []
         self.registered: apb.Registered | None = None
         self.task: asyncio.Task[None] | None = None
@@ -99,7 +101,15 @@ class HandAgent:
             inner = list(msg.batch.messages) if msg.WhichOneof("body") == "batch" else [msg]
             self.received.extend(inner)
             for m in inner:
-                if m.WhichOneof("body") != "offer" or self.answer is None:
+                kind = m.WhichOneof("body")
+                if kind in ("start", "stop", "release"):
+                    cmd = getattr(m, kind)
+                    error = ""
+                    if kind == "start":
+                        error = self.start_errors.get(cmd.assignment.instance, "")
+                    ack = apb.CommandAck(command_id=cmd.command_id, ok=not error, error=error)
+                    await self.call.write(apb.AgentMessage(ack=ack))
+                if kind != "offer" or self.answer is None:
                     continue
                 reply = apb.OfferReply(offer_id=m.offer.offer_id, accepted=self.answer is True)
                 if isinstance(self.answer, str):
@@ -141,21 +151,36 @@ def held(node: NodeRecord) -> tuple[dict[str, float | None], int, int]:
     return ({k: h.expires_at for k, h in node.holds.items()}, node.cpu_used, node.mem_used)
 
 
-async def place(s: Scheduler, certs: Path, count: int) -> list[apb.PlaceResult]:
-    channel = secure_channel(
+WEB = pb.WorkloadSpec(
+    name="web",
+    kind=pb.WorkloadSpec.PROCESS,
+    resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+)
+
+
+def controller_channel(s: Scheduler, certs: Path) -> grpc.aio.Channel:
+    return secure_channel(
         f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "controller", "controller"), "scheduler"
     )
-    try:
-        spec = pb.WorkloadSpec(
-            name="web",
-            kind=pb.WorkloadSpec.PROCESS,
-            resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
-        )
-        items = [apb.Assignment(instance=f"web-{i}", spec=spec) for i in range(count)]
+
+
+async def place(s: Scheduler, certs: Path, count: int) -> list[apb.PlaceResult]:
+    """Place web-0 .. web-<count-1> (100 m, 64 MiB each) as the controller does."""
+    async with controller_channel(s, certs) as channel:
+        items = [apb.Assignment(instance=f"web-{i}", spec=WEB) for i in range(count)]
         resp = await apb_grpc.SchedulerStub(channel).Place(apb.PlaceRequest(items=items))
         return list(resp.results)
-    finally:
-        await channel.close()
+
+
+async def command(s: Scheduler, certs: Path, *commands: apb.NodeCommand) -> list[apb.CommandResult]:
+    async with controller_channel(s, certs) as channel:
+        req = apb.CommandRequest(commands=commands)
+        return list((await apb_grpc.SchedulerStub(channel).Command(req)).results)
+
+
+def start(node: str, instance: str) -> apb.NodeCommand:
+    assignment = apb.Assignment(instance=instance, spec=WEB)
+    return apb.NodeCommand(node=node, start=apb.StartInstance(assignment=assignment))
 
 
 # ---- reservations after refusals and timeouts ----
@@ -392,3 +417,63 @@ async def test_re_registering_replaces_what_the_node_holds_but_keeps_offers_in_f
     assert node.session is not None and node.session is not first
     # The older stream is closed.
     await until(lambda: first.task is not None and first.task.done())
+
+
+# ---- commands and leaving ----
+
+
+async def test_a_started_instance_is_bound_and_a_failed_start_frees_its_reservation(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    agents[0].start_errors["web-1"] = "image missing"
+    await agents[0].register()
+    results = await place(scheduler, certs_dir, 2)
+    assert [r.node for r in results] == ["node-1", "node-1"]
+    done = await command(scheduler, certs_dir, start("node-1", "web-0"), start("node-1", "web-1"))
+    assert [(r.ok, r.error, r.unconfirmed) for r in done] == [
+        (True, "", False),
+        (False, "image missing", False),
+    ]
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    # web-0 is bound (no expiry: it holds until the instance ends), web-1 holds nothing.
+    assert held(node) == ({"web-0": None}, 100, 64 * MIB)
+
+
+async def test_a_release_command_frees_the_reservation_at_once(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-1"
+    release = apb.NodeCommand(node="node-1", release=apb.ReleaseOffer(instance="web-0"))
+    (done,) = await command(scheduler, certs_dir, release)
+    assert done.ok
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    assert held(node) == ({}, 0, 0)
+    assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
+
+
+async def test_a_leaving_node_drains_then_is_left_holding_nothing(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Leave: the node is draining at once (no new placement, its instances to be moved),
+    and once its stream ends it is LEFT with nothing held and no longer draining."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-old",))
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="shutting down")))
+    await until(lambda: node.draining)
+    assert node.state is NodeState.READY and node.schedulable
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons) == ("", "1 node: cordoned")
+    # Filtered out by the ranking (its snapshot saw the change), not refused on reserving.
+    assert dict(result.refusals) == {}
+    await agents[0].call.done_writing()
+    await until(lambda: node.state is NodeState.LEFT)
+    assert held(node) == ({}, 0, 0)
+    assert (node.draining, node.message, node.reports) == (False, "agent left", {})
