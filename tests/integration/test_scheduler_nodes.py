@@ -466,6 +466,8 @@ async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     await agents[0].register(running=("web-old",))
     node = scheduler.registry.get("node-1")
     assert node is not None
+    # A snapshot taken before the leave (as by an earlier placement) must not be reused.
+    assert scheduler.registry.snapshot().by_name["node-1"].schedulable
     await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="shutting down")))
     await until(lambda: node.draining)
     assert node.state is NodeState.READY and node.schedulable
@@ -477,3 +479,21 @@ async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     await until(lambda: node.state is NodeState.LEFT)
     assert held(node) == ({}, 0, 0)
     assert (node.draining, node.message, node.reports) == (False, "agent left", {})
+
+
+async def test_set_node_cordons_for_the_next_ranking_and_changes_only_what_it_names(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    assert scheduler.registry.snapshot().by_name["node-1"].schedulable
+    async with controller_channel(scheduler, certs_dir) as channel:
+        api = apb_grpc.SchedulerStub(channel)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", draining=True))
+        assert (node.schedulable, node.draining) == (True, True)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", schedulable=False))
+        assert (node.schedulable, node.draining) == (False, True)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", draining=False))
+        assert (node.schedulable, node.draining) == (False, False)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons, dict(result.refusals)) == ("", "1 node: cordoned", {})
