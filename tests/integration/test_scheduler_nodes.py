@@ -497,3 +497,49 @@ async def test_set_node_cordons_for_the_next_ranking_and_changes_only_what_it_na
         assert (node.schedulable, node.draining) == (False, False)
     (result,) = await place(scheduler, certs_dir, 1)
     assert (result.node, result.reasons, dict(result.refusals)) == ("", "1 node: cordoned", {})
+
+
+async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interval(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """A heartbeat's usage and time are recorded at once but not published on their own; the
+    node (with that usage) goes to the controllers once usage_report_interval has passed."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            heartbeat_interval=1.0,
+            node_lost_after=3.0,
+            usage_report_interval=0.5,
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        registered_wall = node.last_heartbeat_wall
+        s.hub.queues.add(feed)
+        before = time.time()
+        usage = pb.Resources(cpu_millis=250, memory_bytes=100 * MIB)
+        await clock.step_to(t0 + 0.2)
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat(usage=usage)))
+        await until(lambda: node.usage.cpu_millis == 250)
+        assert (node.usage.cpu_millis, node.usage.memory_bytes) == (250, 100 * MIB)
+        assert node.last_seen == t0 + 0.2
+        assert node.last_heartbeat_wall >= before > registered_wall
+        assert feed.empty()
+        await clock.step_to(t0 + 0.2 + 0.5 + 0.01)
+        await until(lambda: not feed.empty())
+        update = feed.get_nowait()
+        assert update is not None and update.WhichOneof("body") == "node"
+        assert update.node.name == "node-1" and update.node.state == pb.Node.READY
+        assert (update.node.usage.cpu_millis, update.node.usage.memory_bytes) == (250, 100 * MIB)
+        assert update.node.last_heartbeat == node.last_heartbeat_wall
+    finally:
+        await s.stop()
