@@ -543,3 +543,23 @@ async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interva
         assert update.node.last_heartbeat == node.last_heartbeat_wall
     finally:
         await s.stop()
+
+
+async def test_when_the_best_few_refuse_every_other_node_is_offered(
+    scheduler: Scheduler,
+    certs_dir: Path,
+    agents: list[HandAgent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offers go to the best RANK_FIRST nodes first, then to all the rest: with the best two
+    of four refusing (and the third), the least preferred node still gets the instance."""
+    monkeypatch.setattr("orka.scheduler.service.RANK_FIRST", 2)
+    for name in ("node-1", "node-2", "node-3"):
+        agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
+        await agents[-1].register()
+    agents.append(HandAgent(scheduler, certs_dir, "node-4"))
+    # Already running one of the workload: spread ranks it last.
+    await agents[-1].register(running=("web-old",))
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-4"
+    assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
