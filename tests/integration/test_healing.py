@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from orka.api import controller_pb2 as pb
+from orka.runtime.base import RunSpec, TaskInfo
+from orka.runtime.fake import FakeDriver
 from tests.integration.cluster import Cluster, eventually
 
 FAST = {"heartbeat_interval": 0.2, "node_lost_after": 1.0, "offer_timeout": 0.5}
+LEAVE_TIMEOUT = 10.0
 
 
 def spec(name: str, replicas: int) -> pb.WorkloadSpec:
@@ -22,7 +26,7 @@ def spec(name: str, replicas: int) -> pb.WorkloadSpec:
 @pytest.fixture
 async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     c = Cluster(certs_dir, tmp_path, **FAST)
-    await c.start(agents=3, runtimes=["fake"], leave_timeout=10.0)
+    await c.start(agents=3, runtimes=["fake"], leave_timeout=LEAVE_TIMEOUT)
     yield c
     await c.stop()
 
@@ -66,14 +70,47 @@ async def test_returning_node_stops_what_was_replaced(cluster: Cluster) -> None:
     await eventually(one_copy)
 
 
-async def test_leave_replaces_before_stopping(cluster: Cluster) -> None:
+@pytest.fixture
+def task_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """What the fake drivers of every agent did, in order: ("start", instance) once a task
+    runs, ("stop", instance) when a stop is asked for."""
+    events: list[tuple[str, str]] = []
+    start, stop = FakeDriver.start, FakeDriver.stop
+
+    async def recording_start(self: FakeDriver, run: RunSpec) -> TaskInfo:
+        info = await start(self, run)
+        events.append(("start", run.instance))
+        return info
+
+    async def recording_stop(self: FakeDriver, instance: str, grace: float) -> TaskInfo:
+        events.append(("stop", instance))
+        return await stop(self, instance, grace)
+
+    monkeypatch.setattr(FakeDriver, "start", recording_start)
+    monkeypatch.setattr(FakeDriver, "stop", recording_stop)
+    return events
+
+
+async def test_leave_replaces_before_stopping(
+    cluster: Cluster, task_events: list[tuple[str, str]]
+) -> None:
+    """A leaving agent's instance is replaced first: the replacement runs before the old
+    copy is stopped, and the agent is done long before its leave timeout (an agent that just
+    gives up after the timeout stops the old copy first)."""
     assert cluster.api is not None
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 1)))
     (victim,) = await eventually(lambda: running_on(cluster, "web", 1))
+    (old,) = [i.name for i in await cluster.running("web")]
+    began = time.monotonic()
     await cluster.agents.pop(victim).stop(leave=True)
+    took = time.monotonic() - began
     # stop(leave=True) returns once the replacement runs and the old copy stopped.
     nodes = await eventually(lambda: running_on(cluster, "web", 1, exclude=victim))
     assert victim not in nodes
+    (new,) = [i.name for i in await cluster.running("web")]
+    assert new != old
+    assert task_events.index(("start", new)) < task_events.index(("stop", old))
+    assert took < LEAVE_TIMEOUT / 2, f"leave took {took:.1f}s"
     node = await eventually(lambda: _node_state(cluster, victim, pb.Node.LEFT))
     assert node
 
@@ -89,11 +126,43 @@ async def test_drain_moves_instances_and_cordons(cluster: Cluster) -> None:
     nodes = await eventually(lambda: running_on(cluster, "web", 3))
     victim = nodes[0]
     node = await cluster.api.DrainNode(pb.DrainNodeRequest(name=victim))
-    assert not node.schedulable
+    assert not node.schedulable and node.draining
+    record = cluster.scheduler.registry.get(victim)
+    assert record is not None and record.draining and not record.schedulable
     await eventually(lambda: running_on(cluster, "web", 3, exclude=victim))
+    # Nothing is left held on the drained node, and the agent runs nothing any more.
+    await eventually(lambda: _async(not record.holds and not cluster.agents[victim].instances))
     await cluster.api.UncordonNode(pb.UncordonNodeRequest(name=victim))
     node = await cluster.api.GetNode(pb.GetNodeRequest(name=victim))
     assert node.schedulable and not node.draining
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_cordon_keeps_instances_and_gets_no_new_placement(cluster: Cluster) -> None:
+    """Cordon is not drain: the node keeps what it runs (not draining, nothing moved) and
+    the scheduler places nothing new there."""
+    assert cluster.api is not None
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 3)))
+    await eventually(lambda: running_on(cluster, "web", 3))
+    before = {(i.name, i.node) for i in await cluster.running("web")}
+    victim = sorted(before)[0][1]
+    node = await cluster.api.CordonNode(pb.CordonNodeRequest(name=victim))
+    assert (node.schedulable, node.draining) == (False, False)
+    record = cluster.scheduler.registry.get(victim)
+    assert record is not None and (record.schedulable, record.draining) == (False, False)
+    # Were it schedulable, spread would put one of the three new replicas on it.
+    await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=spec("web", 6)))
+    await eventually(lambda: running_on(cluster, "web", 6))
+    after = {(i.name, i.node) for i in await cluster.running("web")}
+    assert before <= after
+    assert [n for _, n in after - before].count(victim) == 0
+    assert [name for name, n in after if n == victim] == [name for name, n in before if n == victim]
+    node = await cluster.api.GetNode(pb.GetNodeRequest(name=victim))
+    assert (node.schedulable, node.draining) == (False, False)
+    assert len(cluster.agents[victim].instances) == 1
 
 
 async def test_delete_stops_everything(cluster: Cluster) -> None:

@@ -191,6 +191,16 @@ def test_registry_reservations_keep_fast_ranking_exact(policy: str) -> None:
     if policy == "spread":
         # 240 / 7 replicas per workload on 60 nodes: spread puts each on its own node.
         assert all(len(nodes) >= 30 for nodes in placed.values())
+    else:
+        # Binpack fills a node before it opens the next: every node holding something is full
+        # (no room for one more 100 m instance) but the one being filled, and far fewer nodes
+        # are used than spread's 60 (each takes 10, 15 or 20).
+        used = [rec for rec in reg if rec.holds]
+        partly = [rec.name for rec in used if rec.free()[0] >= 100]
+        assert len(partly) <= 1, partly
+        assert all(rec.free()[0] >= 0 for rec in used)  # full, never overbooked
+        assert sum(len(rec.holds) for rec in used) == 240
+        assert len(used) <= 24
 
 
 class _CountingScorer:

@@ -354,3 +354,25 @@ def test_report_binding_a_different_reservation_rebuilds_the_view() -> None:
     fresh = reg.snapshot()
     assert fresh is not snap
     assert fresh.by_name["n1"].cpu_used == 500
+
+
+def test_report_of_another_workload_rebinds_the_hold_to_it() -> None:
+    """A reservation made for one workload but reported running another: the hold follows
+    the report, so spread counts the workload the node really runs."""
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", workload="web"), 5) is None
+    snap = reg.snapshot()
+    assert reg.apply_report(rec, report(workload="db"), RES) is True
+    assert rec.holds["web-0"] == Hold("db", 500, GIB, expires_at=None)
+    fresh = reg.snapshot()
+    assert fresh is not snap
+    assert fresh.by_name["n1"].workload_counts == {"db": 1}
+
+
+@pytest.mark.parametrize(("offset", "expired"), [(-0.001, True), (0.0, False), (0.001, False)])
+def test_a_reservation_expires_only_once_its_time_has_passed(offset: float, expired: bool) -> None:
+    reg, rec = registry_with()
+    now = 1000.0
+    rec.add_hold("web-0", Hold("web", 500, GIB, expires_at=now + offset))
+    assert reg.expire_reservations(now) == ([("n1", "web-0")] if expired else [])
+    assert ("web-0" in rec.holds) is not expired

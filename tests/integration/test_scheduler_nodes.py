@@ -1,0 +1,569 @@
+"""The scheduler seen from hand-driven agents on real gRPC: what a refused or unanswered offer
+leaves reserved, under which name a node registers, and the READY -> NOT_READY -> LOST steps.
+
+Like Nomad's planner Harness, the agents here record what the scheduler sent them and answer as
+each test tells them to, and the tests then assert the registry (holds, used resources, states).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.api import controller_pb2 as pb
+from orka.models import NodeState
+from orka.rpc.client import secure_channel
+from orka.scheduler.registry import NodeRecord
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
+
+MIB = 1 << 20
+# Agents here send no heartbeats: intervals long enough that none goes NOT_READY mid-test.
+# The offer timeout is what a silent agent costs; a loaded machine still answers within it.
+QUIET = {"heartbeat_interval": 5.0, "node_lost_after": 60.0, "offer_timeout": 1.0}
+
+
+async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
+    """Wait for `check()` to be truthy, letting the event loop run in between."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+class HandAgent:
+    """An agent stream driven by the test: `answer` decides each offer (True accepts, a string
+    refuses with that reason, None never answers); commands are acknowledged, a start with
+    an error when `start_errors` has one for the instance; every message received is kept."""
+
+    def __init__(
+        self,
+        s: Scheduler,
+        certs: Path,
+        name: str,
+        answer: bool | str | None = True,
+    ) -> None:
+        self.channel = secure_channel(
+            f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "agent", name), "scheduler"
+        )
+        self.call = apb_grpc.SchedulerStub(self.channel).Connect()
+        self.answer = answer
+        self.start_errors: dict[str, str] = {}
+        self.received: list[apb.SchedulerMessage] = []
+        self.registered: apb.Registered | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def register(
+        self, labels: dict[str, str] | None = None, running: tuple[str, ...] = ()
+    ) -> apb.SchedulerMessage:
+        """Register, announcing `running` as instances of "web" that use 100 m / 64 MiB."""
+        res = pb.Resources(cpu_millis=1000, memory_bytes=1024 * MIB)
+        instances = [
+            apb.InstanceStatus(
+                name=name,
+                workload="web",
+                phase=pb.Instance.RUNNING,
+                resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+            )
+            for name in running
+        ]
+        await self.call.write(
+            apb.AgentMessage(
+                register=apb.Register(
+                    node=apb.NodeInfo(
+                        capacity=res, allocatable=res, drivers=["fake"], labels=labels or {}
+                    ),
+                    instances=instances,
+                )
+            )
+        )
+        first = await self.call.read()
+        if first is not grpc.aio.EOF and first.WhichOneof("body") == "registered":
+            self.registered = first.registered
+            self.task = asyncio.create_task(self._serve())
+        return first
+
+    def messages(self, kind: str) -> list[apb.SchedulerMessage]:
+        return [m for m in self.received if m.WhichOneof("body") == kind]
+
+    async def _serve(self) -> None:
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            inner = list(msg.batch.messages) if msg.WhichOneof("body") == "batch" else [msg]
+            self.received.extend(inner)
+            for m in inner:
+                kind = m.WhichOneof("body")
+                if kind in ("start", "stop", "release"):
+                    cmd = getattr(m, kind)
+                    error = ""
+                    if kind == "start":
+                        error = self.start_errors.get(cmd.assignment.instance, "")
+                    ack = apb.CommandAck(command_id=cmd.command_id, ok=not error, error=error)
+                    await self.call.write(apb.AgentMessage(ack=ack))
+                if kind != "offer" or self.answer is None:
+                    continue
+                reply = apb.OfferReply(offer_id=m.offer.offer_id, accepted=self.answer is True)
+                if isinstance(self.answer, str):
+                    reply.reason = self.answer
+                await self.call.write(apb.AgentMessage(offer_reply=reply))
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        await self.channel.close()
+
+
+@pytest.fixture
+async def agents() -> AsyncIterator[list[HandAgent]]:
+    made: list[HandAgent] = []
+    yield made
+    for a in made:
+        await a.close()
+
+
+async def start_scheduler(certs: Path, **config: float) -> Scheduler:
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", **config),  # type: ignore[arg-type]
+        TlsFiles.for_service(certs, "scheduler", "scheduler"),
+    )
+    await s.start()
+    return s
+
+
+@pytest.fixture
+async def scheduler(certs_dir: Path) -> AsyncIterator[Scheduler]:
+    s = await start_scheduler(certs_dir, **QUIET)
+    yield s
+    await s.stop()
+
+
+def held(node: NodeRecord) -> tuple[dict[str, float | None], int, int]:
+    """A node's reservations/bindings (instance -> expiry) and the resources they use."""
+    return ({k: h.expires_at for k, h in node.holds.items()}, node.cpu_used, node.mem_used)
+
+
+WEB = pb.WorkloadSpec(
+    name="web",
+    kind=pb.WorkloadSpec.PROCESS,
+    resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+)
+
+
+def controller_channel(s: Scheduler, certs: Path) -> grpc.aio.Channel:
+    return secure_channel(
+        f"127.0.0.1:{s.port}", TlsFiles.for_service(certs, "controller", "controller"), "scheduler"
+    )
+
+
+async def place(s: Scheduler, certs: Path, count: int) -> list[apb.PlaceResult]:
+    """Place web-0 .. web-<count-1> (100 m, 64 MiB each) as the controller does."""
+    async with controller_channel(s, certs) as channel:
+        items = [apb.Assignment(instance=f"web-{i}", spec=WEB) for i in range(count)]
+        resp = await apb_grpc.SchedulerStub(channel).Place(apb.PlaceRequest(items=items))
+        return list(resp.results)
+
+
+async def command(s: Scheduler, certs: Path, *commands: apb.NodeCommand) -> list[apb.CommandResult]:
+    async with controller_channel(s, certs) as channel:
+        req = apb.CommandRequest(commands=commands)
+        return list((await apb_grpc.SchedulerStub(channel).Command(req)).results)
+
+
+def start(node: str, instance: str) -> apb.NodeCommand:
+    assignment = apb.Assignment(instance=instance, spec=WEB)
+    return apb.NodeCommand(node=node, start=apb.StartInstance(assignment=assignment))
+
+
+# ---- reservations after refusals and timeouts ----
+
+
+async def test_refused_and_timed_out_offers_leave_nothing_reserved(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 refuses every offer, node-2 never answers: after Place, neither holds anything
+    and the silent one was told to release each instance it was offered."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="disk full"),
+        HandAgent(scheduler, certs_dir, "node-2", answer=None),
+    ]
+    for a in agents:
+        await a.register()
+    results = await place(scheduler, certs_dir, 3)
+    assert [r.node for r in results] == ["", "", ""]
+    for r in results:
+        assert dict(r.refusals) == {"node-1": "refused: disk full", "node-2": "offer timed out"}
+        assert r.reasons == "1 node: offer timed out; 1 node: refused: disk full"
+    for name in ("node-1", "node-2"):
+        node = scheduler.registry.get(name)
+        assert node is not None
+        assert held(node) == ({}, 0, 0)
+        # The ranking sees the nodes as empty again.
+        view = scheduler.registry.snapshot().by_name[name]
+        assert (view.cpu_used, view.mem_used, view.total_instances) == (0, 0, 0)
+    silent = agents[1]
+    offered = sorted(m.offer.assignment.instance for m in silent.messages("offer"))
+    assert offered == ["web-0", "web-1", "web-2"]
+    await until(lambda: len(silent.messages("release")) == 3)
+    assert sorted(m.release.instance for m in silent.messages("release")) == offered
+    # A refusal is the agent's own answer: nothing to release there.
+    assert agents[0].messages("release") == []
+
+
+async def test_a_refusal_frees_its_node_and_the_taker_holds_the_reservation(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="disk full"),
+        HandAgent(scheduler, certs_dir, "node-2", answer=True),
+    ]
+    for a in agents:
+        await a.register()
+    results = await place(scheduler, certs_dir, 2)
+    assert [r.node for r in results] == ["node-2", "node-2"]
+    # Spread: web-0 is offered to node-1 first, web-1 (ranked with web-0 reserved there) to
+    # node-2 at once; web-0 then goes to node-2 too.
+    assert [dict(r.refusals) for r in results] == [{"node-1": "refused: disk full"}, {}]
+    refuser, taker = scheduler.registry.get("node-1"), scheduler.registry.get("node-2")
+    assert refuser is not None and taker is not None
+    assert held(refuser) == ({}, 0, 0)
+    holds, cpu, mem = held(taker)
+    assert sorted(holds) == ["web-0", "web-1"]
+    # Still reservations (an expiry) until the controller binds them.
+    assert all(expiry is not None for expiry in holds.values())
+    assert (cpu, mem) == (200, 128 * MIB)
+
+
+# ---- the node's name ----
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        {"node": "node-2", "name": "node-2", "hostname": "node-2"},
+        {"kubernetes.io/hostname": "node-2", "node.name": "node-2"},
+        # A reserved label may be refused outright; it must never rename the node.
+        {"orka.io/node": "node-2"},
+    ],
+)
+async def test_register_takes_the_name_from_the_certificate_not_the_labels(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent], labels: dict[str, str]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    try:
+        await agents[0].register(labels)
+    except grpc.aio.AioRpcError as err:
+        # Refusing a label is fine (the reserved ones are); naming the node after it is not.
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "node-2" not in scheduler.registry.nodes
+        return
+    assert "node-2" not in scheduler.registry.nodes
+    assert agents[0].registered is not None
+    assert agents[0].registered.node == "node-1"
+    assert list(scheduler.registry.nodes) == ["node-1"]
+
+
+# ---- liveness ----
+
+
+class StepClock:
+    """A monotonic clock the test moves by hand; counts reads so a test can wait for the
+    liveness loop to have looked at the time it set."""
+
+    def __init__(self) -> None:
+        # Starts at the real clock's time: reservations still expire on time.monotonic.
+        self.now = time.monotonic()
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+    async def step_to(self, t: float) -> None:
+        """Set the time, then wait until liveness has run at least one full pass at it."""
+        self.now = t
+        seen = self.reads
+        await until(lambda: self.reads >= seen + 2)
+
+
+async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """heartbeat_interval 0.2 s, node_lost_after 1.0 s: NOT_READY once silent for more than two
+    intervals (0.4 s), LOST once silent for more than node_lost_after, and those states in that
+    order on the controller feed. The clock is stepped, so the bounds are exact."""
+    clock = StepClock()
+    interval, lost_after = 0.2, 1.0
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0", heartbeat_interval=interval, node_lost_after=lost_after
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
+    s.hub.queues.add(feed)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register(running=("web-1",))
+        node = s.registry.get("node-1")
+        assert node is not None and node.last_seen == t0
+        assert held(node) == ({"web-1": None}, 100, 64 * MIB)
+
+        await clock.step_to(t0 + 2 * interval - 0.01)
+        assert node.state is NodeState.READY
+        await clock.step_to(t0 + 2 * interval + 0.01)
+        assert node.state is NodeState.NOT_READY
+        assert node.message == "no heartbeat for 0.4s"
+        await clock.step_to(t0 + lost_after - 0.01)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + lost_after + 0.01)
+        assert node.state is NodeState.LOST
+        assert node.message == "no heartbeat for 1.0s"
+        # A lost node holds nothing (its instances are replaced elsewhere) and its stream is
+        # cut: an agent that comes back must register again.
+        assert held(node) == ({}, 0, 0)
+        assert node.reports == {}
+        await until(lambda: agents[0].task is not None and agents[0].task.done())
+        assert node.session is None
+    finally:
+        await s.stop()
+    states = []
+    while not feed.empty():
+        update = feed.get_nowait()
+        if update is not None and update.WhichOneof("body") == "node":
+            if not states or states[-1] != update.node.state:
+                states.append(update.node.state)
+    assert states == [pb.Node.READY, pb.Node.NOT_READY, pb.Node.LOST]
+
+
+async def test_a_heartbeat_brings_a_not_ready_node_back(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.NOT_READY
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat()))
+        await until(lambda: node.state is NodeState.READY)
+        assert node.last_seen == t0 + 0.5
+        # Silence is measured from that heartbeat now.
+        await clock.step_to(t0 + 0.5 + 0.39)
+        assert node.state is NodeState.READY
+    finally:
+        await s.stop()
+
+
+# ---- reservations that expire, and re-registering ----
+
+
+async def test_an_unbound_reservation_expires_and_the_agent_is_told(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """An accepted offer the controller never binds holds its resources for hold_seconds,
+    then is dropped and the agent gets a ReleaseOffer for it."""
+    s = await start_scheduler(certs_dir, **QUIET, hold_seconds=0.3)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        (result,) = await place(s, certs_dir, 1)
+        assert result.node == "node-1"
+        node = s.registry.get("node-1")
+        assert node is not None
+        await until(lambda: agents[0].messages("release"))
+        assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
+        assert held(node) == ({}, 0, 0)
+    finally:
+        await s.stop()
+
+
+async def test_re_registering_replaces_what_the_node_holds_but_keeps_offers_in_flight(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    first = HandAgent(scheduler, certs_dir, "node-1")
+    agents.append(first)
+    await first.register(running=("web-old",))
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-1"
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    assert sorted(node.holds) == ["web-0", "web-old"]
+    # The same node again on a new stream (an agent restart), no longer running web-old.
+    second = HandAgent(scheduler, certs_dir, "node-1")
+    agents.append(second)
+    await second.register(running=("web-new",))
+    holds, cpu, mem = held(node)
+    assert sorted(holds) == ["web-0", "web-new"]
+    assert holds["web-new"] is None and holds["web-0"] is not None
+    assert (cpu, mem) == (200, 128 * MIB)
+    assert node.session is not None and node.session is not first
+    # The older stream is closed.
+    await until(lambda: first.task is not None and first.task.done())
+
+
+# ---- commands and leaving ----
+
+
+async def test_a_started_instance_is_bound_and_a_failed_start_frees_its_reservation(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    agents[0].start_errors["web-1"] = "image missing"
+    await agents[0].register()
+    results = await place(scheduler, certs_dir, 2)
+    assert [r.node for r in results] == ["node-1", "node-1"]
+    done = await command(scheduler, certs_dir, start("node-1", "web-0"), start("node-1", "web-1"))
+    assert [(r.ok, r.error, r.unconfirmed) for r in done] == [
+        (True, "", False),
+        (False, "image missing", False),
+    ]
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    # web-0 is bound (no expiry: it holds until the instance ends), web-1 holds nothing.
+    assert held(node) == ({"web-0": None}, 100, 64 * MIB)
+
+
+async def test_a_release_command_frees_the_reservation_at_once(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-1"
+    release = apb.NodeCommand(node="node-1", release=apb.ReleaseOffer(instance="web-0"))
+    (done,) = await command(scheduler, certs_dir, release)
+    assert done.ok
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    assert held(node) == ({}, 0, 0)
+    assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
+
+
+async def test_a_leaving_node_drains_then_is_left_holding_nothing(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Leave: the node is draining at once (no new placement, its instances to be moved),
+    and once its stream ends it is LEFT with nothing held and no longer draining."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-old",))
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    # A snapshot taken before the leave (as by an earlier placement) must not be reused.
+    assert scheduler.registry.snapshot().by_name["node-1"].schedulable
+    await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="shutting down")))
+    await until(lambda: node.draining)
+    assert node.state is NodeState.READY and node.schedulable
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons) == ("", "1 node: cordoned")
+    # Filtered out by the ranking (its snapshot saw the change), not refused on reserving.
+    assert dict(result.refusals) == {}
+    await agents[0].call.done_writing()
+    await until(lambda: node.state is NodeState.LEFT)
+    assert held(node) == ({}, 0, 0)
+    assert (node.draining, node.message, node.reports) == (False, "agent left", {})
+
+
+async def test_set_node_cordons_for_the_next_ranking_and_changes_only_what_it_names(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    assert scheduler.registry.snapshot().by_name["node-1"].schedulable
+    async with controller_channel(scheduler, certs_dir) as channel:
+        api = apb_grpc.SchedulerStub(channel)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", draining=True))
+        assert (node.schedulable, node.draining) == (True, True)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", schedulable=False))
+        assert (node.schedulable, node.draining) == (False, True)
+        node = await api.SetNode(apb.SetNodeRequest(name="node-1", draining=False))
+        assert (node.schedulable, node.draining) == (False, False)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons, dict(result.refusals)) == ("", "1 node: cordoned", {})
+
+
+async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interval(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """A heartbeat's usage and time are recorded at once but not published on their own; the
+    node (with that usage) goes to the controllers once usage_report_interval has passed."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            heartbeat_interval=1.0,
+            node_lost_after=3.0,
+            usage_report_interval=0.5,
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        registered_wall = node.last_heartbeat_wall
+        s.hub.queues.add(feed)
+        before = time.time()
+        usage = pb.Resources(cpu_millis=250, memory_bytes=100 * MIB)
+        await clock.step_to(t0 + 0.2)
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat(usage=usage)))
+        await until(lambda: node.usage.cpu_millis == 250)
+        assert (node.usage.cpu_millis, node.usage.memory_bytes) == (250, 100 * MIB)
+        assert node.last_seen == t0 + 0.2
+        assert node.last_heartbeat_wall >= before > registered_wall
+        assert feed.empty()
+        await clock.step_to(t0 + 0.2 + 0.5 + 0.01)
+        await until(lambda: not feed.empty())
+        update = feed.get_nowait()
+        assert update is not None and update.WhichOneof("body") == "node"
+        assert update.node.name == "node-1" and update.node.state == pb.Node.READY
+        assert (update.node.usage.cpu_millis, update.node.usage.memory_bytes) == (250, 100 * MIB)
+        assert update.node.last_heartbeat == node.last_heartbeat_wall
+    finally:
+        await s.stop()
+
+
+async def test_when_the_best_few_refuse_every_other_node_is_offered(
+    scheduler: Scheduler,
+    certs_dir: Path,
+    agents: list[HandAgent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offers go to the best RANK_FIRST nodes first, then to all the rest: with the best two
+    of four refusing (and the third), the least preferred node still gets the instance."""
+    monkeypatch.setattr("orka.scheduler.service.RANK_FIRST", 2)
+    for name in ("node-1", "node-2", "node-3"):
+        agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
+        await agents[-1].register()
+    agents.append(HandAgent(scheduler, certs_dir, "node-4"))
+    # Already running one of the workload: spread ranks it last.
+    await agents[-1].register(running=("web-old",))
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-4"
+    assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
