@@ -22,7 +22,6 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.errors import Invalid
-from orka.filemodes import private_dir
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security import tls as tls_files
@@ -210,7 +209,6 @@ def cmd_controller(args: argparse.Namespace) -> int:
     )
 
     async def main() -> None:
-        private_dir(data_dir)
         await GracefulStop(Controller(config, tls)).run()
 
     gctune.tune()

@@ -24,6 +24,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from orka.errors import Invalid
+from orka.filemodes import PRIVATE_DIR as DIR_MODE
+from orka.filemodes import PRIVATE_FILE as KEY_MODE
+from orka.filemodes import private_dir
 from orka.security.ca import (
     ROLES,
     SERVING_ROLES,
@@ -41,8 +44,6 @@ CA_CERT = "ca.crt"
 CA_KEY = "ca.key"
 CA_DIR = "ca"
 CRL_FILE = "crl.pem"
-DIR_MODE = 0o700
-KEY_MODE = 0o600
 CERT_MODE = 0o644
 # 90 days: a copied key is useful to a thief for at most a quarter, and rotation is one
 # command (`orka certs rotate`, or `orka up` at start), so short costs little. Revocation
@@ -96,12 +97,6 @@ def _write_atomic(path: Path, data: bytes, mode: int) -> None:
 def write_public(path: Path, data: bytes) -> None:
     """Atomically write a certificate or CRL (0644: its folder's 0700 is what guards it)."""
     _write_atomic(path, data, CERT_MODE)
-
-
-def private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, DIR_MODE)
-    return path
 
 
 def write_pair(

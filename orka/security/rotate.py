@@ -13,6 +13,7 @@ from pathlib import Path
 from cryptography import x509
 
 from orka.errors import Invalid, NotFound
+from orka.filemodes import private_dir
 from orka.security.ca import SERVING_ROLES, issue_leaf
 from orka.security.identity import identity_from_cert, names_role
 from orka.security.issue import (
@@ -20,7 +21,6 @@ from orka.security.issue import (
     DEFAULT_DAYS,
     cert_stem,
     load_ca,
-    private_dir,
     role_of_stem,
     sync_shared,
     write_pair,

@@ -262,8 +262,10 @@ async def test_register_takes_the_name_from_the_certificate_not_the_labels(
     try:
         await agents[0].register(labels)
     except grpc.aio.AioRpcError as err:
-        # Refusing a label is fine (the reserved ones are); naming the node after it is not.
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Refusing a reserved label is right (PERMISSION_DENIED: orka.io/ is the scheduler's);
+        # naming the node after it is not.
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "orka.io/" in (err.details() or "")
         assert "node-2" not in scheduler.registry.nodes
         return
     assert "node-2" not in scheduler.registry.nodes

@@ -35,8 +35,9 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
         await c.stop()
 
 
-def spec(kind: str, name: str = "app", image: str = "registry.local/app:1") -> pb.WorkloadSpec:
-    # Valid for every kind, and no replicas: the stored workload is all the update can change.
+def spec(kind: str, name: str = "app", image: str = "/images/app-1.img") -> pb.WorkloadSpec:
+    # An absolute path is a valid image for every kind (a VM's disk must be one). No replicas:
+    # the stored workload is all the update can change.
     return pb.WorkloadSpec(
         name=name, kind=KINDS[kind], image=image, command=["sleep", "100"], replicas=0
     )
@@ -65,17 +66,17 @@ async def test_kind_cannot_change(cluster: Cluster, old: str, new: str) -> None:
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec(old)), timeout=10)
     before = stored(cluster, "app")
     # Alone, and together with a change that would be allowed on its own.
-    for sent in (spec(new), spec(new, image="registry.local/app:2")):
+    for sent in (spec(new), spec(new, image="/images/app-2.img")):
         code, details = await update_code(cluster, sent)
         assert code is grpc.StatusCode.INVALID_ARGUMENT
         assert details.startswith("spec.kind: cannot change")
         assert stored(cluster, "app") == before
     # Control: the same image change with the kind kept is accepted, so only the kind refused.
-    code, _ = await update_code(cluster, spec(old, image="registry.local/app:2"))
+    code, _ = await update_code(cluster, spec(old, image="/images/app-2.img"))
     assert code is grpc.StatusCode.OK
     after = stored(cluster, "app")
     assert after.spec.kind.value == old
-    assert after.spec.image == "registry.local/app:2"
+    assert after.spec.image == "/images/app-2.img"
     assert after.generation == before.generation + 1
 
 
@@ -90,7 +91,7 @@ async def test_the_name_is_the_key_and_the_origin_stays(cluster: Cluster) -> Non
     assert sorted(cluster.controller.repo.workloads) == ["app"]
     assert stored(cluster, "app") == before
     # An accepted update keeps who created it and when.
-    code, _ = await update_code(cluster, spec("PROCESS", image="registry.local/app:2"))
+    code, _ = await update_code(cluster, spec("PROCESS", image="/images/app-2.img"))
     assert code is grpc.StatusCode.OK
     after = stored(cluster, "app")
     assert (after.created_at, after.created_by) == (before.created_at, before.created_by)
