@@ -197,3 +197,63 @@ async def test_a_healthy_run_resets_the_backoff(healthy_ran: float, after: list[
     runs = [Run(ran=1.0)] * 4 + [Run(ran=healthy_ran), Run(ran=1.0)]
     p = await play(RestartPolicy.ALWAYS, runs)
     assert p.clock.slept == [1.0, 2.0, 4.0, 8.0, *after]
+
+
+class RecordingDriver(ScriptedDriver):
+    """Records the RunSpec of each start."""
+
+    def __init__(self, clock: Clock, runs: list[Run]) -> None:
+        super().__init__(clock, runs)
+        self.specs: list[RunSpec] = []
+
+    async def start(self, run: RunSpec) -> TaskInfo:
+        self.specs.append(run)
+        return await super().start(run)
+
+
+def _supervised(driver: ScriptedDriver, spec: WorkloadSpec, **kw: object) -> Supervised:
+    return Supervised("w-0", 1, spec, driver, lambda s: None, sleep=driver.clock.sleep, **kw)  # type: ignore[arg-type]
+
+
+async def test_an_adopted_task_is_watched_not_started_again() -> None:
+    # After an agent restart the running task is adopted: no second copy is started, and the
+    # instance is RUNNING since the adopted task's start.
+    clock = Clock()
+    driver = ScriptedDriver(clock, [])
+    spec = WorkloadSpec(name="w", kind=WorkloadKind.PROCESS, command=["x"])
+    sup = _supervised(driver, spec)
+    adopted = TaskInfo(
+        instance="w-0", workload="w", driver="scripted", state=TaskState.RUNNING, started_at=12.5
+    )
+    sup.start(adopted)
+    await asyncio.wait_for(driver.idle.wait(), 10)
+    assert (driver.starts, sup.phase, sup.started_at) == (0, InstancePhase.RUNNING, 12.5)
+    assert sup._task is not None and sup._task.get_name() == "instance-w-0"
+    await sup.close()
+    # close stops watching (the task is done) without stopping or removing what runs.
+    assert sup._task.done() and sup.phase is InstancePhase.RUNNING
+
+
+async def test_secret_files_are_resolved_into_the_started_spec() -> None:
+    class Files:
+        def resolve(self, spec: WorkloadSpec) -> WorkloadSpec:
+            # As SecretFiles does: the values join secret_env, the references go.
+            update = {"secret_env": {"PW": "from-file"}, "secret_env_files": {}}
+            return spec.model_copy(update=update)
+
+    clock = Clock()
+    driver = RecordingDriver(clock, [])
+    spec = WorkloadSpec(
+        name="w",
+        kind=WorkloadKind.PROCESS,
+        command=["x"],
+        secret_env_files={"PW": "/run/secrets/pw"},
+    )
+    sup = _supervised(driver, spec, secret_files=Files())
+    sup.start()
+    await asyncio.wait_for(driver.idle.wait(), 10)
+    await sup.close()
+    assert [s.spec.secret_env for s in driver.specs] == [{"PW": "from-file"}]
+    assert (driver.specs[0].instance, driver.specs[0].workload) == ("w-0", "w")
+    # The file's content is read at each start, never kept on the supervisor.
+    assert sup.spec.secret_env == {}
