@@ -14,7 +14,7 @@ import pytest
 
 from orka.agent.supervisor import BACKOFF_MAX, HEALTHY_RUN, Supervised
 from orka.errors import RuntimeFailure
-from orka.models import InstancePhase, RestartPolicy, WorkloadKind, WorkloadSpec
+from orka.models import InstancePhase, InstanceReport, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
 from orka.runtime.fake import FakeDriver
 
@@ -37,6 +37,9 @@ class Run:
     code: int | None = 1
     ran: float = 1.0
     start_error: str = ""
+    # The driver's own reason for the exit (OOMKilled) and its message.
+    reason: str = ""
+    message: str = ""
 
 
 class ScriptedDriver(FakeDriver):
@@ -74,6 +77,8 @@ class ScriptedDriver(FakeDriver):
             None,
             TaskState.EXITED,
             exit_code=self.current.code,
+            reason=self.current.reason,
+            message=self.current.message,
             started_at=started,
             finished_at=self.clock.now,
         )
@@ -137,6 +142,11 @@ RESTARTS = "restarts"
         (RestartPolicy.NEVER, 0, (InstancePhase.SUCCEEDED, "Completed", "exited with code 0")),
         (RestartPolicy.NEVER, 1, (InstancePhase.FAILED, "Error", "exited with code 1")),
         (RestartPolicy.NEVER, -9, (InstancePhase.FAILED, "Error", "killed by signal 9")),
+        (
+            RestartPolicy.NEVER,
+            None,
+            (InstancePhase.FAILED, "Error", "exited while the agent was away (exit code unknown)"),
+        ),
     ],
 )
 async def test_policy_by_exit_code(
@@ -173,7 +183,9 @@ async def test_start_failures_back_off_the_same_way_and_never_gives_up() -> None
     # The exit after the failed starts continues the same sequence.
     assert p.clock.slept == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
     assert p.sup.restarts == 7
-    assert sum("StartFailed: no such binary; retrying in" in m for m in p.messages) == 6
+    retrying = [m for m in p.messages if "StartFailed: no such binary; retrying in" in m]
+    assert len(retrying) == 6
+    assert all(m.startswith(f"{InstancePhase.STARTING}/") for m in retrying)
 
 
 async def test_a_start_failure_under_never_fails_the_instance() -> None:
@@ -184,6 +196,7 @@ async def test_a_start_failure_under_never_fails_the_instance() -> None:
         "no such binary",
     )
     assert (p.driver.starts, p.clock.slept) == (1, [])
+    assert p.sup.exit_code is None and p.sup.finished_at is not None
 
 
 @pytest.mark.parametrize(
@@ -257,3 +270,37 @@ async def test_secret_files_are_resolved_into_the_started_spec() -> None:
     assert (driver.specs[0].instance, driver.specs[0].workload) == ("w-0", "w")
     # The file's content is read at each start, never kept on the supervisor.
     assert sup.spec.secret_env == {}
+
+
+async def test_the_drivers_reason_and_message_name_the_exit() -> None:
+    oom = Run(code=137, reason="OOMKilled", message="memory limit 64 MiB reached")
+    p = await play(RestartPolicy.NEVER, [oom])
+    assert (p.sup.phase, p.sup.reason, p.sup.message) == (
+        InstancePhase.FAILED,
+        "OOMKilled",
+        "memory limit 64 MiB reached (exit code 137)",
+    )
+    p = await play(RestartPolicy.ON_FAILURE, [oom])
+    assert any(
+        m.endswith(
+            "BackOff: OOMKilled: memory limit 64 MiB reached (exit code 137); restarting in 1s"
+        )
+        for m in p.messages
+    )
+
+
+async def test_report_carries_every_field() -> None:
+    p = await play(RestartPolicy.NEVER, [Run(code=3, ran=2.0)])
+    assert p.sup.report() == InstanceReport(
+        name="w-0",
+        workload="w",
+        phase=InstancePhase.FAILED,
+        reason="Error",
+        message="exited with code 3",
+        exit_code=3,
+        restarts=0,
+        started_at=1000.0,
+        finished_at=1002.0,
+    )
+    p = await play(RestartPolicy.ALWAYS, [Run(code=0)])
+    assert (p.sup.report().restarts, p.sup.report().phase) == (1, InstancePhase.RUNNING)
