@@ -52,6 +52,7 @@ class ScriptedDriver(FakeDriver):
         self.clock = clock
         self.runs = list(runs)
         self.starts = 0
+        self.removed: list[str] = []
         self.current: Run | None = None
         # Set when the script is used up and the last run goes on for ever.
         self.idle = asyncio.Event()
@@ -87,7 +88,7 @@ class ScriptedDriver(FakeDriver):
         return self._info(None, TaskState.EXITED, exit_code=0, started_at=self.clock.now)
 
     async def remove(self, instance: str) -> None:
-        return None
+        self.removed.append(instance)
 
     async def list(self) -> list[TaskInfo]:
         return []
@@ -156,7 +157,19 @@ async def test_policy_by_exit_code(
     if outcome == RESTARTS:
         assert (p.driver.starts, p.sup.restarts, p.clock.slept) == (2, 1, [1.0])
         assert p.sup.phase is InstancePhase.RUNNING
-        assert any("BackOff" in m and "restarting in 1s" in m for m in p.messages)
+        # The exited task's files go before the restart; the message says why and when.
+        assert p.driver.removed == ["w-0"]
+        text = (
+            "exited while the agent was away (exit code unknown)"
+            if code is None
+            else f"killed by signal {-code}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        backoff = [m for m in p.messages if "/BackOff: " in m]
+        assert len(backoff) == 1 and backoff[0].startswith(f"{InstancePhase.STARTING}/BackOff: ")
+        assert backoff[0].endswith(f"BackOff: {text}; restarting in 1s")
+        assert ": " not in backoff[0].removeprefix(f"{InstancePhase.STARTING}/BackOff: ")
     else:
         assert (p.driver.starts, p.sup.restarts, p.clock.slept) == (1, 0, [])
         assert (p.sup.phase, p.sup.reason, p.sup.message) == outcome
