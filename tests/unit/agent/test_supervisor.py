@@ -11,9 +11,10 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
+import structlog.testing
 
 from orka.agent.supervisor import BACKOFF_MAX, HEALTHY_RUN, Supervised
-from orka.errors import RuntimeFailure
+from orka.errors import Invalid, RuntimeFailure
 from orka.models import InstancePhase, InstanceReport, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
 from orka.runtime.fake import FakeDriver
@@ -317,3 +318,32 @@ async def test_report_carries_every_field() -> None:
     )
     p = await play(RestartPolicy.ALWAYS, [Run(code=0)])
     assert (p.sup.report().restarts, p.sup.report().phase) == (1, InstancePhase.RUNNING)
+
+
+async def test_an_error_the_agent_expects_fails_the_instance_logged_once() -> None:
+    # A spec the driver refuses (an OrkaError, not a start failure): FAILED with the reason
+    # AgentError and the whole message, one warning naming the instance, the error cut at 200.
+    class Refusing(ScriptedDriver):
+        async def start(self, run: RunSpec) -> TaskInfo:
+            raise Invalid("spec.image: " + "x" * 300)
+
+    driver = Refusing(Clock(), [])
+    spec = WorkloadSpec(name="w", kind=WorkloadKind.PROCESS, command=["x"])
+    sup = _supervised(driver, spec)
+    with structlog.testing.capture_logs() as logs:
+        sup.start()
+        assert sup._task is not None
+        await asyncio.wait_for(sup._task, 10)
+    assert (sup.phase, sup.reason, sup.message) == (
+        InstancePhase.FAILED,
+        "AgentError",
+        "spec.image: " + "x" * 300,
+    )
+    assert logs == [
+        {
+            "event": "instance failed",
+            "instance": "w-0",
+            "error": ("spec.image: " + "x" * 300)[:200],
+            "log_level": "warning",
+        }
+    ]
