@@ -347,3 +347,30 @@ async def test_an_error_the_agent_expects_fails_the_instance_logged_once() -> No
             "log_level": "warning",
         }
     ]
+
+
+async def test_an_unexpected_error_fails_the_instance_with_a_traceback_logged() -> None:
+    class Broken(ScriptedDriver):
+        async def start(self, run: RunSpec) -> TaskInfo:
+            raise ValueError("driver bug")
+
+    sup = _supervised(
+        Broken(Clock(), []), WorkloadSpec(name="w", kind=WorkloadKind.PROCESS, command=["x"])
+    )
+    with structlog.testing.capture_logs() as logs:
+        sup.start()
+        assert sup._task is not None
+        await asyncio.wait_for(sup._task, 10)
+    assert (sup.phase, sup.reason, sup.message) == (
+        InstancePhase.FAILED,
+        "AgentError",
+        "driver bug",
+    )
+    assert logs == [
+        {
+            "event": "instance supervisor failed",
+            "instance": "w-0",
+            "exc_info": True,
+            "log_level": "error",
+        }
+    ]
