@@ -272,6 +272,13 @@ def test_forget_drops_report_and_hold() -> None:
     assert rec.cpu_used == 0
 
 
+def test_forget_of_an_instance_never_reported_frees_its_reservation() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-1"), 60) is None
+    reg.forget(rec, "web-1")
+    assert (rec.holds, rec.cpu_used, rec.reports) == ({}, 0, {})
+
+
 # ---- snapshot ----
 
 
