@@ -103,7 +103,9 @@ def run(path: str, children: int) -> float:
     done = subprocess.run(cmd, cwd=ROOT, env=env(), check=False)
     if done.returncode != 0:
         sys.exit(f"error: mutmut run failed for {path} (exit {done.returncode})")
-    return time.monotonic() - start
+    took = time.monotonic() - start
+    print(f"\n==> {path}: {took:.0f} s", flush=True)
+    return took
 
 
 def score(path: str) -> Score:
