@@ -272,6 +272,13 @@ def test_forget_drops_report_and_hold() -> None:
     assert rec.cpu_used == 0
 
 
+def test_forget_of_an_instance_never_reported_frees_its_reservation() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-1"), 60) is None
+    reg.forget(rec, "web-1")
+    assert (rec.holds, rec.cpu_used, rec.reports) == ({}, 0, {})
+
+
 # ---- snapshot ----
 
 
@@ -376,3 +383,20 @@ def test_a_reservation_expires_only_once_its_time_has_passed(offset: float, expi
     rec.add_hold("web-0", Hold("web", 500, GIB, expires_at=now + offset))
     assert reg.expire_reservations(now) == ([("n1", "web-0")] if expired else [])
     assert ("web-0" in rec.holds) is not expired
+
+
+def test_nodes_registered_between_snapshots_keep_registration_order() -> None:
+    # The incremental snapshot gathers changed nodes from a set; nodes added together must still
+    # come out in registration order (ranking ties are broken by that order).
+    reg = Registry()
+    reg.upsert("first")
+    reg.snapshot()
+    names = [f"node-{i:02d}" for i in range(20)]
+    for name in names:
+        reg.upsert(name)
+    assert [v.name for v in reg.snapshot().nodes] == ["first", *names]
+    more = [f"node-{i:02d}" for i in range(20, 40)]
+    for name in more:
+        reg.upsert(name)
+    reg.upsert("first")  # an existing node changed in the same round keeps its place
+    assert [v.name for v in reg.snapshot().nodes] == ["first", *names, *more]

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -19,6 +22,7 @@ from orka.security.identity import (
     peer_identity,
     require_role,
 )
+from orka.security.revocation import REVOCATIONS
 
 
 def _cert_with_sans(sans: list[x509.GeneralName] | None) -> bytes:
@@ -69,6 +73,13 @@ def test_bad_identities(sans: list[x509.GeneralName] | None, problem: str) -> No
     assert problem in exc.value.message
 
 
+def test_no_san_message_is_exact() -> None:
+    # The whole message, not a piece of it: a mangled message still contains its middle.
+    with pytest.raises(Unauthenticated) as exc:
+        identity_from_pem(_cert_with_sans(None))
+    assert exc.value.message == "certificate has no subjectAltName extension"
+
+
 def test_garbage_pem() -> None:
     with pytest.raises(Unauthenticated, match="does not parse"):
         identity_from_pem(b"not a cert")
@@ -85,10 +96,13 @@ def test_peer_identity_and_require_role() -> None:
     assert require_role(ctx, {"admin"}) == Identity("admin", "admin")
     with pytest.raises(PermissionDenied, match="role admin may not call this API; allowed: agent"):
         require_role(ctx, ["agent"])
+    with pytest.raises(PermissionDenied) as exc:
+        require_role(ctx, ["viewer", "agent"])
+    assert exc.value.message == "role admin may not call this API; allowed: agent, viewer"
 
 
 def test_no_client_certificate() -> None:
-    with pytest.raises(Unauthenticated, match="no client certificate"):
+    with pytest.raises(Unauthenticated, match=r"^no client certificate$"):
         peer_identity(_context({"transport_security_type": [b"ssl"]}))
 
 
@@ -105,3 +119,42 @@ def test_check_serves_as_wants_the_role_name() -> None:
     old = _cert_with_sans([URI("spiffe://orka/scheduler/scheduler")])
     with pytest.raises(Invalid, match=r"orka certs issue --role scheduler --name scheduler"):
         check_serves_as(old, "scheduler", "s.crt")
+
+
+def test_check_serves_as_refuses_no_san_and_garbage() -> None:
+    # A certificate with no subjectAltName at all names no role (names_role is False for it).
+    with pytest.raises(Invalid, match=r"^certs: s.crt lacks the DNS name scheduler.orka "):
+        check_serves_as(_cert_with_sans(None), "scheduler", "s.crt")
+    with pytest.raises(Invalid, match=r"^certs: s.crt is not a PEM certificate: "):
+        check_serves_as(b"not a cert", "scheduler", "s.crt")
+
+
+async def test_peer_identity_registers_the_call_for_cutting(tmp_path: Path) -> None:
+    # peer_identity hands the call's own context to the revocation registry: a CRL that later
+    # revokes the peer aborts that very call with UNAUTHENTICATED (not just cancels its task).
+    leaf = issue_leaf(create_ca(), "admin", "admin")
+    aborted: list[tuple[grpc.StatusCode, str]] = []
+
+    async def abort(code: grpc.StatusCode, details: str) -> None:
+        aborted.append((code, details))
+
+    ctx = SimpleNamespace(
+        auth_context=lambda: {"x509_pem_cert": [cert_pem(leaf.cert)]}, abort=abort
+    )
+    admitted = asyncio.Event()
+
+    async def call() -> None:
+        peer_identity(ctx)
+        admitted.set()
+        await asyncio.Event().wait()  # a long-running stream
+
+    task = asyncio.create_task(call())
+    await admitted.wait()
+    crl = tmp_path / "crl.pem"
+    try:
+        assert REVOCATIONS.update(crl, frozenset({leaf.cert.serial_number})) == 1
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+    finally:
+        REVOCATIONS.forget(crl)
+    assert aborted == [(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")]
