@@ -40,6 +40,15 @@ MAX_SECRET_FILES = 64
 MAX_PATH_CHARS = 4096
 
 
+def _check_secret_key(key: str) -> None:
+    # Messages name the key, never a value: the value is the secret.
+    if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
+        raise ValueError(
+            f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
+            " characters without '=' or NUL"
+        )
+
+
 class WorkloadKind(StrEnum):
     PROCESS = "PROCESS"
     CONTAINER = "CONTAINER"
@@ -219,11 +228,7 @@ class WorkloadSpec(BaseModel):
         # Messages name the key, never the value: the value is the secret.
         total = 0
         for key, value in v.items():
-            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
-                raise ValueError(
-                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
-                    " characters without '=' or NUL"
-                )
+            _check_secret_key(key)
             size = len(value.encode())
             if "\0" in value or size > MAX_SECRET_VALUE_BYTES:
                 raise ValueError(
@@ -241,11 +246,7 @@ class WorkloadSpec(BaseModel):
         if len(v) > MAX_SECRET_FILES:
             raise ValueError(f"at most {MAX_SECRET_FILES} files, got {len(v)}")
         for key, path in v.items():
-            if not key or "=" in key or "\0" in key or len(key) > MAX_SECRET_KEY_BYTES:
-                raise ValueError(
-                    f"key {key[:MAX_SECRET_KEY_BYTES]!r} must be 1-{MAX_SECRET_KEY_BYTES}"
-                    " characters without '=' or NUL"
-                )
+            _check_secret_key(key)
             if (
                 len(path) > MAX_PATH_CHARS
                 or not path.startswith("/")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -221,3 +222,31 @@ def kill_host_copies(workload: str) -> None:
 
 def monotonic() -> float:
     return time.monotonic()
+
+
+async def run_orka(c: ProcessCluster, *args: str, timeout: float = 60.0) -> str:
+    """One `orka` command against the cluster, exactly as a user runs it; must exit 0."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "orka.cli.main",
+        *args,
+        "--controller",
+        f"127.0.0.1:{c.controller_port}",
+        "--certs",
+        str(c.certs),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ORKA_")},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"orka {' '.join(args)}: still running after {timeout:g}s") from None
+    assert proc.returncode == 0, (
+        f"orka {' '.join(args)} exited {proc.returncode}\n{out.decode()}\n{err.decode()}"
+    )
+    return out.decode()

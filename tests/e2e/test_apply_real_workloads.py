@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -29,6 +27,7 @@ import pytest
 from orka.runtime.libvirt import domain_name
 from tests.containerd_env import Containerd, needs_containerd
 from tests.e2e.procs import ProcessCluster, nodes_ready
+from tests.e2e.procs import run_orka as orka
 from tests.integration.cluster import eventually
 from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
 
@@ -81,34 +80,6 @@ async def cluster(
         # A killed agent leaves its containers and domains running by design (re-adoption).
         containerd.clean_namespace()
         libvirt_daemons.cleanup_domains()
-
-
-async def orka(c: ProcessCluster, *args: str, timeout: float = 60.0) -> str:
-    """One `orka` command against the cluster, exactly as a user runs it; must exit 0."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "orka.cli.main",
-        *args,
-        "--controller",
-        f"127.0.0.1:{c.controller_port}",
-        "--certs",
-        str(c.certs),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={k: v for k, v in os.environ.items() if not k.startswith("ORKA_")},
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise AssertionError(f"orka {' '.join(args)}: still running after {timeout:g}s") from None
-    assert proc.returncode == 0, (
-        f"orka {' '.join(args)} exited {proc.returncode}\n{out.decode()}\n{err.decode()}"
-    )
-    return out.decode()
 
 
 async def instances(c: ProcessCluster, workload: str) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from tests.e2e.procs import ProcessCluster, host_copies, kill_host_copies, nodes_ready
+from tests.e2e.procs import run_orka as orka
 from tests.integration.cluster import eventually
 
 pytestmark = pytest.mark.e2e
@@ -47,25 +47,6 @@ async def cluster(
     finally:
         await c.close()
         kill_host_copies(WORKLOAD)
-
-
-async def orka(c: ProcessCluster, *args: str) -> str:
-    """The CLI as a user runs it; stdout, after checking it succeeded."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "orka.cli.main",
-        *args,
-        "--controller",
-        f"127.0.0.1:{c.controller_port}",
-        "--certs",
-        str(c.certs),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    return out.decode()
 
 
 def mode(path: Path) -> int:
