@@ -1,31 +1,41 @@
 #!/usr/bin/env python3
 """Mutation testing of Orka's core modules with mutmut, and a score per module.
 
-    python scripts/mutation.py                      # every core module ([tool.mutmut] only_mutate)
-    python scripts/mutation.py security/identity agent/supervisor
+    python scripts/mutation.py                      # every core module, from scratch
+    python scripts/mutation.py models controller/api
+    python scripts/mutation.py --survivors-again    # re-test only last run's survivors
     python scripts/mutation.py --report             # scores from the last run, runs nothing
     python scripts/mutation.py --survivors registry # the diff of each surviving mutant
+    python scripts/mutation.py --record             # last run's results -> the baseline file
+    python scripts/mutation.py --changed            # CI: functions changed since the baseline
 
-Run from anywhere; it works in the repository root. mutmut keeps its results in mutants/, so a
-second run only re-tests functions that changed (delete mutants/ for a clean run). The tests run
-are the fast ones listed in pyproject.toml's [tool.mutmut] (unit tests and the in-process
-integration tests of these modules); mutmut runs each mutant against only the tests that called
-its function in a first, clean run, which is what keeps each mutant's run short.
+Each module runs in its own work folder (.mutation/<module>/, a copy of orka/ and tests/ with
+a pyproject.toml whose [tool.mutmut] names that module and the tests that claim to cover it,
+from [tool.orka.mutation] in the real pyproject.toml). mutmut runs those tests once to learn
+which test calls which function, then runs against each mutant only the tests that call its
+function, fastest first, stopping at the first failure.
 
 Scoring, per module: killed / total, where
-  killed    = tests failed, or timed out (mutmut's timeout: 15 x the tests' clean duration + 1 s),
-              or the mutant broke pytest itself;
-  survived  = every test passed, or no test calls the function ("no tests": a gap all the same);
-  suspicious (slow but not timed out, or an unexpected exit) counts against the score, shown apart;
+  killed    = tests failed, or timed out, or the mutant broke pytest itself;
+  survived  = every test passed, or no selected test calls the function ("no tests");
+  suspicious (slow but not timed out, or an unexpected exit) counts against the score;
   skipped and not-yet-checked mutants are left out of the total and shown apart.
-Not part of scripts/test.sh: a full run takes far longer than CI allows (README, Development).
+
+--changed compares every function of the core modules with tests/mutation/baseline.json (a
+hash of each function's source, and its mutants' results at the recorded run), mutates only
+the functions that differ, and fails when a module's score (recorded results for the functions
+that did not change, this run's for those that did) falls below the threshold. scripts/test.sh
+runs it, so a change to a core module is mutation-tested in CI without the hours of a full run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,10 +46,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".mutation"
+BASELINE = ROOT / "tests" / "mutation" / "baseline.json"
 
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
 SURVIVED = {"survived", "no tests"}
 LEFT_OUT = {"skipped", "not checked", "check was interrupted by user"}
+SUFFIX = re.compile(r"__mutmut_\d+$")
+
+
+@dataclass(frozen=True)
+class Module:
+    path: str  # orka/scheduler/registry.py
+    tests: list[str]
+    functions: list[str] | None  # mutmut's names (x_f, xǁClassǁmethod); None: all
+
+    @property
+    def dotted(self) -> str:
+        return self.path.removesuffix(".py").replace("/", ".")
+
+    @property
+    def short(self) -> str:
+        return self.path.removeprefix("orka/").removesuffix(".py")
+
+    @property
+    def work(self) -> Path:
+        return WORK / self.short.replace("/", "-")
+
+    def covers(self, function: str) -> bool:
+        return self.functions is None or function in self.functions
 
 
 @dataclass
@@ -57,71 +92,232 @@ class Score:
     def total(self) -> int:
         return sum(n for s, n in self.counts.items() if s not in LEFT_OUT)
 
+    @property
+    def percent(self) -> float:
+        return 100 * self.killed / self.total if self.total else 100.0
+
     def line(self) -> str:
-        pct = f"{100 * self.killed / self.total:5.1f} %" if self.total else "    - "
+        pct = f"{self.percent:5.1f} %" if self.total else "    - "
         parts = [f"{s} {n}" for s, n in sorted(self.counts.items())]
         took = f"  ({self.seconds:.0f} s)" if self.seconds is not None else ""
-        return f"{self.module:32} {self.killed:4}/{self.total:<4} {pct}  [{', '.join(parts)}]{took}"
+        return f"{self.module:24} {self.killed:4}/{self.total:<4} {pct}  [{', '.join(parts)}]{took}"
 
 
-def core_modules() -> list[str]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
-    return list(config["only_mutate"])
+def settings() -> tuple[dict, dict]:
+    """pyproject.toml's [tool.mutmut] (shared settings) and [tool.orka.mutation]."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    return tool["mutmut"], tool["orka"]["mutation"]
 
 
-def resolve(name: str, modules: list[str]) -> str:
-    """'identity', 'security/identity', 'orka/security/identity.py' -> the configured path."""
+def modules() -> list[Module]:
+    _, ours = settings()
+    functions = ours.get("functions", {})
+    return [Module(path, list(tests), functions.get(path)) for path, tests in ours["tests"].items()]
+
+
+def threshold() -> float:
+    return float(settings()[1]["threshold"])
+
+
+def resolve(name: str, known: list[Module]) -> Module:
+    """'registry', 'scheduler/registry', 'orka/scheduler/registry.py' -> the module."""
     stem = name.removesuffix(".py").replace(".", "/").removeprefix("orka/")
-    hits = [m for m in modules if m.removesuffix(".py").endswith(stem)]
+    hits = [m for m in known if m.short == stem or m.short.endswith("/" + stem)]
     if len(hits) != 1:
-        known = ", ".join(m.removeprefix("orka/").removesuffix(".py") for m in modules)
-        sys.exit(f"error: module {name!r} names {len(hits)} core modules; one of: {known}")
+        names = ", ".join(m.short for m in known)
+        sys.exit(f"error: module {name!r} names {len(hits)} core modules; one of: {names}")
     return hits[0]
 
 
-def dotted(path: str) -> str:
-    return path.removesuffix(".py").replace("/", ".")
+# ---- the functions of a module, as mutmut names them, and a hash of each ----
 
 
-def mutmut() -> list[str]:
-    exe = shutil.which("mutmut") or str(Path(sys.executable).parent / "mutmut")
-    return [exe]
+def function_hashes(path: Path) -> dict[str, str]:
+    """mutmut's name for each top-level function and method -> a hash of its code (formatting
+    and comments left out, so only a change mutmut would mutate differently counts)."""
+    tree = ast.parse(path.read_text())
+    found: dict[str, str] = {}
+
+    def add(name: str, node: ast.AST) -> None:
+        found[name] = hashlib.sha256(ast.dump(node).encode()).hexdigest()[:16]
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            add(f"x_{node.name}", node)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    add(f"xǁ{node.name}ǁ{item.name}", item)
+    return found
+
+
+def function_of(key: str) -> str:
+    """orka.models.xǁResourcesǁ__add____mutmut_3 -> xǁResourcesǁ__add__"""
+    return SUFFIX.sub("", key).rsplit(".", 1)[1]
+
+
+# ---- the work folder of a module, and mutmut run in it ----
+
+
+def mutmut_section(module: Module) -> str:
+    shared, _ = settings()
+    cfg = {
+        **shared,
+        "source_paths": ["orka"],
+        "only_mutate": [module.path],
+        "pytest_add_cli_args_test_selection": module.tests,
+        # The work folder is no git checkout; results are kept by function hash instead.
+        "use_git_change_detection": False,
+    }
+    lines = ["[tool.mutmut]"]
+    for key, value in cfg.items():
+        lines.append(f"{key} = {json.dumps(value, ensure_ascii=False)}")
+    return "\n".join(lines) + "\n"
+
+
+def prepare(module: Module, fresh: bool) -> None:
+    """Copy the tree into the module's work folder. mutmut copies a source file into mutants/
+    only when it is missing there, so every other file is removed first: a change anywhere in
+    orka/ or tests/ reaches the next run."""
+    work = module.work
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    shared, _ = settings()
+    for name in ["orka", "tests", *shared.get("also_copy", [])]:
+        src, dst = ROOT / name, work / name
+        if dst.is_dir():
+            shutil.rmtree(dst)
+        elif dst.exists():
+            dst.unlink()
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, dst)
+    mutants = work / "mutants"
+    # The mutated module stays: mutmut regenerates it (and forgets its results) only when the
+    # source is newer than it, which copy2's kept modification time tells it.
+    keep = {
+        mutants / "mutmut-stats.json",
+        *(mutants / module.path).parent.glob(Path(module.path).name + "*"),
+    }
+    if mutants.exists():
+        for p in mutants.rglob("*"):
+            if p.is_file() and p not in keep:
+                p.unlink()
+    text = (ROOT / "pyproject.toml").read_text()
+    text = re.sub(r"(?ms)^\[tool\.mutmut\]\n.*?(?=^\[|\Z)", "", text)
+    text = re.sub(r"(?ms)^\[tool\.orka\.mutation[^\]]*\]\n.*?(?=^\[|\Z)", "", text)
+    (work / "pyproject.toml").write_text(text.rstrip() + "\n\n" + mutmut_section(module))
+
+
+def mutmut_exe() -> str:
+    return shutil.which("mutmut") or str(Path(sys.executable).parent / "mutmut")
 
 
 def env() -> dict[str, str]:
-    # mutmut puts mutants/ first on sys.path itself; a PYTHONPATH naming the worktree would
+    # mutmut puts mutants/ first on sys.path itself; a PYTHONPATH naming the checkout would
     # shadow the mutated copies with the originals and every mutant would survive.
     e = dict(os.environ)
     e.pop("PYTHONPATH", None)
     return e
 
 
-def run(path: str, children: int) -> float:
+def run_mutmut(module: Module, names: list[str], children: int) -> float:
     start = time.monotonic()
-    cmd = [*mutmut(), "run", "--max-children", str(children), f"{dotted(path)}.*"]
-    print(f"==> {' '.join(cmd)}", flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), check=False)
+    cmd = [mutmut_exe(), "run", "--max-children", str(children), *names]
+    shown = names if len(names) <= 4 else [*names[:3], f"... ({len(names)} names)"]
+    print(f"==> {module.short}: mutmut run {' '.join(shown)}", flush=True)
+    done = subprocess.run(cmd, cwd=module.work, env=env(), check=False, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
-        sys.exit(f"error: mutmut run failed for {path} (exit {done.returncode})")
+        sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
-    print(f"\n==> {path}: {took:.0f} s", flush=True)
+    print(f"==> {module.short}: {took:.0f} s", flush=True)
     return took
 
 
-def score(path: str) -> Score:
+def globs(module: Module, functions: list[str] | None) -> list[str]:
+    chosen = functions if functions is not None else module.functions
+    if chosen is None:
+        return [f"{module.dotted}.*"]
+    return [f"{module.dotted}.{f}__mutmut_*" for f in chosen]
+
+
+# ---- results ----
+
+
+def results(module: Module) -> dict[str, str]:
+    """mutant -> status, for the mutants of the functions this module's scoring covers."""
     from mutmut.stats import status_by_exit_code
 
-    result = Score(path)
-    meta = ROOT / "mutants" / f"{path}.meta"
+    meta = module.work / "mutants" / f"{module.path}.meta"
     if not meta.exists():
-        return result
+        return {}
     codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
-    for name, code in sorted(codes.items()):
-        status = status_by_exit_code[code]
-        result.counts[status] += 1
+    return {
+        key: status_by_exit_code[code]
+        for key, code in sorted(codes.items())
+        if module.covers(function_of(key))
+    }
+
+
+def score_of(name: str, statuses: dict[str, str]) -> Score:
+    s = Score(name)
+    for key, status in statuses.items():
+        s.counts[status] += 1
         if status in SURVIVED or status == "suspicious":
-            result.survivors.append(f"{name}: {status}")
-    return result
+            s.survivors.append(f"{key}: {status}")
+    return s
+
+
+def record(chosen: list[Module]) -> None:
+    baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
+    for module in chosen:
+        statuses = results(module)
+        if not statuses or any(s == "not checked" for s in statuses.values()):
+            sys.exit(f"error: {module.path}: no complete run to record")
+        hashes = function_hashes(ROOT / module.path)
+        per: dict[str, dict] = {}
+        for key, status in statuses.items():
+            fn = per.setdefault(
+                function_of(key), {"hash": hashes.get(function_of(key), ""), "mutants": {}}
+            )
+            fn["mutants"][key.rsplit("__mutmut_", 1)[1]] = status
+        baseline[module.path] = per
+        print(f"recorded {module.path}: {len(statuses)} mutants in {len(per)} functions")
+    BASELINE.write_text(json.dumps(baseline, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def changed(chosen: list[Module], children: int) -> int:
+    """Mutation-test only what changed since the baseline; 1 when a module falls short."""
+    baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
+    failed = False
+    for module in chosen:
+        recorded: dict[str, dict] = baseline.get(module.path, {})
+        now = {f: h for f, h in function_hashes(ROOT / module.path).items() if module.covers(f)}
+        differ = sorted(f for f, h in now.items() if recorded.get(f, {}).get("hash") != h)
+        statuses = {
+            f"{module.dotted}.{f}__mutmut_{n}": status
+            for f, fn in recorded.items()
+            if f in now and f not in differ
+            for n, status in fn["mutants"].items()
+        }
+        if differ:
+            print(f"{module.path}: {len(differ)} function(s) changed: {', '.join(differ)}")
+            prepare(module, fresh=True)
+            run_mutmut(module, globs(module, differ), children)
+            statuses.update((k, s) for k, s in results(module).items() if function_of(k) in differ)
+        s = score_of(module.short, statuses)
+        print(s.line())
+        if differ and s.percent < threshold():
+            failed = True
+            print(f"error: {module.path}: {s.percent:.1f} % killed, below {threshold():.0f} %")
+            for line in s.survivors:
+                if function_of(line.split(":")[0]) in differ:
+                    print(f"  new survivor {line}")
+    if not failed:
+        print(f"mutation: every core module at or above {threshold():.0f} % where it changed")
+    return 1 if failed else 0
 
 
 def main() -> None:
@@ -129,32 +325,49 @@ def main() -> None:
     parser.add_argument("modules", nargs="*", help="core modules (default: all of them)")
     parser.add_argument("--report", action="store_true", help="print the last run's scores")
     parser.add_argument("--survivors", action="store_true", help="show each survivor's diff")
+    parser.add_argument(
+        "--survivors-again", action="store_true", help="re-test last run's survivors only"
+    )
+    parser.add_argument("--record", action="store_true", help="write the baseline file")
+    parser.add_argument("--changed", action="store_true", help="CI: what changed since it")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel mutants")
     args = parser.parse_args()
 
-    modules = core_modules()
-    chosen = [resolve(m, modules) for m in args.modules] or modules
+    known = modules()
+    chosen = [resolve(m, known) for m in args.modules] or known
+    if args.changed:
+        sys.exit(changed(chosen, args.jobs))
+    if args.record:
+        record(chosen)
+        return
     took: dict[str, float] = {}
-    if not (args.report or args.survivors):
-        for path in chosen:
-            took[path] = run(path, args.jobs)
+    if args.survivors_again:
+        for module in chosen:
+            again = [k for k, s in results(module).items() if s in SURVIVED | {"suspicious"}]
+            if again:
+                prepare(module, fresh=False)
+                took[module.path] = run_mutmut(module, again, args.jobs)
+    elif not (args.report or args.survivors):
+        for module in chosen:
+            prepare(module, fresh=True)
+            took[module.path] = run_mutmut(module, globs(module, None), args.jobs)
 
-    scores = [score(path) for path in chosen]
-    print("\nmodule                           killed/total score  [statuses]  (run time)")
-    for s in scores:
-        s.seconds = took.get(s.module)
+    scores = [score_of(m.short, results(m)) for m in chosen]
+    print("\nmodule                   killed/total score  [statuses]  (run time)")
+    for m, s in zip(chosen, scores, strict=True):
+        s.seconds = took.get(m.path)
         print(s.line())
     killed, total = sum(s.killed for s in scores), sum(s.total for s in scores)
     if total:
-        print(f"{'all':32} {killed:4}/{total:<4} {100 * killed / total:5.1f} %")
-    for s in scores:
+        print(f"{'all':24} {killed:4}/{total:<4} {100 * killed / total:5.1f} %")
+    for m, s in zip(chosen, scores, strict=True):
         if s.survivors:
-            print(f"\nsurvivors in {s.module}:")
+            print(f"\nsurvivors in {m.path}:")
         for line in s.survivors:
             print(f"  {line}")
             if args.survivors:
                 name = line.split(":")[0]
-                subprocess.run([*mutmut(), "show", name], cwd=ROOT, env=env(), check=False)
+                subprocess.run([mutmut_exe(), "show", name], cwd=m.work, env=env(), check=False)
 
 
 if __name__ == "__main__":

@@ -93,4 +93,11 @@ stage "pytest $*"
 # The venv first on PATH, so tests find grpcurl and the orka command.
 PATH="$VENV/bin:$PATH" "$VENV/bin/python" -m pytest "$@"
 
+if [ "$#" -eq 0 ]; then
+  # The whole suite: also mutation-test the core functions changed since the recorded run
+  # (tests/mutation/baseline.json); a full run takes hours, this takes minutes or nothing.
+  stage "mutation testing of changed core functions"
+  PATH="$VENV/bin:$PATH" "$VENV/bin/python" scripts/mutation.py --changed
+fi
+
 stage "all passed"

@@ -19,7 +19,7 @@ from orka.controller.secrets import keep_redacted
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
 from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
-from orka.rpc.server import Auditor, stream, unary
+from orka.rpc.server import Auditor, boundaries, stream, unary
 from orka.security.identity import Identity
 from orka.validation import quote
 
@@ -78,6 +78,22 @@ def _name(value: str, field: str = "name") -> str:
         raise Invalid(str(err)) from None
 
 
+@boundaries(
+    CreateWorkload=(unary(roles=ADMIN), leader_only),
+    UpdateWorkload=(unary(roles=ADMIN), leader_only),
+    GetWorkload=(unary(roles=READERS), leader_only),
+    ListWorkloads=(unary(roles=READERS), leader_only),
+    DeleteWorkload=(unary(roles=ADMIN), leader_only),
+    ListInstances=(unary(roles=READERS), leader_only),
+    GetInstance=(unary(roles=READERS), leader_only),
+    ListNodes=(unary(roles=READERS), leader_only),
+    GetNode=(unary(roles=READERS), leader_only),
+    CordonNode=(unary(roles=ADMIN), leader_only),
+    UncordonNode=(unary(roles=ADMIN), leader_only),
+    DrainNode=(unary(roles=ADMIN), leader_only),
+    WatchEvents=stream(roles=READERS),
+    WatchEventBatches=stream(roles=READERS),
+)
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
     auditor: Auditor | None = None
@@ -138,8 +154,6 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- workloads ----
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = keep_redacted(None, convert.spec_from_pb(request.spec))
         workload = Workload(spec=spec, created_by=str(who), updated_by=str(who))
@@ -160,8 +174,6 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.reconciler.kick()
         return convert.workload_to_pb(self.repo.workloads.get(spec.name, workload))
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def UpdateWorkload(self, request: pb.UpdateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = convert.spec_from_pb(request.spec)
 
@@ -200,16 +212,12 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.reconciler.kick()
         return convert.workload_to_pb(self.repo.workloads[spec.name])
 
-    @unary(roles=READERS)
-    @leader_only
     async def GetWorkload(self, request: pb.GetWorkloadRequest, who: Identity) -> pb.Workload:
         w = self.repo.workloads.get(_name(request.name))
         if w is None:
             raise NotFound(f"workload {request.name!r} not found")
         return convert.workload_to_pb(w)
 
-    @unary(roles=READERS)
-    @leader_only
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
     ) -> pb.ListWorkloadsResponse:
@@ -217,8 +225,6 @@ class ControllerApi(pb_grpc.ControllerServicer):
             workloads=[convert.workload_to_pb(w) for _, w in sorted(self.repo.workloads.items())]
         )
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def DeleteWorkload(
         self, request: pb.DeleteWorkloadRequest, who: Identity
     ) -> pb.DeleteWorkloadResponse:
@@ -239,8 +245,6 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     # ---- instances ----
 
-    @unary(roles=READERS)
-    @leader_only
     async def ListInstances(
         self, request: pb.ListInstancesRequest, who: Identity
     ) -> pb.ListInstancesResponse:
@@ -259,8 +263,6 @@ class ControllerApi(pb_grpc.ControllerServicer):
         ]
         return pb.ListInstancesResponse(instances=out)
 
-    @unary(roles=READERS)
-    @leader_only
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
             raise Invalid("name: is required")
@@ -278,15 +280,11 @@ class ControllerApi(pb_grpc.ControllerServicer):
             raise NotFound(f"node {name!r} not found")
         return node
 
-    @unary(roles=READERS)
-    @leader_only
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
         return pb.ListNodesResponse(
             nodes=[convert.node_to_pb(n) for _, n in sorted(self.repo.nodes.items())]
         )
 
-    @unary(roles=READERS)
-    @leader_only
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return convert.node_to_pb(self._node(request.name))
 
@@ -309,31 +307,23 @@ class ControllerApi(pb_grpc.ControllerServicer):
             self.reconciler.queue.cluster_changed()
         return convert.node_to_pb(self.repo.nodes[name])
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def CordonNode(self, request: pb.CordonNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=False, draining=False)
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def UncordonNode(self, request: pb.UncordonNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=True, draining=False)
 
-    @unary(roles=ADMIN)
-    @leader_only
     async def DrainNode(self, request: pb.DrainNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, schedulable=False, draining=True)
 
     # ---- events ----
 
-    @stream(roles=READERS)
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.Event]:
         async for events in self._watch(request, limit=1):
             yield events[0]
 
-    @stream(roles=READERS)
     async def WatchEventBatches(
         self, request: pb.WatchEventsRequest, who: Identity
     ) -> AsyncIterator[pb.EventBatch]:

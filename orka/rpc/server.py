@@ -23,6 +23,7 @@ from orka.security.tls import TlsFiles, server_credentials
 log = structlog.get_logger("orka.rpc")
 
 Req = TypeVar("Req")
+S = TypeVar("S", bound=type)
 Resp = TypeVar("Resp")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -248,3 +249,39 @@ def stream(
         return handler
 
     return wrap
+
+
+Wrapper = Callable[[Callable[..., Any]], Any]
+
+
+def boundaries(**methods: Wrapper | tuple[Wrapper, ...]) -> Callable[[S], S]:
+    """Class decorator: the RPC boundary of each handler of a servicer, as one table.
+
+    `Name=unary(roles=...)` (or a tuple, the first wrapping outermost, as stacked decorators
+    would) wraps the method `Name`. The class is refused when it overrides an RPC of its
+    generated servicer without naming a boundary for it: a handler added without a role check
+    would answer anyone holding a certificate of the cluster. A table rather than a decorator
+    on each method, because mutation testing (mutmut) skips decorated functions: the handlers'
+    own checks are the code it most needs to reach."""
+
+    def apply(cls: S) -> S:
+        for name, given in methods.items():
+            fn = cls.__dict__.get(name)
+            if fn is None:
+                raise TypeError(f"{cls.__name__}.{name}: no such method to guard")
+            for wrap in reversed(given if isinstance(given, tuple) else (given,)):
+                fn = wrap(fn)
+            setattr(cls, name, fn)
+        rpcs = {
+            name
+            for base in cls.__mro__[1:]
+            if base.__module__.endswith("_pb2_grpc")
+            for name, value in vars(base).items()
+            if callable(value) and not name.startswith("_")
+        }
+        open_ = sorted(n for n in rpcs if n in cls.__dict__ and n not in methods)
+        if open_:
+            raise TypeError(f"{cls.__name__}: RPC handlers without a boundary: {', '.join(open_)}")
+        return cls
+
+    return apply

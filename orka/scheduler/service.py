@@ -26,7 +26,7 @@ from orka.models import (
 )
 from orka.rpc import convert
 from orka.rpc.frames import drain
-from orka.rpc.server import start_server, stream, unary
+from orka.rpc.server import boundaries, start_server, stream, unary
 from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession, Expected, Reply, next_id, replies
@@ -173,6 +173,13 @@ class NodeMessages:
         msg.message = node.message
 
 
+@boundaries(
+    Connect=stream(roles={"agent"}),
+    Place=unary(roles={"controller"}),
+    Command=unary(roles={"controller"}),
+    SetNode=unary(roles={"controller"}),
+    Watch=stream(roles={"controller"}),
+)
 class Scheduler(apb_grpc.SchedulerServicer):
     def __init__(
         self,
@@ -268,7 +275,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     # ---- agent stream ----
 
-    @stream(roles={"agent"})
     async def Connect(
         self,
         request_iterator: AsyncIterator[apb.AgentMessage],
@@ -486,7 +492,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     # ---- placement ----
 
-    @unary(roles={"controller"})
     async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
         attempts = [_Attempt(a, request_of(a)) for a in request.items]
         # Round one: each instance's best node gets its offer, all sent before any reply is
@@ -600,7 +605,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     # ---- commands ----
 
-    @unary(roles={"controller"})
     async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
         sent = [self._send_command(c) for c in request.commands]
         pending = [s[1] for s in sent if not isinstance(s, apb.CommandResult)]
@@ -652,7 +656,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 self.registry.release(node, instance)
         return apb.CommandResult(ok=reply.ok, error=reply.reason, unconfirmed=not reply.answered)
 
-    @unary(roles={"controller"})
     async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:
         node = self.registry.get(request.name)
         if node is None:
@@ -667,7 +670,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     # ---- controller feed ----
 
-    @stream(roles={"controller"})
     async def Watch(
         self, request: apb.WatchClusterRequest, who: Identity
     ) -> AsyncIterator[apb.ClusterUpdates]:

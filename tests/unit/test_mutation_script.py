@@ -1,0 +1,171 @@
+"""scripts/mutation.py: the names and hashes it gives functions, the per-module mutmut config it
+writes, and --changed, which CI runs: what it mutates, how it scores, when it fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+import tomllib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mutation() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("orka_mutation", ROOT / "scripts/mutation.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["orka_mutation"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+SOURCE = """
+def top(a):
+    return a + 1
+
+class Box:
+    def put(self, x):
+        return [x]
+
+    async def take(self):
+        return None
+"""
+
+
+def test_functions_are_named_as_mutmut_names_them(mutation: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    assert sorted(mutation.function_hashes(path)) == ["x_top", "xǁBoxǁput", "xǁBoxǁtake"]
+    assert mutation.function_of("orka.m.xǁBoxǁput__mutmut_12") == "xǁBoxǁput"
+    assert mutation.function_of("orka.a.b.x_top__mutmut_3") == "x_top"
+
+
+def test_hash_ignores_comments_and_layout_but_not_code(
+    mutation: ModuleType, tmp_path: Path
+) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    before = mutation.function_hashes(path)
+    path.write_text(SOURCE.replace("return a + 1", "# why\n    return (a +\n            1)"))
+    assert mutation.function_hashes(path) == before
+    path.write_text(SOURCE.replace("return a + 1", "return a - 1"))
+    after = mutation.function_hashes(path)
+    assert after["x_top"] != before["x_top"]
+    assert {k: v for k, v in after.items() if k != "x_top"} == {
+        k: v for k, v in before.items() if k != "x_top"
+    }
+
+
+def test_every_configured_module_and_function_exists(mutation: ModuleType) -> None:
+    modules = mutation.modules()
+    assert {m.path for m in modules} >= {
+        "orka/scheduler/registry.py",
+        "orka/controller/placement.py",
+        "orka/controller/reconciler.py",
+        "orka/controller/api.py",
+        "orka/agent/supervisor.py",
+        "orka/security/identity.py",
+        "orka/models.py",
+        "orka/scheduler/service.py",
+    }
+    for m in modules:
+        hashes = mutation.function_hashes(ROOT / m.path)
+        assert set(m.functions or []) <= set(hashes), m.path
+        for t in m.tests:
+            assert (ROOT / t).exists(), t
+
+
+def test_the_work_folder_config_names_one_module_and_its_tests(
+    mutation: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(mutation, "WORK", tmp_path)
+    module = next(m for m in mutation.modules() if m.path == "orka/models.py")
+    cfg = tomllib.loads("[x]\n" + mutation.mutmut_section(module).split("\n", 1)[1])["x"]
+    assert cfg["only_mutate"] == ["orka/models.py"]
+    assert cfg["pytest_add_cli_args_test_selection"] == module.tests
+    assert cfg["use_git_change_detection"] is False
+    assert cfg["process_isolation"] == "forkserver"
+
+
+def _fake_module(mutation: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    src = tmp_path / "orka" / "m.py"
+    src.parent.mkdir()
+    src.write_text(SOURCE)
+    module = mutation.Module("orka/m.py", ["tests/unit"], None)
+    monkeypatch.setattr(mutation, "ROOT", tmp_path)
+    monkeypatch.setattr(mutation, "BASELINE", tmp_path / "baseline.json")
+    monkeypatch.setattr(mutation, "threshold", lambda: 85.0)
+    monkeypatch.setattr(mutation, "prepare", lambda module, fresh: None)
+    hashes = mutation.function_hashes(src)
+    baseline = {
+        "orka/m.py": {
+            "x_top": {"hash": hashes["x_top"], "mutants": {"1": "killed", "2": "survived"}},
+            "xǁBoxǁput": {
+                "hash": hashes["xǁBoxǁput"],
+                "mutants": {str(n): "killed" for n in range(1, 9)},
+            },
+            "xǁBoxǁtake": {
+                "hash": hashes["xǁBoxǁtake"],
+                "mutants": {str(n): "killed" for n in range(1, 5)},
+            },
+        }
+    }
+    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    return src, module
+
+
+def test_changed_runs_nothing_when_nothing_changed(
+    mutation: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, module = _fake_module(mutation, tmp_path, monkeypatch)
+
+    def never(*args: object) -> float:
+        raise AssertionError("mutmut ran though nothing changed")
+
+    monkeypatch.setattr(mutation, "run_mutmut", never)
+    assert mutation.changed([module], 2) == 0
+    # 13 of the 14 recorded mutants killed
+    assert re.search(r"\b13/14\s+92\.9 %", capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("new_results", "code"), [("killed", 0), ("survived", 1)])
+def test_changed_mutates_only_the_changed_function_and_scores_the_module(
+    mutation: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    new_results: str,
+    code: int,
+) -> None:
+    src, module = _fake_module(mutation, tmp_path, monkeypatch)
+    src.write_text(SOURCE.replace("return [x]", "return [x, x]"))
+    ran: list[list[str]] = []
+    monkeypatch.setattr(mutation, "run_mutmut", lambda m, names, jobs: ran.append(names) or 1.0)
+    # the changed function now has 3 mutants; results() also returns stale ones of others
+    monkeypatch.setattr(
+        mutation,
+        "results",
+        lambda m: {
+            **{f"orka.m.xǁBoxǁput__mutmut_{n}": new_results for n in (1, 2, 3)},
+            "orka.m.x_top__mutmut_1": "survived",
+        },
+    )
+    assert mutation.changed([module], 2) == code
+    assert ran == [["orka.m.xǁBoxǁput__mutmut_*"]]
+    out = capsys.readouterr().out
+    # recorded: x_top 1 of 2 killed, take 4 of 4; this run: put 3 of 3 (or 0 of 3), not
+    # the 8 recorded for it before the change
+    expected = r"\b8/9\s+88\.9 %" if new_results == "killed" else r"\b5/9\s+55\.6 %"
+    assert re.search(expected, out)
+    if code:
+        assert "orka.m.xǁBoxǁput__mutmut_1: survived" in out
