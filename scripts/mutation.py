@@ -293,7 +293,11 @@ def changed(chosen: list[Module], children: int) -> int:
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
     failed = False
     for module in chosen:
-        recorded: dict[str, dict] = baseline.get(module.path, {})
+        if module.path not in baseline:
+            # A whole module takes up to an hour: it is recorded by hand, not in CI.
+            print(f"{module.path}: no recorded run, skipped (record one: README, Development)")
+            continue
+        recorded: dict[str, dict] = baseline[module.path]
         now = {f: h for f, h in function_hashes(ROOT / module.path).items() if module.covers(f)}
         differ = sorted(f for f, h in now.items() if recorded.get(f, {}).get("hash") != h)
         statuses = {

@@ -169,3 +169,16 @@ def test_changed_mutates_only_the_changed_function_and_scores_the_module(
     assert re.search(expected, out)
     if code:
         assert "orka.m.xǁBoxǁput__mutmut_1: survived" in out
+
+
+def test_changed_skips_a_module_with_no_recorded_run(
+    mutation: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, module = _fake_module(mutation, tmp_path, monkeypatch)
+    (tmp_path / "baseline.json").write_text("{}")
+    monkeypatch.setattr(mutation, "run_mutmut", lambda *a: pytest.fail("mutmut ran"))
+    assert mutation.changed([module], 2) == 0
+    assert "orka/m.py: no recorded run, skipped" in capsys.readouterr().out
