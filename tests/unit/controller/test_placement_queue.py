@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+import structlog
 
 from orka.api import agent_pb2 as apb
-from orka.controller.placement import PlacementConfig, PlacementQueue, _Backoff, _spec_bytes
+from orka.controller.placement import (
+    PlacementConfig,
+    PlacementQueue,
+    _Backoff,
+    _spec_bytes,
+    assignment,
+    start_command,
+    stop_command,
+)
 from orka.controller.repo import Change, Repo
+from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
@@ -19,6 +30,7 @@ from orka.models import (
     WorkloadKind,
     WorkloadSpec,
 )
+from orka.rpc import convert
 from orka.store.memory import MemoryStore
 
 
@@ -50,7 +62,7 @@ async def add(repo: Repo, workload: WorkloadSpec, count: int, **kw: object) -> l
     return names
 
 
-def queue(repo: Repo, **config: int) -> PlacementQueue:
+def queue(repo: Repo, **config: float) -> PlacementQueue:
     return PlacementQueue(repo, link=None, config=PlacementConfig(**config))  # type: ignore[arg-type]
 
 
@@ -134,13 +146,30 @@ async def test_the_batch_shrinks_as_the_ready_nodes_grow(
 
 
 class _RecordingLink:
-    """Stands in for the scheduler link: records the commands it is sent, answers nothing."""
+    """Stands in for the scheduler link: records what it is sent and answers with `place` and
+    `command` when given (each takes the request and returns the response or raises); a start
+    is answered ok by default."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        place: Callable[[list[apb.Assignment]], Awaitable[apb.PlaceResponse]] | None = None,
+        command: Callable[[list[apb.NodeCommand]], Awaitable[apb.CommandResponse]] | None = None,
+    ) -> None:
+        self.placed: list[list[apb.Assignment]] = []
         self.commands: list[list[apb.NodeCommand]] = []
+        self._place = place
+        self._command = command
 
-    async def command(self, cmds: list[apb.NodeCommand]) -> None:
+    async def place(self, items: list[apb.Assignment]) -> apb.PlaceResponse:
+        self.placed.append(list(items))
+        assert self._place is not None
+        return await self._place(items)
+
+    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
         self.commands.append(list(cmds))
+        if self._command is not None:
+            return await self._command(cmds)
+        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
 
 
 @pytest.mark.parametrize(
@@ -179,3 +208,499 @@ async def test_bind_releases_offers_for_deleted_and_stopping_instances(repo: Rep
         ("n1", stopping),
         ("n2", "gone-0000"),
     ]
+
+
+PENDING, SCHEDULED, RUNNING = InstancePhase.PENDING, InstancePhase.SCHEDULED, InstancePhase.RUNNING
+
+
+async def put(repo: Repo, *items: Workload | Instance) -> None:
+    def plan() -> list[Change]:
+        return [
+            Change("workloads", i.spec.name, i)
+            if isinstance(i, Workload)
+            else Change("instances", i.name, i)
+            for i in items
+        ]
+
+    await repo.mutate(plan)
+
+
+async def until(check: Callable[[], object], *tasks: asyncio.Task[None]) -> None:
+    """Wait for `check` (10 s at most); a task of `tasks` that crashed raises its error."""
+    deadline = time.monotonic() + 10
+    while not check():
+        for task in tasks:
+            if task.done():
+                task.result()
+        assert time.monotonic() < deadline, "condition not met within 10 s"
+        await asyncio.sleep(0.001)
+
+
+def test_assignment_and_start_command_carry_instance_generation_spec_and_node() -> None:
+    w = Workload(spec=spec("web"))
+    inst = Instance(name="web-0000", workload="web", generation=3, node="n1")
+    want = apb.Assignment(instance="web-0000", generation=3, spec=convert.spec_to_pb(w.spec))
+    assert assignment(inst, w) == want
+    assert start_command(inst, w) == apb.NodeCommand(
+        node="n1", start=apb.StartInstance(assignment=want)
+    )
+
+
+def test_stop_command_stops_and_removes_with_the_reason() -> None:
+    assert stop_command("n1", "web-0000", "scaled down") == apb.NodeCommand(
+        node="n1", stop=apb.StopInstance(instance="web-0000", remove=True, reason="scaled down")
+    )
+
+
+async def test_add_ignores_what_is_pending_or_in_flight_and_busy_means_in_flight(
+    repo: Repo,
+) -> None:
+    names = await add(repo, spec("web"), 3)
+    q = queue(repo, batch_size=1)
+    q.add(names[0])
+    assert [i.name for i in q._take(time.monotonic())] == names[:1]
+    for n in [names[1], names[2], names[1], names[0]]:
+        q.add(n)
+    # The one in flight is not queued a second time (it would be placed twice).
+    assert list(q.pending) == names[1:]
+    assert [q.busy(n) for n in names] == [True, False, False]
+
+
+@pytest.mark.parametrize(("spare", "taken"), [(0, 3), (-1, 2)])
+async def test_the_byte_budget_is_exact_and_a_full_batch_stops_the_scan(
+    repo: Repo, spare: int, taken: int
+) -> None:
+    s = spec("web")
+    names = await add(repo, s, 5)
+    per_instance = _spec_bytes(s) + len(names[0]) + 64
+    q = queue(repo, batch_bytes=3 * per_instance + spare)
+    order = [*names[:3], "gone-0000", *names[3:]]
+    for n in order:
+        q.add(n)
+    assert [i.name for i in q._take(time.monotonic())] == names[:taken]
+    # What comes after the cut is left for the next batch as it is, even an entry now gone.
+    assert list(q.pending) == order[taken:]
+
+
+async def test_take_drops_stopping_and_orphaned_instances_and_takes_a_backoff_due_now(
+    repo: Repo,
+) -> None:
+    [stopping] = await add(repo, spec("db"), 1, desired_stop=True)
+    [due] = await add(repo, spec("web"), 1)
+    await put(repo, Instance(name="orphan-0000", workload="gone"))
+    q = queue(repo)
+    for n in [stopping, "orphan-0000", due]:
+        q.add(n)
+    now = time.monotonic()
+    q.backoff[due] = _Backoff(until=now, delay=1.0)
+    assert [i.name for i in q._take(now)] == [due]
+    assert not q.pending
+    assert q.inflight == {due}
+
+
+@pytest.mark.parametrize(
+    ("ready", "batch_size", "min_batch_size", "limit"),
+    [
+        (0, 5000, 5, 1000),  # no READY node counts as one: the whole product
+        (1, 5000, 5, 1000),
+        (2, 5000, 5, 500),
+        (30, 5000, 5, 33),  # whole instances: 1000 // 30
+        (500, 3, 5, 3),  # the floor never goes above batch_size
+    ],
+)
+async def test_batch_limit_edges(
+    repo: Repo, ready: int, batch_size: int, min_batch_size: int, limit: int
+) -> None:
+    await set_nodes(repo, ready)
+    q = queue(repo, batch_size=batch_size, batch_node_product=1000, min_batch_size=min_batch_size)
+    got = q._batch_limit()
+    assert (got, type(got)) == (limit, int)
+
+
+async def test_retry_later_doubles_from_backoff_start_up_to_backoff_max(repo: Repo) -> None:
+    q = queue(repo, backoff_start=1.0, backoff_max=30.0)
+    delays = []
+    for _ in range(7):
+        before = time.monotonic()
+        q._retry_later("web-0000")
+        after = time.monotonic()
+        b = q.backoff["web-0000"]
+        assert before + b.delay <= b.until <= after + b.delay
+        delays.append(b.delay)
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert list(q.backoff) == ["web-0000"]
+    assert list(q.pending) == ["web-0000"]
+
+
+async def test_bind_writes_the_binding_and_clears_the_backoff(repo: Repo) -> None:
+    names = await add(
+        repo, spec("web"), 2, reason="Unschedulable", message="1 node: cordoned", updated_at=1.0
+    )
+    link = _RecordingLink()
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    q.backoff[names[0]] = _Backoff(until=time.monotonic() + 60, delay=60)
+    before = time.time()
+    committed = await q._bind({names[0]: "n1", names[1]: "n2"})
+    after = time.time()
+    assert committed == [repo.instances[n] for n in names]
+    for name, node in zip(names, ["n1", "n2"], strict=True):
+        i = repo.instances[name]
+        assert (i.phase, i.node, i.reason, i.message) == (SCHEDULED, node, "Scheduled", "")
+        assert i.updated_at is not None and before <= i.updated_at <= after
+        assert i.scheduled_at == i.updated_at
+    assert q.backoff == {}
+    assert link.commands == []  # nothing to release
+
+
+async def test_bind_keeps_its_bindings_when_a_release_fails_and_logs_it(repo: Repo) -> None:
+    [fresh] = await add(repo, spec("web"), 1)
+
+    async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        raise Unavailable("scheduler gone")
+
+    link = _RecordingLink(command=command)
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        committed = await q._bind({fresh: "n1", "gone-0000": "n2"})
+    assert [(i.name, i.node) for i in committed] == [(fresh, "n1")]
+    assert repo.instances[fresh].node == "n1"
+    assert link.commands == [
+        [apb.NodeCommand(node="n2", release=apb.ReleaseOffer(instance="gone-0000"))]
+    ]
+    assert logs == [{"event": "release failed", "error": "scheduler gone", "log_level": "warning"}]
+
+
+def _scheduled(count: int) -> list[Instance]:
+    return [
+        Instance(name=f"web-{i}", workload="web", phase=SCHEDULED, node=f"n{i}", updated_at=1.0)
+        for i in range(count)
+    ]
+
+
+async def test_start_unbinds_only_what_a_node_refused(repo: Repo) -> None:
+    w = Workload(spec=spec("web"))
+    insts = _scheduled(3)
+    # Its workload was deleted between the bind and the start: nothing to start.
+    orphan = Instance(name="orphan-0", workload="gone", phase=SCHEDULED, node="n9")
+    await put(repo, w, orphan, *insts)
+
+    async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        return apb.CommandResponse(
+            results=[
+                apb.CommandResult(ok=True),
+                apb.CommandResult(error="image missing"),
+                apb.CommandResult(error="no answer", unconfirmed=True),
+            ]
+        )
+
+    link = _RecordingLink(command=command)
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    before = time.time()
+    await q._start([orphan, *insts])
+    after = time.time()
+    assert link.commands == [[start_command(i, w) for i in insts]]
+    started, refused, unconfirmed = (repo.instances[i.name] for i in insts)
+    # Started, or maybe started (no answer): both stay bound to their node.
+    assert (started, unconfirmed) == (insts[0], insts[2])
+    assert repo.instances["orphan-0"] == orphan
+    assert (refused.phase, refused.node, refused.reason, refused.message) == (
+        PENDING,
+        "",
+        "StartRefused",
+        "node n1: image missing",
+    )
+    assert before <= refused.updated_at <= after
+    assert list(q.pending) == ["web-1"]
+    assert list(q.backoff) == ["web-1"]
+
+
+async def test_unbind_leaves_what_is_no_longer_scheduled(repo: Repo) -> None:
+    running = Instance(name="web-0", workload="web", phase=RUNNING, node="n1")
+    [scheduled] = _scheduled(2)[1:]
+    await put(repo, Workload(spec=spec("web")), running, scheduled)
+    q = queue(repo)
+    await q._unbind({"gone-0": "refused", "web-0": "refused", "web-1": "disk full"})
+    assert repo.instances["web-0"] == running
+    unbound = repo.instances["web-1"]
+    assert (unbound.phase, unbound.node, unbound.reason, unbound.message) == (
+        PENDING,
+        "",
+        "StartRefused",
+        "node n1: disk full",
+    )
+    # All three wait their backoff; _take forgets the two that are not PENDING.
+    assert list(q.pending) == ["gone-0", "web-0", "web-1"]
+    assert list(q.backoff) == ["gone-0", "web-0", "web-1"]
+
+
+async def test_start_of_nothing_sends_nothing(repo: Repo) -> None:
+    link = _RecordingLink()
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    await q._start([])
+    assert link.commands == []
+
+
+async def test_a_start_the_scheduler_did_not_confirm_stays_bound_and_is_logged(
+    repo: Repo,
+) -> None:
+    insts = _scheduled(2)
+    await put(repo, Workload(spec=spec("web")), *insts)
+
+    async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        raise Unavailable("no scheduler")
+
+    q = PlacementQueue(repo, link=_RecordingLink(command=command))  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        await q._start(insts)
+    assert [repo.instances[i.name] for i in insts] == insts
+    assert not q.pending
+    assert logs == [
+        {
+            "event": "start not confirmed; will retry",
+            "count": 2,
+            "error": "no scheduler",
+            "log_level": "warning",
+        }
+    ]
+
+
+async def test_a_short_answer_to_the_starts_fails_the_batch(repo: Repo) -> None:
+    insts = _scheduled(2)
+    await put(repo, Workload(spec=spec("web")), *insts)
+
+    async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        return apb.CommandResponse(results=[apb.CommandResult(error="image missing")])
+
+    q = PlacementQueue(repo, link=_RecordingLink(command=command))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):
+        await q._start(insts)
+
+
+async def test_mark_unplaced_writes_only_what_changed_and_retries_what_exists(
+    repo: Repo,
+) -> None:
+    def inst(name: str, **kw: object) -> Instance:
+        return Instance(name=name, workload="web", updated_at=1.0, **kw)  # type: ignore[arg-type]
+
+    bound = inst("bound", phase=SCHEDULED, node="n1", reason="Scheduled")
+    same = inst("same", reason="Unschedulable", message="m1")
+    new_message = inst("new-message", reason="Unschedulable", message="old")
+    other_reason = inst("other-reason", reason="StartRefused", message="m1")
+    fresh = inst("fresh")
+    await put(repo, Workload(spec=spec("web")), bound, same, new_message, other_reason, fresh)
+    q = queue(repo)
+    before = time.time()
+    await q._mark_unplaced(
+        {
+            "gone": "m1",
+            "bound": "m1",
+            "same": "m1",
+            "new-message": "m2",
+            "other-reason": "m1",
+            "fresh": "m3",
+        }
+    )
+    after = time.time()
+    assert (repo.instances["bound"], repo.instances["same"]) == (bound, same)
+    for name, message in [("new-message", "m2"), ("other-reason", "m1"), ("fresh", "m3")]:
+        i = repo.instances[name]
+        assert (i.phase, i.reason, i.message) == (PENDING, "Unschedulable", message)
+        assert before <= i.updated_at <= after
+    retried = ["bound", "same", "new-message", "other-reason", "fresh"]
+    assert list(q.pending) == retried
+    assert list(q.backoff) == retried
+
+
+async def test_place_binds_what_was_placed_marks_the_rest_and_starts_the_bound(
+    repo: Repo,
+) -> None:
+    names = await add(repo, spec("web"), 3, generation=2)
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        return apb.PlaceResponse(
+            results=[
+                apb.PlaceResult(instance=names[0], node="n1"),
+                apb.PlaceResult(instance=names[1], reasons="2 nodes: insufficient memory"),
+                apb.PlaceResult(instance=names[2], node="n2"),
+            ]
+        )
+
+    link = _RecordingLink(place=place)
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    for n in names:
+        q.add(n)
+    batch = q._take(time.monotonic())
+    await q._place(batch)
+    w = repo.workloads["web"]
+    assert link.placed == [[assignment(i, w) for i in batch]]
+    a, b, c = (repo.instances[n] for n in names)
+    assert [(i.phase, i.node, i.reason, i.message) for i in (a, b, c)] == [
+        (SCHEDULED, "n1", "Scheduled", ""),
+        (PENDING, "", "Unschedulable", "2 nodes: insufficient memory"),
+        (SCHEDULED, "n2", "Scheduled", ""),
+    ]
+    assert link.commands == [[start_command(a, w), start_command(c, w)]]
+    assert q.inflight == set()
+    assert list(q.pending) == names[1:2]
+    assert list(q.backoff) == names[1:2]
+
+
+async def test_place_when_the_scheduler_is_unavailable_marks_the_batch_for_later(
+    repo: Repo,
+) -> None:
+    names = await add(repo, spec("web"), 2)
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        raise Unavailable("no scheduler connected")
+
+    link = _RecordingLink(place=place)
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    for n in names:
+        q.add(n)
+    await q._place(q._take(time.monotonic()))
+    assert [(repo.instances[n].phase, repo.instances[n].message) for n in names] == [
+        (PENDING, "scheduler unavailable: no scheduler connected")
+    ] * 2
+    assert [repo.instances[n].reason for n in names] == ["Unschedulable"] * 2
+    assert link.commands == []
+    assert q.inflight == set()
+    assert list(q.pending) == names
+    assert list(q.backoff) == names
+
+
+async def test_run_retries_an_unplaced_instance_on_one_timer_when_its_backoff_is_due(
+    repo: Repo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [name] = await add(repo, spec("web"), 1)
+    answers = [
+        apb.PlaceResult(instance=name, reasons="1 node: cordoned"),
+        apb.PlaceResult(instance=name, node="n1"),
+    ]
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        return apb.PlaceResponse(results=[answers.pop(0)])
+
+    link = _RecordingLink(place=place)
+    q = PlacementQueue(repo, link, PlacementConfig(backoff_start=0.05))  # type: ignore[arg-type]
+    # Every timer the queue sets for itself: when it fires, when it was set, and when the
+    # backoff it waits for is due.
+    timers: list[tuple[float, float, float | None]] = []
+    loop = asyncio.get_running_loop()
+    call_later = loop.call_later
+
+    def spy(delay: float, callback: Callable[..., object], *args: object) -> asyncio.TimerHandle:
+        if callback == q._wake.set:
+            b = q.backoff.get(name)
+            now = time.monotonic()
+            timers.append((now + delay, now, None if b is None else b.until))
+        return call_later(delay, callback, *args)
+
+    monkeypatch.setattr(loop, "call_later", spy)
+    task = asyncio.create_task(q.run())
+    try:
+        q.add(name)
+        await until(lambda: link.commands, task)
+    finally:
+        task.cancel()
+        await q.close()
+    assert link.placed == [[assignment(repo.instances[name], repo.workloads["web"])]] * 2
+    assert (repo.instances[name].phase, repo.instances[name].node) == (SCHEDULED, "n1")
+    assert timers
+    for fires, set_at, due in timers:
+        assert due is not None
+        # Never before the backoff is due (a wake-up that finds nothing to do would spin),
+        # and not much after it.
+        assert due + 0.01 - 1e-6 <= fires <= max(due, set_at) + 0.01 + 0.2
+
+
+async def test_run_keeps_at_most_max_batches_in_flight_and_places_them_all(repo: Repo) -> None:
+    names = await add(repo, spec("web"), 5)
+    gate = asyncio.Event()
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        await gate.wait()
+        return apb.PlaceResponse(
+            results=[apb.PlaceResult(instance=a.instance, node="n1") for a in items]
+        )
+
+    link = _RecordingLink(place=place)
+    config = PlacementConfig(batch_size=1, max_batches_in_flight=2)
+    q = PlacementQueue(repo, link, config)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(q.run())
+        try:
+            for n in names:
+                q.add(n)
+            await until(lambda: len(link.placed) >= 2, task)
+            for _ in range(20):
+                await asyncio.sleep(0)  # give a third batch every chance to start
+            assert [[a.instance for a in b] for b in link.placed] == [names[:1], names[1:2]]
+            assert len(q._batches) == 2
+            assert list(q.pending) == names[2:]
+            gate.set()
+            await until(
+                lambda: all(repo.instances[n].phase is SCHEDULED for n in names) and not q._batches,
+                task,
+            )
+        finally:
+            task.cancel()
+            await q.close()
+    assert logs == []  # a batch that ends well logs nothing
+    assert [[a.instance for a in b] for b in link.placed] == [[n] for n in names]
+    assert q.inflight == set()
+
+
+async def test_a_batch_that_fails_is_logged_with_its_error(repo: Repo) -> None:
+    [name] = await add(repo, spec("web"), 1)
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        raise RuntimeError("boom")
+
+    link = _RecordingLink(place=place)
+    q = PlacementQueue(repo, link)  # type: ignore[arg-type]
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(q.run())
+        try:
+            q.add(name)
+            await until(lambda: link.placed and not q._batches, task)
+        finally:
+            task.cancel()
+    assert logs == [
+        {"event": "placement batch failed", "error": "RuntimeError('boom')", "log_level": "error"}
+    ]
+    assert q.inflight == set()
+
+
+async def test_close_cancels_the_batches_in_flight_and_swallows_how_they_end(
+    repo: Repo,
+) -> None:
+    names = await add(repo, spec("web"), 2)
+    started: list[str] = []
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        started.append(items[0].instance)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            if items[0].instance == names[1]:
+                raise RuntimeError("link closed") from None
+            raise
+        raise AssertionError("never woken")
+
+    link = _RecordingLink(place=place)
+    config = PlacementConfig(batch_size=1, max_batches_in_flight=2)
+    q = PlacementQueue(repo, link, config)  # type: ignore[arg-type]
+    task = asyncio.create_task(q.run())
+    for n in names:
+        q.add(n)
+    try:
+        await until(lambda: len(started) == 2, task)
+    finally:
+        task.cancel()
+    batches = list(q._batches)
+    with structlog.testing.capture_logs():
+        await q.close()
+    assert all(t.done() for t in batches)
+    ended = sorted("cancelled" if t.cancelled() else repr(t.exception()) for t in batches)
+    assert ended == ["RuntimeError('link closed')", "cancelled"]
+    assert q.inflight == set()
