@@ -96,6 +96,22 @@ def test_each_quota_must_be_positive_and_one_is_enough(name: str) -> None:
     assert getattr(Quotas(**{name: 1}), name) == 1  # type: ignore[arg-type]
 
 
+async def test_the_controllers_configured_quotas_are_the_apis(
+    certs_dir: Path, tmp_path: Path
+) -> None:
+    c = Cluster(certs_dir, tmp_path)
+    try:
+        await c.scheduler.start()
+        await c.start_controller(quotas=Quotas(max_workloads=1))
+        await create(c, spec("a"))
+        assert await error(create(c, spec("b"))) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "quota max_workloads: the cluster already holds 1 workloads, its limit is 1",
+        )
+    finally:
+        await c.stop()
+
+
 async def test_max_workloads_counts_to_the_limit_with_an_exact_message(cluster: Cluster) -> None:
     _, servicer = parts(cluster)
     servicer.quotas = Quotas(max_workloads=2)
