@@ -250,7 +250,7 @@ def results(module: Module) -> dict[str, str]:
     """mutant -> status, for the mutants of the functions this module's scoring covers."""
     from mutmut.stats import status_by_exit_code
 
-    meta = module.work / "mutants" / f"{module.path}.meta"
+    meta = meta_path(module)
     if not meta.exists():
         return {}
     codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
@@ -259,6 +259,52 @@ def results(module: Module) -> dict[str, str]:
         for key, code in sorted(codes.items())
         if module.covers(function_of(key))
     }
+
+
+def meta_path(module: Module) -> Path:
+    return module.work / "mutants" / f"{module.path}.meta"
+
+
+def exit_codes(module: Module) -> dict[str, int | None]:
+    """The last run's verdicts, of the functions whose source has not changed since (runs
+    record their functions' hashes; a run from before they did is taken as current)."""
+    meta = meta_path(module)
+    if not meta.exists():
+        return {}
+    data = json.loads(meta.read_text())
+    codes: dict[str, int | None] = data["exit_code_by_key"]
+    then = data.get("orka_function_hashes")
+    if then is None:
+        return codes
+    now = function_hashes(ROOT / module.path)
+    return {k: c for k, c in codes.items() if then.get(function_of(k)) == now.get(function_of(k))}
+
+
+def note_hashes(module: Module) -> None:
+    meta = meta_path(module)
+    if meta.exists():
+        data = json.loads(meta.read_text())
+        data["orka_function_hashes"] = function_hashes(ROOT / module.path)
+        meta.write_text(json.dumps(data, indent=4))
+
+
+def keep_verdicts(module: Module, before: dict[str, int | None]) -> None:
+    """Restore the verdicts mutmut dropped in a survivors-only run. mutmut forgets every result
+    when the test selection changes (a test file added to the module's list); a kill stays a
+    kill when tests are only added (each mutant stops at its first failing test), so the
+    earlier verdict of a mutant not re-run still holds. Only valid after adding tests."""
+    meta = meta_path(module)
+    data = json.loads(meta.read_text())
+    codes = data["exit_code_by_key"]
+    restored = 0
+    for key, code in before.items():
+        if codes.get(key) is None and code is not None:
+            codes[key] = code
+            restored += 1
+    data["orka_function_hashes"] = function_hashes(ROOT / module.path)
+    meta.write_text(json.dumps(data, indent=4))
+    if restored:
+        print(f"==> {module.short}: kept {restored} verdicts of the last run", flush=True)
 
 
 def score_of(name: str, statuses: dict[str, str]) -> Score:
@@ -349,12 +395,15 @@ def main() -> None:
         for module in chosen:
             again = [k for k, s in results(module).items() if s in SURVIVED | {"suspicious"}]
             if again:
+                before = exit_codes(module)
                 prepare(module, fresh=False)
                 took[module.path] = run_mutmut(module, again, args.jobs)
+                keep_verdicts(module, before)
     elif not (args.report or args.survivors):
         for module in chosen:
             prepare(module, fresh=True)
             took[module.path] = run_mutmut(module, globs(module, None), args.jobs)
+            note_hashes(module)
 
     scores = [score_of(m.short, results(m)) for m in chosen]
     print("\nmodule                   killed/total score  [statuses]  (run time)")

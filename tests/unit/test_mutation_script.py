@@ -182,3 +182,34 @@ def test_changed_skips_a_module_with_no_recorded_run(
     monkeypatch.setattr(mutation, "run_mutmut", lambda *a: pytest.fail("mutmut ran"))
     assert mutation.changed([module], 2) == 0
     assert "orka/m.py: no recorded run, skipped" in capsys.readouterr().out
+
+
+def test_a_survivors_only_run_keeps_the_other_verdicts_of_unchanged_functions(
+    mutation: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, _ = _fake_module(mutation, tmp_path, monkeypatch)
+    module = mutation.Module("orka/m.py", ["tests/unit"], None)
+    monkeypatch.setattr(mutation, "WORK", tmp_path / "work")
+    meta = mutation.meta_path(module)
+    meta.parent.mkdir(parents=True)
+    codes = {
+        "orka.m.x_top__mutmut_1": 1,
+        "orka.m.x_top__mutmut_2": 0,
+        "orka.m.xǁBoxǁput__mutmut_1": 1,
+    }
+    meta.write_text(json.dumps({"exit_code_by_key": codes}))
+    mutation.note_hashes(module)
+    before = mutation.exit_codes(module)
+    assert before == codes
+    # mutmut re-ran the survivor (now killed) and forgot the rest
+    meta.write_text(
+        json.dumps({"exit_code_by_key": {**dict.fromkeys(codes), "orka.m.x_top__mutmut_2": 1}})
+    )
+    mutation.keep_verdicts(module, before)
+    assert json.loads(meta.read_text())["exit_code_by_key"] == {
+        **codes,
+        "orka.m.x_top__mutmut_2": 1,
+    }
+    # a function changed since the run: its old verdicts no longer count
+    src.write_text(SOURCE.replace("return a + 1", "return a + 2"))
+    assert mutation.exit_codes(module) == {"orka.m.xǁBoxǁput__mutmut_1": 1}
