@@ -265,27 +265,29 @@ def meta_path(module: Module) -> Path:
     return module.work / "mutants" / f"{module.path}.meta"
 
 
+def _hashes_path(module: Module) -> Path:
+    # Beside mutmut's meta file, not in it: mutmut refuses a meta file with keys of its own.
+    return meta_path(module).with_suffix(".orka-hashes.json")
+
+
 def exit_codes(module: Module) -> dict[str, int | None]:
     """The last run's verdicts, of the functions whose source has not changed since (runs
     record their functions' hashes; a run from before they did is taken as current)."""
     meta = meta_path(module)
     if not meta.exists():
         return {}
-    data = json.loads(meta.read_text())
-    codes: dict[str, int | None] = data["exit_code_by_key"]
-    then = data.get("orka_function_hashes")
-    if then is None:
+    codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
+    hashes = _hashes_path(module)
+    if not hashes.exists():
         return codes
+    then = json.loads(hashes.read_text())
     now = function_hashes(ROOT / module.path)
     return {k: c for k, c in codes.items() if then.get(function_of(k)) == now.get(function_of(k))}
 
 
 def note_hashes(module: Module) -> None:
-    meta = meta_path(module)
-    if meta.exists():
-        data = json.loads(meta.read_text())
-        data["orka_function_hashes"] = function_hashes(ROOT / module.path)
-        meta.write_text(json.dumps(data, indent=4))
+    if meta_path(module).exists():
+        _hashes_path(module).write_text(json.dumps(function_hashes(ROOT / module.path)))
 
 
 def keep_verdicts(module: Module, before: dict[str, int | None]) -> None:
@@ -301,8 +303,8 @@ def keep_verdicts(module: Module, before: dict[str, int | None]) -> None:
         if codes.get(key) is None and code is not None:
             codes[key] = code
             restored += 1
-    data["orka_function_hashes"] = function_hashes(ROOT / module.path)
     meta.write_text(json.dumps(data, indent=4))
+    note_hashes(module)
     if restored:
         print(f"==> {module.short}: kept {restored} verdicts of the last run", flush=True)
 
