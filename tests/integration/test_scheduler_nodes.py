@@ -8,12 +8,15 @@ each test tells them to, and the tests then assert the registry (holds, used res
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
+import structlog
+import structlog.testing
 
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
@@ -394,6 +397,10 @@ async def test_an_unbound_reservation_expires_and_the_agent_is_told(
         assert result.node == "node-1"
         node = s.registry.get("node-1")
         assert node is not None
+        (offer,) = [m.offer for m in agents[0].messages("offer")]
+        # The agent is told how long the scheduler holds the reservation for it.
+        assert (offer.assignment.instance, offer.hold_seconds) == ("web-0", 0.3)
+        assert re.fullmatch(r"o\d+", offer.offer_id), offer.offer_id
         await until(lambda: agents[0].messages("release"))
         assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
         assert held(node) == ({}, 0, 0)
@@ -566,6 +573,227 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
     agents.append(HandAgent(scheduler, certs_dir, "node-4"))
     # Already running one of the workload: spread ranks it last.
     await agents[-1].register(running=("web-old",))
+    limits: list[int | None] = []
+    rank = scheduler.pipeline.rank
+
+    def counted(*args: object, limit: int | None = None) -> object:
+        limits.append(limit)
+        return rank(*args, limit=limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scheduler.pipeline, "rank", counted)
     (result,) = await place(scheduler, certs_dir, 1)
     assert result.node == "node-4"
     assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
+    # The first offer and the first retry rank only the best two; only when both of those
+    # refused is the whole cluster ranked.
+    assert limits == [2, 2, None]
+
+
+# ---- what a state change publishes and logs ----
+
+
+def feed_of(s: Scheduler) -> list[apb.ClusterUpdate | None]:
+    """Subscribe to the controller feed; the returned list fills as updates are published."""
+    got: list[apb.ClusterUpdate | None] = []
+
+    class Sink(asyncio.Queue):  # type: ignore[type-arg]
+        def put_nowait(self, item: apb.ClusterUpdate | None) -> None:
+            got.append(item)
+
+    s.hub.queues.add(Sink())
+    return got
+
+
+def kinds(feed: list[apb.ClusterUpdate | None]) -> list[tuple[str, str, str]]:
+    """(body, node state, node message) of each update; a sync as ("sync", node, "")."""
+    out = []
+    for u in feed:
+        assert u is not None
+        body = u.WhichOneof("body")
+        if body == "node":
+            out.append((body, pb.Node.State.Name(u.node.state), u.node.message))
+        else:
+            out.append((body, u.sync.node if body == "sync" else "", ""))
+    return out
+
+
+async def test_a_heartbeat_after_not_ready_publishes_ready_with_no_message_and_no_sync(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """NOT_READY -> READY on a heartbeat: the node comes back with an empty message, and only
+    a node that was LOST or LEFT gets a full sync (this one never lost its stream)."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register(running=("web-1",))
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.NOT_READY
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat()))
+        await until(lambda: node.state is NodeState.READY)
+        assert node.message == ""
+        assert kinds(feed) == [
+            ("node", "NOT_READY", "no heartbeat for 0.5s"),
+            ("node", "READY", ""),
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_a_node_that_left_and_went_silent_ends_left_logged_and_without_a_sync(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Leave, then silence past node_lost_after: LOST (its stream cut), then LEFT when the
+    stream ends. Each step is one node update and one "node state" line; no sync is sent
+    (there is nothing to reconcile on a node that is gone)."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        with structlog.testing.capture_logs() as logs:
+            await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
+            await until(lambda: node.draining)
+            await clock.step_to(t0 + 1.01)
+            await until(lambda: node.state is NodeState.LEFT)
+        assert kinds(feed) == [
+            ("node", "READY", ""),
+            ("node", "LOST", "no heartbeat for 1.0s"),
+            ("node", "LEFT", "agent left"),
+        ]
+        assert node.message == "agent left"
+        assert [e for e in logs if e["event"] in ("node state", "agent disconnected")] == [
+            {
+                "event": "node state",
+                "node": "node-1",
+                "old": "READY",
+                "new": "LOST",
+                "log_level": "info",
+            },
+            {
+                "event": "node state",
+                "node": "node-1",
+                "old": "LOST",
+                "new": "LEFT",
+                "log_level": "info",
+            },
+            {"event": "agent disconnected", "node": "node-1", "left": True, "log_level": "info"},
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_a_dropped_stream_is_logged_and_leaves_the_node_as_it_was(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """An agent whose stream ends without a leave: the node keeps its state and what it
+    holds until liveness decides; only its session is gone."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-1",))
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    with structlog.testing.capture_logs() as logs:
+        await agents[0].call.done_writing()
+        await until(lambda: node.session is None)
+    assert [e for e in logs if e["event"] == "agent disconnected"] == [
+        {"event": "agent disconnected", "node": "node-1", "left": False, "log_level": "info"}
+    ]
+    assert (node.state, node.message) == (NodeState.READY, "")
+    assert held(node) == ({"web-1": None}, 100, 64 * MIB)
+
+
+async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
+    certs_dir: Path,
+) -> None:
+    """_set_state itself (reached when a heartbeat already read races the stream being cut):
+    a LOST node that becomes READY again is published, then synced in full, since the
+    controller may have replaced what it runs meanwhile."""
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0"),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+    )
+    node = s.registry.upsert("node-1")
+    node.state = NodeState.LOST
+    node.message = "no heartbeat for 9.0s"
+    feed = feed_of(s)
+    s._set_state(node, NodeState.READY)
+    assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
+    assert (node.state, node.message) == (NodeState.READY, "")
+
+
+# ---- placement past nodes that cannot be reserved, and the request itself ----
+
+
+async def test_a_node_whose_stream_dropped_is_passed_over_for_the_next(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 refuses; node-2's stream ended without a leave (still READY in the ranking
+    until liveness decides, but nothing can be reserved there); node-3, ranked last (it
+    already runs one of the workload), gets the instance."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="busy"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+        HandAgent(scheduler, certs_dir, "node-3"),
+    ]
+    await agents[0].register()
+    await agents[1].register()
+    await agents[2].register(running=("web-old",))
+    dropped = scheduler.registry.get("node-2")
+    assert dropped is not None
+    await agents[1].call.done_writing()
+    await until(lambda: dropped.session is None)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-3"
+    assert dict(result.refusals) == {"node-1": "refused: busy", "node-2": "not ready"}
+
+
+async def test_max_per_node_counts_the_instances_of_the_same_workload(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 already runs an instance of "web": with max_per_node 1, web-0 cannot go there."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-old",))
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.max_per_node = 1
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    assert (result.node, result.reasons, dict(result.refusals)) == (
+        "",
+        "1 node: spread: 1 replica already on node",
+        {},
+    )
+    assert agents[0].messages("offer") == []
+
+
+async def test_an_assignment_without_a_kind_is_refused_by_name(
+    scheduler: Scheduler, certs_dir: Path
+) -> None:
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.ClearField("kind")
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await apb_grpc.SchedulerStub(channel).Place(req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.fullmatch(r"^assignment web-0: spec\.kind is required$", info.value.details() or "")
