@@ -797,3 +797,22 @@ async def test_an_assignment_without_a_kind_is_refused_by_name(
             await apb_grpc.SchedulerStub(channel).Place(req)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.fullmatch(r"^assignment web-0: spec\.kind is required$", info.value.details() or "")
+
+
+async def test_the_node_selector_of_the_assignment_picks_the_node(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 ranks first by name; only node-2 has the label the assignment selects."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+    ]
+    await agents[0].register()
+    await agents[1].register({"disk": "ssd"})
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.node_selector["disk"] = "ssd"
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    assert (result.node, dict(result.refusals)) == ("node-2", {})
