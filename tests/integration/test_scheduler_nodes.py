@@ -816,3 +816,27 @@ async def test_the_node_selector_of_the_assignment_picks_the_node(
         req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
         (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
     assert (result.node, dict(result.refusals)) == ("node-2", {})
+
+
+async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 ranks first but its stream dropped: the first round reserves on node-2, which
+    accepts, and the result still says why node-1 was not used."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+    ]
+    for a in agents:
+        await a.register()
+    dropped = scheduler.registry.get("node-1")
+    assert dropped is not None
+    await agents[0].call.done_writing()
+    await until(lambda: dropped.session is None)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons, dict(result.refusals)) == (
+        "node-2",
+        "",
+        {"node-1": "not ready"},
+    )
+    assert len(agents[1].messages("offer")) == 1
