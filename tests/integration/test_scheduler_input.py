@@ -193,3 +193,82 @@ async def test_a_batch_is_applied_message_by_message(scheduler: Scheduler, certs
             await asyncio.sleep(0.01)
         assert node.reports["web-1"].phase.value == "RUNNING"
         call.cancel()
+
+
+def registering(**node: object) -> apb.AgentMessage:
+    """register() with fields of its NodeInfo replaced."""
+    msg = register()
+    info = msg.register.node
+    for field, value in node.items():
+        if field == "drivers":
+            del info.drivers[:]
+            info.drivers.extend(value)  # type: ignore[arg-type]
+        elif field == "labels":
+            info.labels.update(value)  # type: ignore[arg-type]
+        else:
+            getattr(info, field).CopyFrom(value)
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("node", "code", "message"),
+    [
+        (
+            {"capacity": pb.Resources(cpu_millis=-1, memory_bytes=1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.capacity must not be negative",
+        ),
+        (
+            {"capacity": pb.Resources(cpu_millis=1, memory_bytes=-1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.capacity must not be negative",
+        ),
+        (
+            {"allocatable": pb.Resources(cpu_millis=-1, memory_bytes=1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.allocatable must not be negative",
+        ),
+        (
+            {"allocatable": pb.Resources(cpu_millis=1, memory_bytes=-1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.allocatable must not be negative",
+        ),
+        (
+            {"drivers": [f"d{i}" for i in range(17)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.drivers: at most 16, got 17",
+        ),
+        (
+            {"drivers": ["fake", "x" * 65]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.drivers[1]: is 65 characters long, over the limit of 64",
+        ),
+        (
+            {"labels": {f"orka.io/k{i}": "v" for i in range(7)}},
+            grpc.StatusCode.PERMISSION_DENIED,
+            # The first five keys only.
+            "register: node.labels 'orka.io/k0', 'orka.io/k1', 'orka.io/k2', 'orka.io/k3',"
+            " 'orka.io/k4': the orka.io/ prefix is set by the scheduler only",
+        ),
+        (
+            {"labels": {f"k{i}": "v" for i in range(65)}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.labels: at most 64, got 65",
+        ),
+        (
+            {"labels": {"zone": "a\0"}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.labels['zone']: contains a NUL byte",
+        ),
+    ],
+)
+async def test_a_refused_registration_says_exactly_why(
+    scheduler: Scheduler,
+    certs_dir: Path,
+    node: dict[str, object],
+    code: grpc.StatusCode,
+    message: str,
+) -> None:
+    err = await stream_error(scheduler, certs_dir, registering(**node))
+    assert (err.code(), err.details()) == (code, message)
+    assert scheduler.registry.get("node-1") is None

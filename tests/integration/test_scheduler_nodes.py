@@ -840,3 +840,37 @@ async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over
         {"node-1": "not ready"},
     )
     assert len(agents[1].messages("offer")) == 1
+
+
+async def test_a_node_that_left_registers_again_ready_undrained_and_synced(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """After a leave, the same node registering again is READY, no longer draining, told the
+    heartbeat interval, logged with the state it had, and published then synced in full."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
+    await until(lambda: node.draining)
+    await agents[0].call.done_writing()
+    await until(lambda: node.state is NodeState.LEFT)
+    feed = feed_of(scheduler)
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    with structlog.testing.capture_logs() as logs:
+        await agents[1].register(running=("web-1",))
+    assert agents[1].registered is not None
+    assert (agents[1].registered.node, agents[1].registered.heartbeat_interval) == ("node-1", 5.0)
+    assert (node.state, node.message, node.draining) == (NodeState.READY, "", False)
+    assert [e for e in logs if e["event"] == "agent registered"] == [
+        {
+            "event": "agent registered",
+            "node": "node-1",
+            "instances": 1,
+            "was": "LEFT",
+            "log_level": "info",
+        }
+    ]
+    assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
+    (sync,) = [u for u in feed if u is not None and u.WhichOneof("body") == "sync"]
+    assert [i.name for i in sync.sync.instances] == ["web-1"]
