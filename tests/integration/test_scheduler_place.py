@@ -16,7 +16,7 @@ from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import MAX_FRAME
-from orka.scheduler.service import PLACE_CHUNK, Scheduler, SchedulerConfig
+from orka.scheduler.service import PLACE_CHUNK, RANK_FIRST, Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 
 
@@ -123,7 +123,8 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
     scheduler: Scheduler, certs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With PLACE_CHUNK 2, four instances are ranked two by two: the event loop runs once
-    between the second and the third ranking, and at no other point of the round."""
+    between the second and the third ranking, and at no other point of the round; each is
+    reserved and offered in that round, so none is ranked again."""
     monkeypatch.setattr("orka.scheduler.service.PLACE_CHUNK", 2)
     ticks = 0
 
@@ -141,6 +142,14 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
         return first_offer(*args)
 
     monkeypatch.setattr(scheduler, "_first_offer", counted)
+    limits: list[int | None] = []
+    rank = scheduler.pipeline.rank
+
+    def ranked(*args: Any, limit: int | None = None) -> Any:
+        limits.append(limit)
+        return rank(*args, limit=limit)
+
+    monkeypatch.setattr(scheduler.pipeline, "rank", ranked)
     agent = Agent(scheduler, certs_dir, "node-1")
     controller = secure_channel(
         f"127.0.0.1:{scheduler.port}",
@@ -157,6 +166,8 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
         resp = await apb_grpc.SchedulerStub(controller).Place(apb.PlaceRequest(items=items))
         assert [r.node for r in resp.results] == ["node-1"] * 4
         assert len(seen) == 4
+        # Every first offer was accepted: each instance was ranked once, for the best few.
+        assert limits == [RANK_FIRST] * 4
         assert [b > a for a, b in itertools.pairwise(seen)] == [False, True, False]
         # All four offers left in one frame, after the round.
         assert agent.offer_frames == [4]
