@@ -272,3 +272,24 @@ async def test_a_refused_registration_says_exactly_why(
     err = await stream_error(scheduler, certs_dir, registering(**node))
     assert (err.code(), err.details()) == (code, message)
     assert scheduler.registry.get("node-1") is None
+
+
+async def test_a_registration_at_every_limit_is_accepted(
+    scheduler: Scheduler, certs_dir: Path
+) -> None:
+    """64 labels, 16 drivers of 64 characters, zero resources: each limit itself is allowed."""
+    zero = pb.Resources(cpu_millis=0, memory_bytes=0)
+    labels = {f"k{i}": "v" for i in range(64)}
+    drivers = [f"{i:02d}" + "d" * 62 for i in range(16)]
+    msg = registering(capacity=zero, allocatable=zero, labels=labels, drivers=drivers)
+    channel, api = stub(scheduler, certs_dir, "agent", "node-1")
+    async with channel:
+        call = api.Connect()
+        await call.write(msg)
+        reply = await call.read()
+        assert reply.WhichOneof("body") == "registered"
+        node = scheduler.registry.get("node-1")
+        assert node is not None
+        assert node.labels == {**labels, "orka.io/node": "node-1"}
+        assert node.drivers == frozenset(drivers)
+        call.cancel()
