@@ -874,3 +874,85 @@ async def test_a_node_that_left_registers_again_ready_undrained_and_synced(
     assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
     (sync,) = [u for u in feed if u is not None and u.WhichOneof("body") == "sync"]
     assert [i.name for i in sync.sync.instances] == ["web-1"]
+
+
+# ---- liveness at its exact bounds ----
+
+
+async def test_liveness_bounds_are_strict_and_usage_goes_out_on_the_interval(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Times chosen exact in binary (heartbeat 0.25 s, lost after 1.0 s, usage every 0.5 s,
+    the clock at 1024 s): silent for exactly two intervals is still READY, exactly
+    node_lost_after still NOT_READY; the usage report goes out when exactly its interval has
+    passed, and only for READY and NOT_READY nodes. A LOST node does not stop the checks of
+    the nodes after it."""
+    clock = StepClock()
+    t0 = clock.now = 1024.0
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            heartbeat_interval=0.25,
+            node_lost_after=1.0,
+            usage_report_interval=0.5,
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.READY
+        await clock.step_to(t0 + 0.75)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + 1.0)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + 1.25)
+        assert node.state is NodeState.LOST
+        # node-2 registers after node-1, so it comes after it in the liveness pass.
+        agents.append(HandAgent(s, certs_dir, "node-2"))
+        await agents[1].register()
+        other = s.registry.get("node-2")
+        assert other is not None
+        await clock.step_to(t0 + 1.5)
+        await clock.step_to(t0 + 2.0)
+        assert other.state is NodeState.NOT_READY
+        assert [k for u, k in zip(feed, kinds(feed), strict=True) if u.node.name == "node-1"] == [
+            ("node", "READY", ""),  # usage at t0 + 0.5
+            ("node", "NOT_READY", "no heartbeat for 0.8s"),
+            ("node", "NOT_READY", "no heartbeat for 0.8s"),  # usage at t0 + 1.0
+            ("node", "LOST", "no heartbeat for 1.2s"),
+            # none at t0 + 1.5 or t0 + 2.0: a LOST node's usage is not reported
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_liveness_looks_four_times_per_heartbeat_at_most_every_quarter_second(
+    certs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How late liveness may notice a silent node or an expired reservation: it wakes every
+    heartbeat_interval / 4, and at least every 0.25 s."""
+    sleeps: list[float] = []
+    sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args: object) -> object:
+        task = asyncio.current_task()
+        if task is not None and task.get_name() == "liveness":
+            sleeps.append(delay)
+        return await sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    for interval, tick in ((0.2, 0.05), (5.0, 0.25)):
+        sleeps.clear()
+        s = await start_scheduler(certs_dir, heartbeat_interval=interval, node_lost_after=60.0)
+        try:
+            await until(lambda: len(sleeps) >= 2)
+        finally:
+            await s.stop()
+        assert set(sleeps) == {tick}
