@@ -956,3 +956,30 @@ async def test_liveness_looks_four_times_per_heartbeat_at_most_every_quarter_sec
         finally:
             await s.stop()
         assert set(sleeps) == {tick}
+
+
+async def test_a_reservation_expiring_on_a_node_whose_stream_dropped_is_just_dropped(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 accepted an offer, then its stream dropped: when the reservation expires there
+    is no one to tell, and liveness goes on (node-2's expired reservation is released)."""
+    s = await start_scheduler(certs_dir, **QUIET, hold_seconds=0.3)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        (first,) = await place(s, certs_dir, 1)
+        assert first.node == "node-1"
+        node = s.registry.get("node-1")
+        assert node is not None
+        await agents[0].call.done_writing()
+        await until(lambda: node.session is None)
+        await until(lambda: not node.holds)
+        agents.append(HandAgent(s, certs_dir, "node-2"))
+        await agents[1].register()
+        (second,) = await place(s, certs_dir, 1)
+        assert second.node == "node-2"
+        await until(lambda: agents[1].messages("release"))
+        assert [m.release.instance for m in agents[1].messages("release")] == ["web-0"]
+        assert agents[0].messages("release") == []
+    finally:
+        await s.stop()
