@@ -983,3 +983,21 @@ async def test_a_reservation_expiring_on_a_node_whose_stream_dropped_is_just_dro
         assert agents[0].messages("release") == []
     finally:
         await s.stop()
+
+
+async def test_a_draining_node_whose_agent_restarts_is_still_draining(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Only a node that had left comes back undrained: an operator's drain outlives an agent
+    restart (a new stream of the same node)."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    async with controller_channel(scheduler, certs_dir) as channel:
+        await apb_grpc.SchedulerStub(channel).SetNode(
+            apb.SetNodeRequest(name="node-1", draining=True)
+        )
+    node = scheduler.registry.get("node-1")
+    assert node is not None and node.draining
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[1].register()
+    assert (node.state, node.draining) == (NodeState.READY, True)
