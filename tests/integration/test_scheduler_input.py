@@ -12,8 +12,10 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
+from orka.errors import Invalid
 from orka.rpc.client import secure_channel
 from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
 
 
@@ -293,3 +295,26 @@ async def test_a_registration_at_every_limit_is_accepted(
         assert node.labels == {**labels, "orka.io/node": "node-1"}
         assert node.drivers == frozenset(drivers)
         call.cancel()
+
+
+async def test_an_error_right_after_registering_still_ends_the_stream_with_it(
+    scheduler: Scheduler,
+) -> None:
+    """The agent's bad message is read before the stream sends the Registered reply: the
+    reply and the end of the stream leave in one drain of the outbox, and the stream still
+    ends with the error. Driven below gRPC (the handler itself, fed from a generator that
+    never waits), since over the wire which comes first is up to the scheduling."""
+
+    async def agent() -> AsyncIterator[apb.AgentMessage]:
+        yield register()
+        yield apb.AgentMessage()
+
+    handler = Scheduler.Connect.__wrapped__  # type: ignore[attr-defined]
+    got: list[str] = []
+    with pytest.raises(Invalid) as info:
+        async for msg in handler(scheduler, agent(), Identity("agent", "node-1")):
+            got.append(msg.WhichOneof("body"))
+    assert info.value.message == "empty agent message"
+    assert got == ["registered"]
+    node = scheduler.registry.get("node-1")
+    assert node is not None and node.session is None
