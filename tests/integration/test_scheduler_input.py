@@ -12,8 +12,10 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
+from orka.errors import Invalid
 from orka.rpc.client import secure_channel
 from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
 
 
@@ -193,3 +195,126 @@ async def test_a_batch_is_applied_message_by_message(scheduler: Scheduler, certs
             await asyncio.sleep(0.01)
         assert node.reports["web-1"].phase.value == "RUNNING"
         call.cancel()
+
+
+def registering(**node: object) -> apb.AgentMessage:
+    """register() with fields of its NodeInfo replaced."""
+    msg = register()
+    info = msg.register.node
+    for field, value in node.items():
+        if field == "drivers":
+            del info.drivers[:]
+            info.drivers.extend(value)  # type: ignore[arg-type]
+        elif field == "labels":
+            info.labels.update(value)  # type: ignore[arg-type]
+        else:
+            getattr(info, field).CopyFrom(value)
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("node", "code", "message"),
+    [
+        (
+            {"capacity": pb.Resources(cpu_millis=-1, memory_bytes=1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.capacity must not be negative",
+        ),
+        (
+            {"capacity": pb.Resources(cpu_millis=1, memory_bytes=-1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.capacity must not be negative",
+        ),
+        (
+            {"allocatable": pb.Resources(cpu_millis=-1, memory_bytes=1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.allocatable must not be negative",
+        ),
+        (
+            {"allocatable": pb.Resources(cpu_millis=1, memory_bytes=-1)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.allocatable must not be negative",
+        ),
+        (
+            {"drivers": [f"d{i}" for i in range(17)]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.drivers: at most 16, got 17",
+        ),
+        (
+            {"drivers": ["fake", "x" * 65]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.drivers[1]: is 65 characters long, over the limit of 64",
+        ),
+        (
+            {"labels": {f"orka.io/k{i}": "v" for i in range(7)}},
+            grpc.StatusCode.PERMISSION_DENIED,
+            # The first five keys only.
+            "register: node.labels 'orka.io/k0', 'orka.io/k1', 'orka.io/k2', 'orka.io/k3',"
+            " 'orka.io/k4': the orka.io/ prefix is set by the scheduler only",
+        ),
+        (
+            {"labels": {f"k{i}": "v" for i in range(65)}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.labels: at most 64, got 65",
+        ),
+        (
+            {"labels": {"zone": "a\0"}},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "register: node.labels['zone']: contains a NUL byte",
+        ),
+    ],
+)
+async def test_a_refused_registration_says_exactly_why(
+    scheduler: Scheduler,
+    certs_dir: Path,
+    node: dict[str, object],
+    code: grpc.StatusCode,
+    message: str,
+) -> None:
+    err = await stream_error(scheduler, certs_dir, registering(**node))
+    assert (err.code(), err.details()) == (code, message)
+    assert scheduler.registry.get("node-1") is None
+
+
+async def test_a_registration_at_every_limit_is_accepted(
+    scheduler: Scheduler, certs_dir: Path
+) -> None:
+    """64 labels, 16 drivers of 64 characters, zero resources: each limit itself is allowed."""
+    zero = pb.Resources(cpu_millis=0, memory_bytes=0)
+    labels = {f"k{i}": "v" for i in range(64)}
+    drivers = [f"{i:02d}" + "d" * 62 for i in range(16)]
+    msg = registering(capacity=zero, allocatable=zero, labels=labels, drivers=drivers)
+    channel, api = stub(scheduler, certs_dir, "agent", "node-1")
+    async with channel:
+        call = api.Connect()
+        await call.write(msg)
+        reply = await call.read()
+        assert reply.WhichOneof("body") == "registered"
+        node = scheduler.registry.get("node-1")
+        assert node is not None
+        assert node.labels == {**labels, "orka.io/node": "node-1"}
+        assert node.drivers == frozenset(drivers)
+        call.cancel()
+
+
+async def test_an_error_right_after_registering_still_ends_the_stream_with_it(
+    scheduler: Scheduler,
+) -> None:
+    """The agent's bad message is read before the stream sends the Registered reply: the
+    reply and the end of the stream leave in one drain of the outbox, and the stream still
+    ends with the error. Driven below gRPC (the handler itself, fed from a generator that
+    never waits), since over the wire which comes first is up to the scheduling."""
+
+    async def agent() -> AsyncIterator[apb.AgentMessage]:
+        yield register()
+        yield apb.AgentMessage()
+
+    handler = Scheduler.Connect.__wrapped__  # type: ignore[attr-defined]
+    got: list[str] = []
+    with pytest.raises(Invalid) as info:
+        async for msg in handler(scheduler, agent(), Identity("agent", "node-1")):
+            got.append(msg.WhichOneof("body"))
+    assert info.value.message == "empty agent message"
+    assert got == ["registered"]
+    node = scheduler.registry.get("node-1")
+    assert node is not None and node.session is None

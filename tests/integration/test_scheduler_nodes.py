@@ -8,12 +8,15 @@ each test tells them to, and the tests then assert the registry (holds, used res
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
+import structlog
+import structlog.testing
 
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
@@ -394,6 +397,10 @@ async def test_an_unbound_reservation_expires_and_the_agent_is_told(
         assert result.node == "node-1"
         node = s.registry.get("node-1")
         assert node is not None
+        (offer,) = [m.offer for m in agents[0].messages("offer")]
+        # The agent is told how long the scheduler holds the reservation for it.
+        assert (offer.assignment.instance, offer.hold_seconds) == ("web-0", 0.3)
+        assert re.fullmatch(r"o\d+", offer.offer_id), offer.offer_id
         await until(lambda: agents[0].messages("release"))
         assert [m.release.instance for m in agents[0].messages("release")] == ["web-0"]
         assert held(node) == ({}, 0, 0)
@@ -566,6 +573,431 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
     agents.append(HandAgent(scheduler, certs_dir, "node-4"))
     # Already running one of the workload: spread ranks it last.
     await agents[-1].register(running=("web-old",))
+    limits: list[int | None] = []
+    rank = scheduler.pipeline.rank
+
+    def counted(*args: object, limit: int | None = None) -> object:
+        limits.append(limit)
+        return rank(*args, limit=limit)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(scheduler.pipeline, "rank", counted)
     (result,) = await place(scheduler, certs_dir, 1)
     assert result.node == "node-4"
     assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
+    # The first offer and the first retry rank only the best two; only when both of those
+    # refused is the whole cluster ranked.
+    assert limits == [2, 2, None]
+
+
+# ---- what a state change publishes and logs ----
+
+
+def feed_of(s: Scheduler) -> list[apb.ClusterUpdate | None]:
+    """Subscribe to the controller feed; the returned list fills as updates are published."""
+    got: list[apb.ClusterUpdate | None] = []
+
+    class Sink(asyncio.Queue):  # type: ignore[type-arg]
+        def put_nowait(self, item: apb.ClusterUpdate | None) -> None:
+            got.append(item)
+
+    s.hub.queues.add(Sink())
+    return got
+
+
+def kinds(feed: list[apb.ClusterUpdate | None]) -> list[tuple[str, str, str]]:
+    """(body, node state, node message) of each update; a sync as ("sync", node, "")."""
+    out = []
+    for u in feed:
+        assert u is not None
+        body = u.WhichOneof("body")
+        if body == "node":
+            out.append((body, pb.Node.State.Name(u.node.state), u.node.message))
+        else:
+            out.append((body, u.sync.node if body == "sync" else "", ""))
+    return out
+
+
+async def test_a_heartbeat_after_not_ready_publishes_ready_with_no_message_and_no_sync(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """NOT_READY -> READY on a heartbeat: the node comes back with an empty message, and only
+    a node that was LOST or LEFT gets a full sync (this one never lost its stream)."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register(running=("web-1",))
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.NOT_READY
+        await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat()))
+        await until(lambda: node.state is NodeState.READY)
+        assert node.message == ""
+        assert kinds(feed) == [
+            ("node", "NOT_READY", "no heartbeat for 0.5s"),
+            ("node", "READY", ""),
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_a_node_that_left_and_went_silent_ends_left_logged_and_without_a_sync(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Leave, then silence past node_lost_after: LOST (its stream cut), then LEFT when the
+    stream ends. Each step is one node update and one "node state" line; no sync is sent
+    (there is nothing to reconcile on a node that is gone)."""
+    clock = StepClock()
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        t0 = clock.now
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        with structlog.testing.capture_logs() as logs:
+            await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
+            await until(lambda: node.draining)
+            await clock.step_to(t0 + 1.01)
+            await until(lambda: node.state is NodeState.LEFT)
+        assert kinds(feed) == [
+            ("node", "READY", ""),
+            ("node", "LOST", "no heartbeat for 1.0s"),
+            ("node", "LEFT", "agent left"),
+        ]
+        assert node.message == "agent left"
+        assert [e for e in logs if e["event"] in ("node state", "agent disconnected")] == [
+            {
+                "event": "node state",
+                "node": "node-1",
+                "old": "READY",
+                "new": "LOST",
+                "log_level": "info",
+            },
+            {
+                "event": "node state",
+                "node": "node-1",
+                "old": "LOST",
+                "new": "LEFT",
+                "log_level": "info",
+            },
+            {"event": "agent disconnected", "node": "node-1", "left": True, "log_level": "info"},
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_a_dropped_stream_is_logged_and_leaves_the_node_as_it_was(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """An agent whose stream ends without a leave: the node keeps its state and what it
+    holds until liveness decides; only its session is gone."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-1",))
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    with structlog.testing.capture_logs() as logs:
+        await agents[0].call.done_writing()
+        await until(lambda: node.session is None)
+    assert [e for e in logs if e["event"] == "agent disconnected"] == [
+        {"event": "agent disconnected", "node": "node-1", "left": False, "log_level": "info"}
+    ]
+    assert (node.state, node.message) == (NodeState.READY, "")
+    assert held(node) == ({"web-1": None}, 100, 64 * MIB)
+
+
+async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
+    certs_dir: Path,
+) -> None:
+    """_set_state itself (reached when a heartbeat already read races the stream being cut):
+    a LOST node that becomes READY again is published, then synced in full, since the
+    controller may have replaced what it runs meanwhile."""
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0"),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+    )
+    node = s.registry.upsert("node-1")
+    node.state = NodeState.LOST
+    node.message = "no heartbeat for 9.0s"
+    feed = feed_of(s)
+    s._set_state(node, NodeState.READY)
+    assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
+    assert (node.state, node.message) == (NodeState.READY, "")
+
+
+# ---- placement past nodes that cannot be reserved, and the request itself ----
+
+
+async def test_a_node_whose_stream_dropped_is_passed_over_for_the_next(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 refuses; node-2's stream ended without a leave (still READY in the ranking
+    until liveness decides, but nothing can be reserved there); node-3, ranked last (it
+    already runs one of the workload), gets the instance."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1", answer="busy"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+        HandAgent(scheduler, certs_dir, "node-3"),
+    ]
+    await agents[0].register()
+    await agents[1].register()
+    await agents[2].register(running=("web-old",))
+    dropped = scheduler.registry.get("node-2")
+    assert dropped is not None
+    await agents[1].call.done_writing()
+    await until(lambda: dropped.session is None)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == "node-3"
+    assert dict(result.refusals) == {"node-1": "refused: busy", "node-2": "not ready"}
+
+
+async def test_max_per_node_counts_the_instances_of_the_same_workload(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 already runs an instance of "web": with max_per_node 1, web-0 cannot go there."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register(running=("web-old",))
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.max_per_node = 1
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    assert (result.node, result.reasons, dict(result.refusals)) == (
+        "",
+        "1 node: spread: 1 replica already on node",
+        {},
+    )
+    assert agents[0].messages("offer") == []
+
+
+async def test_an_assignment_without_a_kind_is_refused_by_name(
+    scheduler: Scheduler, certs_dir: Path
+) -> None:
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.ClearField("kind")
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await apb_grpc.SchedulerStub(channel).Place(req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.fullmatch(r"^assignment web-0: spec\.kind is required$", info.value.details() or "")
+
+
+async def test_the_node_selector_of_the_assignment_picks_the_node(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 ranks first by name; only node-2 has the label the assignment selects."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+    ]
+    await agents[0].register()
+    await agents[1].register({"disk": "ssd"})
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.node_selector["disk"] = "ssd"
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
+        (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    assert (result.node, dict(result.refusals)) == ("node-2", {})
+
+
+async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 ranks first but its stream dropped: the first round reserves on node-2, which
+    accepts, and the result still says why node-1 was not used."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+    ]
+    for a in agents:
+        await a.register()
+    dropped = scheduler.registry.get("node-1")
+    assert dropped is not None
+    await agents[0].call.done_writing()
+    await until(lambda: dropped.session is None)
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert (result.node, result.reasons, dict(result.refusals)) == (
+        "node-2",
+        "",
+        {"node-1": "not ready"},
+    )
+    assert len(agents[1].messages("offer")) == 1
+
+
+async def test_a_node_that_left_registers_again_ready_undrained_and_synced(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """After a leave, the same node registering again is READY, no longer draining, told the
+    heartbeat interval, logged with the state it had, and published then synced in full."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    node = scheduler.registry.get("node-1")
+    assert node is not None
+    await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
+    await until(lambda: node.draining)
+    await agents[0].call.done_writing()
+    await until(lambda: node.state is NodeState.LEFT)
+    feed = feed_of(scheduler)
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    with structlog.testing.capture_logs() as logs:
+        await agents[1].register(running=("web-1",))
+    assert agents[1].registered is not None
+    assert (agents[1].registered.node, agents[1].registered.heartbeat_interval) == ("node-1", 5.0)
+    assert (node.state, node.message, node.draining) == (NodeState.READY, "", False)
+    assert [e for e in logs if e["event"] == "agent registered"] == [
+        {
+            "event": "agent registered",
+            "node": "node-1",
+            "instances": 1,
+            "was": "LEFT",
+            "log_level": "info",
+        }
+    ]
+    assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
+    (sync,) = [u for u in feed if u is not None and u.WhichOneof("body") == "sync"]
+    assert [i.name for i in sync.sync.instances] == ["web-1"]
+
+
+# ---- liveness at its exact bounds ----
+
+
+async def test_liveness_bounds_are_strict_and_usage_goes_out_on_the_interval(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Times chosen exact in binary (heartbeat 0.25 s, lost after 1.0 s, usage every 0.5 s,
+    the clock at 1024 s): silent for exactly two intervals is still READY, exactly
+    node_lost_after still NOT_READY; the usage report goes out when exactly its interval has
+    passed, and only for READY and NOT_READY nodes. A LOST node does not stop the checks of
+    the nodes after it."""
+    clock = StepClock()
+    t0 = clock.now = 1024.0
+    s = Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            heartbeat_interval=0.25,
+            node_lost_after=1.0,
+            usage_report_interval=0.5,
+        ),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        clock=clock,
+    )
+    await s.start()
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        node = s.registry.get("node-1")
+        assert node is not None
+        feed = feed_of(s)
+        await clock.step_to(t0 + 0.5)
+        assert node.state is NodeState.READY
+        await clock.step_to(t0 + 0.75)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + 1.0)
+        assert node.state is NodeState.NOT_READY
+        await clock.step_to(t0 + 1.25)
+        assert node.state is NodeState.LOST
+        # node-2 registers after node-1, so it comes after it in the liveness pass.
+        agents.append(HandAgent(s, certs_dir, "node-2"))
+        await agents[1].register()
+        other = s.registry.get("node-2")
+        assert other is not None
+        await clock.step_to(t0 + 1.5)
+        await clock.step_to(t0 + 2.0)
+        assert other.state is NodeState.NOT_READY
+        assert [k for u, k in zip(feed, kinds(feed), strict=True) if u.node.name == "node-1"] == [
+            ("node", "READY", ""),  # usage at t0 + 0.5
+            ("node", "NOT_READY", "no heartbeat for 0.8s"),
+            ("node", "NOT_READY", "no heartbeat for 0.8s"),  # usage at t0 + 1.0
+            ("node", "LOST", "no heartbeat for 1.2s"),
+            # none at t0 + 1.5 or t0 + 2.0: a LOST node's usage is not reported
+        ]
+    finally:
+        await s.stop()
+
+
+async def test_liveness_looks_four_times_per_heartbeat_at_most_every_quarter_second(
+    certs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How late liveness may notice a silent node or an expired reservation: it wakes every
+    heartbeat_interval / 4, and at least every 0.25 s."""
+    sleeps: list[float] = []
+    sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args: object) -> object:
+        task = asyncio.current_task()
+        if task is not None and task.get_name() == "liveness":
+            sleeps.append(delay)
+        return await sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    for interval, tick in ((0.2, 0.05), (5.0, 0.25)):
+        sleeps.clear()
+        s = await start_scheduler(certs_dir, heartbeat_interval=interval, node_lost_after=60.0)
+        try:
+            await until(lambda: len(sleeps) >= 2)
+        finally:
+            await s.stop()
+        assert set(sleeps) == {tick}
+
+
+async def test_a_reservation_expiring_on_a_node_whose_stream_dropped_is_just_dropped(
+    certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 accepted an offer, then its stream dropped: when the reservation expires there
+    is no one to tell, and liveness goes on (node-2's expired reservation is released)."""
+    s = await start_scheduler(certs_dir, **QUIET, hold_seconds=0.3)
+    try:
+        agents.append(HandAgent(s, certs_dir, "node-1"))
+        await agents[0].register()
+        (first,) = await place(s, certs_dir, 1)
+        assert first.node == "node-1"
+        node = s.registry.get("node-1")
+        assert node is not None
+        await agents[0].call.done_writing()
+        await until(lambda: node.session is None)
+        await until(lambda: not node.holds)
+        agents.append(HandAgent(s, certs_dir, "node-2"))
+        await agents[1].register()
+        (second,) = await place(s, certs_dir, 1)
+        assert second.node == "node-2"
+        await until(lambda: agents[1].messages("release"))
+        assert [m.release.instance for m in agents[1].messages("release")] == ["web-0"]
+        assert agents[0].messages("release") == []
+    finally:
+        await s.stop()
+
+
+async def test_a_draining_node_whose_agent_restarts_is_still_draining(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """Only a node that had left comes back undrained: an operator's drain outlives an agent
+    restart (a new stream of the same node)."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    async with controller_channel(scheduler, certs_dir) as channel:
+        await apb_grpc.SchedulerStub(channel).SetNode(
+            apb.SetNodeRequest(name="node-1", draining=True)
+        )
+    node = scheduler.registry.get("node-1")
+    assert node is not None and node.draining
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[1].register()
+    assert (node.state, node.draining) == (NodeState.READY, True)

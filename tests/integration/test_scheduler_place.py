@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -14,7 +16,7 @@ from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import MAX_FRAME
-from orka.scheduler.service import PLACE_CHUNK, Scheduler, SchedulerConfig
+from orka.scheduler.service import PLACE_CHUNK, RANK_FIRST, Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 
 
@@ -114,4 +116,62 @@ async def test_a_batch_of_many_chunks_sends_each_node_its_offers_together(
     finally:
         for a in agents:
             await a.close()
+        await controller.close()
+
+
+async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
+    scheduler: Scheduler, certs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With PLACE_CHUNK 2, four instances are ranked two by two: the event loop runs once
+    between the second and the third ranking, and at no other point of the round; each is
+    reserved and offered in that round, so none is ranked again."""
+    monkeypatch.setattr("orka.scheduler.service.PLACE_CHUNK", 2)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []  # the ticker's count at each ranking
+    first_offer = scheduler._first_offer
+
+    def counted(*args: Any) -> Any:
+        seen.append(ticks)
+        return first_offer(*args)
+
+    monkeypatch.setattr(scheduler, "_first_offer", counted)
+    limits: list[int | None] = []
+    rank = scheduler.pipeline.rank
+
+    def ranked(*args: Any, limit: int | None = None) -> Any:
+        limits.append(limit)
+        return rank(*args, limit=limit)
+
+    monkeypatch.setattr(scheduler.pipeline, "rank", ranked)
+    agent = Agent(scheduler, certs_dir, "node-1")
+    controller = secure_channel(
+        f"127.0.0.1:{scheduler.port}",
+        TlsFiles.for_service(certs_dir, "controller", "controller"),
+        "scheduler",
+    )
+    tick_task = asyncio.create_task(ticker())
+    try:
+        await agent.start()
+        spec = pb.WorkloadSpec(
+            name="web", kind=pb.WorkloadSpec.PROCESS, resources=pb.Resources(cpu_millis=1)
+        )
+        items = [apb.Assignment(instance=f"web-{i}", spec=spec) for i in range(4)]
+        resp = await apb_grpc.SchedulerStub(controller).Place(apb.PlaceRequest(items=items))
+        assert [r.node for r in resp.results] == ["node-1"] * 4
+        assert len(seen) == 4
+        # Every first offer was accepted: each instance was ranked once, for the best few.
+        assert limits == [RANK_FIRST] * 4
+        assert [b > a for a, b in itertools.pairwise(seen)] == [False, True, False]
+        # All four offers left in one frame, after the round.
+        assert agent.offer_frames == [4]
+    finally:
+        tick_task.cancel()
+        await agent.close()
         await controller.close()
