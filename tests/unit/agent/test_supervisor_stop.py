@@ -134,3 +134,18 @@ async def test_a_failing_driver_is_logged_and_the_instance_still_ends_stopped(
     # the exit code is the stop's only when the stop answered
     assert p.sup.exit_code == (None if fail else 143)
     assert p.sup.finished_at is not None
+
+
+async def test_a_start_reports_starting_then_running_with_no_reason() -> None:
+    p = await running()
+    assert p.messages[:2] == [f"{InstancePhase.STARTING}/: ", f"{InstancePhase.RUNNING}/: "]
+
+
+async def test_an_instance_never_started_closes_and_stops_cleanly() -> None:
+    p = await play(RestartPolicy.NEVER, [Run(code=0)])
+    fresh = type(p.sup)("w-1", 1, p.sup.spec, p.driver, lambda s: None)
+    await fresh.close()
+    stops = Stops(Played(fresh, p.driver, p.clock, []), code=0)
+    await fresh.stop(remove=False, reason="deleted")
+    assert (fresh.phase, fresh.exit_code) == (InstancePhase.STOPPED, 0)
+    assert stops.calls == [("w-1", fresh.spec.stop_grace_seconds)]
