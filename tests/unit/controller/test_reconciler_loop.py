@@ -15,13 +15,14 @@ from orka.controller import reconciler as rmod
 from orka.controller.placement import stop_command
 from orka.controller.reconciler import (
     RESEND_AFTER,
+    CrashBackoff,
     _apply_report,
     _node_changed,
     _stop,
     new_instance,
 )
 from orka.controller.repo import Change
-from orka.models import InstanceReport, NodeState, Resources
+from orka.models import InstanceReport, NodeState, Resources, WorkloadStatus
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
 __all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
@@ -154,9 +155,9 @@ async def test_an_incremental_pass_queues_the_pending_instances_of_every_workloa
     await env.rec.reconcile_once()
     pending = sorted(i.name for w in ("a", "b") for i in env.of(w))
     env.queue.pending.clear()
-    # Both touched (a label each), neither needs a write.
+    # Both touched (a label each, status kept), neither needs a write.
     await env.put(
-        workload("a", replicas=1, labels={"x": "1"}), workload("b", replicas=1, labels={"x": "1"})
+        *(env.repo.workloads[n].model_copy(update={"labels": {"x": "1"}}) for n in ("a", "b"))
     )
     clock.now += 0.5
     await env.rec.reconcile_once()
@@ -332,3 +333,27 @@ def test_apply_report_message(
     else:
         assert out is not None
         assert (out.message, out.updated_at) == (expected, 7.0)
+
+
+# ---- the workload's status ----
+
+
+def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) -> None:
+    w = workload("web", replicas=1)
+    insts = [inst("web-a", P.RUNNING)]
+    env.rec.crashes["web"] = CrashBackoff(failures=2, not_before=50.0, last_error="exit code 1")
+    waiting = env.rec._status_change(w, insts, 49.99)
+    assert [(c.kind, c.name) for c in waiting] == [("workloads", "web")]
+    assert waiting[0].value.updated_at == 49.99
+    assert waiting[0].value.status == WorkloadStatus(
+        desired=1,
+        placed=1,
+        running=1,
+        message=(
+            "2 instance failure(s) in a row (the last: exit code 1);"
+            " replaced with backoff, up to 300s"
+        ),
+    )
+    done = env.rec._status_change(w, insts, 50.0)
+    assert done[0].value.status == WorkloadStatus(desired=1, placed=1, running=1)
+    assert done[0].value.updated_at == 50.0
