@@ -1,0 +1,359 @@
+"""The reconciler's scheduling loop: which workloads a pass plans (incremental and full passes),
+the commands a pass sends, the wake-ups after a backoff, and the small helpers the loop uses."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import types
+from typing import Any
+
+import pytest
+
+from orka.controller import reconciler as rmod
+from orka.controller.placement import stop_command
+from orka.controller.reconciler import (
+    RESEND_AFTER,
+    CrashBackoff,
+    _apply_report,
+    _node_changed,
+    _stop,
+    new_instance,
+)
+from orka.controller.repo import Change
+from orka.models import InstanceReport, NodeState, Resources, WorkloadStatus
+from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
+
+__all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
+
+
+class FakeMonotonic:
+    """Stands in for the reconciler module's `time` (monotonic only; wall time stays real)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, now: float = 100.0) -> None:
+        self.now = now
+        monkeypatch.setattr(
+            rmod, "time", types.SimpleNamespace(monotonic=lambda: self.now, time=time.time)
+        )
+
+
+def listen(env: Env) -> None:
+    """What `run` does before its loop: passes become incremental."""
+    env.repo.listeners.append(env.rec._on_change)
+    env.rec._listening = True
+
+
+async def quietly(env: Env, *objs: Any) -> None:
+    """Write without the reconciler hearing of it (a change an incremental pass must skip)."""
+    env.repo.listeners.remove(env.rec._on_change)
+    try:
+        await env.put(*objs)
+    finally:
+        env.repo.listeners.append(env.rec._on_change)
+
+
+# ---- which workloads a pass plans ----
+
+
+async def test_changes_name_the_workloads_to_plan_and_a_node_asks_for_a_full_pass(
+    env: Env,
+) -> None:
+    listen(env)
+    await env.put(workload("a"))
+    assert env.rec._changed_workloads == {"a"}
+    await env.put(inst("b-1", workload="b"))
+    assert env.rec._changed_workloads == {"a", "b"}
+    env.rec._changed_workloads = set()
+    # A deleted instance names its workload through the old record.
+    await env.repo.mutate(lambda: [Change("instances", "b-1", None)])
+    assert env.rec._changed_workloads == {"b"}
+    env.rec._full_due = False
+    await env.put(node("n1"))
+    assert env.rec._full_due is True
+    assert env.rec._changed_workloads == {"b"}
+
+
+async def test_next_scope_is_full_when_due_and_otherwise_the_changed_workloads(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    rec = env.rec
+    # Not listening: every pass is full.
+    rec._changed_workloads = {"a"}
+    assert rec._next_scope() is None
+    assert rec._next_scope() is None
+    listen(env)
+    rec._full_due = True
+    clock.now = 100.5
+    assert rec._next_scope() is None  # due: the first pass after `run` starts
+    assert rec._changed_workloads == set()
+    await env.put(workload("a"))
+    clock.now = 101.0
+    assert rec._next_scope() == {"a"}
+    assert rec._next_scope() == set()
+    await env.put(workload("b"))
+    assert rec._next_scope() == {"b"}
+    # A node changed: full, even well within FULL_PASS_EVERY.
+    await env.put(node("n1"))
+    assert rec._next_scope() is None
+    await env.put(workload("c"))
+    assert rec._next_scope() == {"c"}
+    # The cache was reloaded: full.
+    env.repo.reloads += 1
+    assert rec._next_scope() is None
+    assert rec._next_scope() == set()
+    # FULL_PASS_EVERY (2 s) after the last full pass, to the tick.
+    clock.now = 102.99
+    assert rec._next_scope() == set()
+    clock.now = 103.0
+    assert rec._next_scope() is None
+    clock.now = 103.5
+    assert rec._next_scope() == set()
+    # Listening stopped: full again.
+    rec._listening = False
+    assert rec._next_scope() is None
+
+
+async def test_an_incremental_pass_plans_and_commands_only_the_changed_workloads(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    listen(env)
+    await env.put(node("n1"), workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()  # full
+    assert [i.phase for i in env.of("a")] == [P.PENDING]
+    assert [i.phase for i in env.of("b")] == [P.PENDING]
+    clock.now += 0.1
+    await env.rec.reconcile_once()  # the first pass's own writes: nothing more to do
+    # b changes unheard: its new replica count and a stop for its running instance wait for
+    # the next full pass.
+    b_run = inst("b-run", workload="b", desired_stop=True, message="scaled down")
+    await quietly(env, workload("b", replicas=2), b_run)
+    env.queue.pending.clear()
+    await env.put(workload("a", replicas=2))
+    clock.now += 0.5
+    await env.rec.reconcile_once()
+    assert len(env.of("a")) == 2
+    assert len(env.of("b")) == 2  # the pending one and b-run: nothing new
+    assert env.link.commands == []
+    assert sorted(env.queue.pending) == sorted(i.name for i in env.of("a"))
+    # The full pass catches up with b.
+    clock.now += 2.0
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 3
+    assert env.link.commands == [stop_command("n1", "b-run", "scaled down")]
+
+
+async def test_an_incremental_pass_queues_the_pending_instances_of_every_workload_in_scope(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even when the pass itself writes nothing (settled workloads)."""
+    clock = FakeMonotonic(monkeypatch)
+    listen(env)
+    await env.put(workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()
+    pending = sorted(i.name for w in ("a", "b") for i in env.of(w))
+    env.queue.pending.clear()
+    # Both touched (a label each, status kept), neither needs a write.
+    await env.put(
+        *(env.repo.workloads[n].model_copy(update={"labels": {"x": "1"}}) for n in ("a", "b"))
+    )
+    clock.now += 0.5
+    await env.rec.reconcile_once()
+    assert sorted(env.queue.pending) == pending
+
+
+async def test_a_pass_queues_only_pending_instances_not_being_stopped(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        workload("web", replicas=2),
+        inst("web-run", P.RUNNING),
+        inst("web-pend", P.PENDING),
+        inst("web-stopping", P.PENDING, desired_stop=True),
+    )
+    await env.rec.reconcile_once()
+    assert list(env.queue.pending) == ["web-pend"]
+
+
+async def test_a_full_pass_forgets_the_commands_sent_for_deleted_instances(env: Env) -> None:
+    await env.put(node("n1"), workload("web", replicas=0), inst("web-a", P.RUNNING))
+    await env.rec.reconcile_once()
+    assert env.link.commands == [stop_command("n1", "web-a", "scaled down")]
+    assert list(env.rec._stops_sent) == ["web-a"]
+    await env.set_inst("web-a", phase=P.STOPPED, finished_at=5.0)
+    await env.rec.reconcile_once()
+    await env.repo.mutate(lambda: [Change("instances", "web-a", None)])
+    await env.rec.reconcile_once()
+    assert env.rec._stops_sent == {}
+
+
+async def test_a_failed_pass_makes_the_next_one_full_and_plan_stays_whole_after_a_pass(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    listen(env)
+    await env.rec.reconcile_once()
+    clock.now += 0.5
+
+    def broken() -> list[Change]:
+        raise RuntimeError("boom")
+
+    env.rec.plan = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"^boom$"):
+        await env.rec.reconcile_once()
+    assert env.rec._next_scope() is None
+    del env.rec.plan
+    # After a pass (incremental here) `plan` called on its own looks at every workload.
+    await env.put(workload("a", replicas=1))
+    await env.rec.reconcile_once()
+    await quietly(env, workload("b", replicas=1))
+    await env.plan()
+    assert [i.phase for i in env.of("b")] == [P.PENDING]
+
+
+# ---- forgetting a record removes what the node keeps of a finished task ----
+
+
+async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        node("n2", state=NodeState.NOT_READY),
+        workload("web", deleting=True),
+        inst("web-done", P.SUCCEEDED, node="n1"),
+        inst("web-away", P.FAILED, node="n2"),
+        inst("web-gone", P.STOPPED, node="n9"),
+        inst("web-unbound", P.PENDING),
+        inst("web-bound", P.PENDING, node="n1"),
+    )
+    await env.rec.reconcile_once()
+    assert env.repo.instances == {}
+    assert env.link.commands == [stop_command("n1", "web-done", "forgotten")]
+
+
+# ---- commands for tasks the controller did not bind ----
+
+
+def test_cleanup_stops_an_unexpected_instance_once_per_resend_period(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    rec = env.rec
+    assert rec.cleanup("n1", "x", "not bound here") == stop_command("n1", "x", "not bound here")
+    assert rec.cleanup("n1", "x", "not bound here") is None
+    assert rec.cleanup("n1", "y", "why") == stop_command("n1", "y", "why")
+    assert rec.cleanup("n2", "x", "why") == stop_command("n2", "x", "why")
+    clock.now += RESEND_AFTER - 0.01
+    assert rec.cleanup("n1", "x", "again") is None
+    clock.now = 100.0 + RESEND_AFTER
+    assert rec.cleanup("n1", "x", "again") == stop_command("n1", "x", "again")
+
+
+# ---- waking a workload when its backoff ends ----
+
+
+async def test_wake_at_plans_the_workload_no_sooner_than_the_delay(env: Env) -> None:
+    loop = asyncio.get_running_loop()
+    woken: list[float] = []
+    wake = env.rec._wake
+
+    def record(workload: str) -> None:
+        woken.append(loop.time())
+        wake(workload)
+
+    env.rec._wake = record  # type: ignore[method-assign]
+    start = loop.time()
+    env.rec._wake_at("web", 0.2)
+    await asyncio.wait_for(env.rec._dirty.wait(), 5.0)
+    assert env.rec._changed_workloads == {"web"}
+    assert len(woken) == 1
+    assert 0.2 <= woken[0] - start < 0.5
+
+
+async def test_wake_at_a_past_time_wakes_at_once(env: Env) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    env.rec._wake_at("web", -5.0)
+    await asyncio.wait_for(env.rec._dirty.wait(), 5.0)
+    assert loop.time() - start < 0.5
+    assert env.rec._changed_workloads == {"web"}
+
+
+# ---- helpers ----
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"state": NodeState.NOT_READY},
+        {"schedulable": False},
+        {"draining": True},
+        {"labels": {"zone": "b"}},
+        {"drivers": ["process", "vm"]},
+        {"capacity": Resources(cpu_millis=2000)},
+        {"allocatable": Resources(cpu_millis=1000)},
+    ],
+)
+def test_node_changed_by_each_field_alone(change: dict[str, Any]) -> None:
+    old = node("n1", labels={"zone": "a"}, drivers=["process"])
+    assert _node_changed(old, old.model_copy(update=change)) is True
+    assert _node_changed(old, old.model_copy(update={"usage": Resources(cpu_millis=5)})) is False
+
+
+def test_stop_marks_the_instance_and_its_update_time() -> None:
+    before = time.time()
+    stopped = _stop(inst("web-a", updated_at=1.0), "scaled down")
+    assert (stopped.desired_stop, stopped.message) == (True, "scaled down")
+    assert before <= stopped.updated_at <= time.time()
+
+
+def test_new_instance_is_named_after_its_workload_with_six_hex_digits() -> None:
+    w = workload("web", generation=4)
+    i = new_instance(w)
+    assert re.fullmatch(r"^web-[0-9a-f]{6}$", i.name)
+    assert (i.workload, i.generation, i.phase) == ("web", 4, P.PENDING)
+
+
+@pytest.mark.parametrize(
+    ("stored_message", "desired_stop", "reported", "expected"),
+    [
+        ("pulling", False, "", ""),  # the agent cleared its message
+        ("scaled down", True, "killed by signal", "killed by signal"),
+        ("scaled down", True, "", None),  # the stop reason stays
+    ],
+)
+def test_apply_report_message(
+    stored_message: str, desired_stop: bool, reported: str, expected: str | None
+) -> None:
+    stored = inst("web-a", P.RUNNING, message=stored_message, desired_stop=desired_stop)
+    r = InstanceReport(name="web-a", workload="web", node="n1", phase=P.RUNNING, message=reported)
+    out = _apply_report(stored, r, 7.0)
+    if expected is None:
+        assert out is None
+    else:
+        assert out is not None
+        assert (out.message, out.updated_at) == (expected, 7.0)
+
+
+# ---- the workload's status ----
+
+
+def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) -> None:
+    w = workload("web", replicas=1)
+    insts = [inst("web-a", P.RUNNING)]
+    env.rec.crashes["web"] = CrashBackoff(failures=2, not_before=50.0, last_error="exit code 1")
+    waiting = env.rec._status_change(w, insts, 49.99)
+    assert [(c.kind, c.name) for c in waiting] == [("workloads", "web")]
+    assert waiting[0].value.updated_at == 49.99
+    assert waiting[0].value.status == WorkloadStatus(
+        desired=1,
+        placed=1,
+        running=1,
+        message=(
+            "2 instance failure(s) in a row (the last: exit code 1);"
+            " replaced with backoff, up to 300s"
+        ),
+    )
+    done = env.rec._status_change(w, insts, 50.0)
+    assert done[0].value.status == WorkloadStatus(desired=1, placed=1, running=1)
+    assert done[0].value.updated_at == 50.0
