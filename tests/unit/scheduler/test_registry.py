@@ -400,3 +400,19 @@ def test_nodes_registered_between_snapshots_keep_registration_order() -> None:
         reg.upsert(name)
     reg.upsert("first")  # an existing node changed in the same round keeps its place
     assert [v.name for v in reg.snapshot().nodes] == ["first", *names, *more]
+
+
+def test_an_empty_registry_snapshots_no_nodes() -> None:
+    snap = Registry().snapshot()
+    assert snap.by_name == {}
+
+
+def test_expire_reservations_looks_past_nodes_without_holds() -> None:
+    # The liveness tick walks every node; one with nothing held must not end the walk.
+    reg = Registry()
+    now = time.monotonic()
+    reg.upsert("empty")
+    later = reg.upsert("later")
+    later.add_hold("web-0", Hold("web", 100, 10, expires_at=now - 1))
+    assert reg.expire_reservations(now) == [("later", "web-0")]
+    assert later.holds == {}
