@@ -9,12 +9,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import structlog
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
-from orka.controller.placement import PlacementQueue, _Backoff
-from orka.controller.reconciler import KEEP_FINISHED, CrashBackoff, Reconciler, _apply_report
+from orka.controller import reconciler as reconciler_module
+from orka.controller.placement import PlacementQueue, _Backoff, stop_command
+from orka.controller.reconciler import (
+    KEEP_FINISHED,
+    RESEND_AFTER,
+    CrashBackoff,
+    Reconciler,
+    _apply_report,
+)
 from orka.controller.repo import Change, Repo
+from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
@@ -831,3 +840,209 @@ async def test_replicas_failing_together_wait_one_round(env: Env) -> None:
     assert env.rec.crashes["web"].failures == 1  # one round, not three failures in a row
     assert await wait_for_replacement(env, clock) == 1.0
     assert len(active(env.of())) == 3  # all three replaced together
+
+
+# ---- commands to nodes ----
+
+
+class FakeTime:
+    """Stands in for the reconciler module's `time`: wall and monotonic clocks set by hand."""
+
+    def __init__(self, wall: float = 1_000_000.0, mono: float = 5_000.0) -> None:
+        self.wall = wall
+        self.mono = mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    t = FakeTime()
+    monkeypatch.setattr(reconciler_module, "time", t)
+    return t
+
+
+def sent(cmds: Iterable[apb.NodeCommand]) -> list[tuple[str, str, str, str]]:
+    """(node, kind, instance, stop reason or the started spec's name) of each command."""
+    out = []
+    for c in cmds:
+        if c.WhichOneof("command") == "stop":
+            assert c.stop.remove is True
+            out.append((c.node, "stop", c.stop.instance, c.stop.reason))
+        else:
+            a = c.start.assignment
+            out.append((c.node, "start", a.instance, f"{a.spec.name}@{a.generation}"))
+    return out
+
+
+async def test_a_stop_is_sent_again_only_after_resend_after(env: Env, fake_time: FakeTime) -> None:
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", desired_stop=True, message="scaled down"),
+        inst("web-b"),
+    )
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "stop", "web-a", "scaled down")]
+    fake_time.mono += RESEND_AFTER
+    await env.rec._send_commands()
+    assert len(env.link.commands) == 1  # exactly RESEND_AFTER: not yet
+    fake_time.mono += 0.001
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "stop", "web-a", "scaled down")] * 2
+
+
+async def test_a_start_not_confirmed_is_sent_again_after_resend_after(
+    env: Env, fake_time: FakeTime
+) -> None:
+    wall = fake_time.wall
+    await env.put(
+        node("n1"),
+        node("n2", state=NodeState.NOT_READY),
+        workload(replicas=9, generation=2),
+        # Its workload is gone: skipped, and the ones after it are still sent.
+        inst("x-orphan", P.SCHEDULED, "n1", workload="x", scheduled_at=0.0),
+        inst("web-old", P.SCHEDULED, "n1", generation=2, scheduled_at=wall - RESEND_AFTER - 0.01),
+        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - RESEND_AFTER),
+        inst("web-none", P.SCHEDULED, "n1"),  # no bind time: as old as can be
+        inst("web-nr", P.SCHEDULED, "n2", scheduled_at=0.0),  # node not READY
+        inst("web-gone", P.SCHEDULED, "n9", scheduled_at=0.0),  # no node record
+        inst("web-run", P.RUNNING, "n1", scheduled_at=0.0),
+        inst("web-failed", P.FAILED, "n1", desired_stop=True),
+        inst("web-pend", P.PENDING, desired_stop=True),
+    )
+    expected = [("n1", "start", "web-old", "web@2"), ("n1", "start", "web-none", "web@1")]
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == expected
+    # Every bind is old now; the ones sent wait out the resend window, exactly.
+    fake_time.wall += 0.001
+    fake_time.mono += RESEND_AFTER
+    env.link.commands.clear()
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "start", "web-edge", "web@1")]
+    fake_time.mono += 0.001
+    env.link.commands.clear()
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == expected
+
+
+async def test_a_full_pass_forgets_what_was_sent_for_instances_that_are_gone(
+    env: Env, fake_time: FakeTime
+) -> None:
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", desired_stop=True),
+        inst("web-b", P.SCHEDULED, "n1", scheduled_at=0.0),
+    )
+    await env.rec._send_commands()
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == ({"web-a"}, {"web-b"})
+    env.rec._stops_sent["web-x"] = env.rec._starts_sent["web-y"] = fake_time.mono
+    env.rec._cleanup_sent[("n1", "old")] = fake_time.mono - RESEND_AFTER
+    env.rec._cleanup_sent[("n1", "new")] = fake_time.mono - RESEND_AFTER + 0.01
+    # An incremental pass leaves them all.
+    await env.rec._send_commands([], full=False)
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == (
+        {"web-a", "web-x"},
+        {"web-b", "web-y"},
+    )
+    assert set(env.rec._cleanup_sent) == {("n1", "old"), ("n1", "new")}
+    await env.rec._send_commands([])
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == ({"web-a"}, {"web-b"})
+    assert set(env.rec._cleanup_sent) == {("n1", "new")}
+    assert len(env.link.commands) == 2
+
+
+async def test_cleanup_stops_an_unexpected_instance_once_per_resend_window(
+    env: Env, fake_time: FakeTime
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        first = env.rec.cleanup("n1", "web-a", "not bound to this node")
+        assert env.rec.cleanup("n1", "web-a", "not bound to this node") is None
+        other = env.rec.cleanup("n2", "web-a", "replaced after node loss")
+        fake_time.mono += RESEND_AFTER - 0.01
+        assert env.rec.cleanup("n1", "web-a", "again") is None
+        fake_time.mono += 0.01
+        again = env.rec.cleanup("n1", "web-a", "again")
+    assert sent([c for c in (first, other, again) if c is not None]) == [
+        ("n1", "stop", "web-a", "not bound to this node"),
+        ("n2", "stop", "web-a", "replaced after node loss"),
+        ("n1", "stop", "web-a", "again"),
+    ]
+    assert logs == [
+        {
+            "event": "stopping unexpected instance",
+            "node": n,
+            "instance": "web-a",
+            "why": why,
+            "log_level": "info",
+        }
+        for n, why in [
+            ("n1", "not bound to this node"),
+            ("n2", "replaced after node loss"),
+            ("n1", "again"),
+        ]
+    ]
+
+
+class FailingLink(DummyLink):
+    """Delivers nothing (`error`) or answers each command with `answers` (ok, error)."""
+
+    def __init__(self, error: str = "", answers: list[tuple[bool, str]] | None = None) -> None:
+        super().__init__()
+        self.error = error
+        self.answers = answers or []
+
+    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        self.commands.extend(cmds)
+        if self.error:
+            raise Unavailable(self.error)
+        return apb.CommandResponse(
+            results=[apb.CommandResult(ok=ok, error=e) for ok, e in self.answers]
+        )
+
+
+async def test_commands_not_delivered_or_refused_are_logged(env: Env) -> None:
+    cmds = [stop_command("n1", "web-a", "x"), stop_command("n2", "web-b", "y")]
+    env.rec.link = FailingLink(error="scheduler gone")  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await env.rec._command(cmds)
+    assert logs == [
+        {
+            "event": "commands not delivered",
+            "count": 2,
+            "error": "scheduler gone",
+            "log_level": "warning",
+        }
+    ]
+    env.rec.link = FailingLink(answers=[(False, "no such task"), (True, "")])  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await env.rec._command(cmds)
+    assert logs == [
+        {"event": "command refused", "node": "n1", "error": "no such task", "log_level": "warning"}
+    ]
+    env.rec.link = FailingLink(answers=[(True, "")])  # type: ignore[assignment]
+    with pytest.raises(ValueError):
+        await env.rec._command(cmds)  # a short answer is an error, not a partial success
+
+
+async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env: Env) -> None:
+    """Trimmed history: the record goes, and a READY node is told to remove the task (its logs,
+    its container); a node not READY, or no node, is told nothing."""
+    failed = [
+        inst("web-f1", P.FAILED, "n1", finished_at=1.0),
+        inst("web-f2", P.FAILED, "n2", finished_at=2.0),
+        inst("web-f3", P.FAILED, "", finished_at=3.0),
+        inst("web-f4", P.FAILED, "n9", finished_at=4.0),
+    ] + [inst(f"web-k{i}", P.FAILED, "n1", finished_at=10.0 + i) for i in range(KEEP_FINISHED)]
+    await env.put(
+        node("n1"), node("n2", state=NodeState.NOT_READY), workload(replicas=1), inst("web-run")
+    )
+    await env.put(*failed)
+    await env.rec.reconcile_once()
+    assert {i.name for i in env.of() if i.terminal} == {f"web-k{i}" for i in range(KEEP_FINISHED)}
+    assert sent(env.link.commands) == [("n1", "stop", "web-f1", "forgotten")]
