@@ -16,11 +16,13 @@ from orka.api import controller_pb2 as pb
 from orka.controller import reconciler as reconciler_module
 from orka.controller.placement import PlacementQueue, _Backoff, stop_command
 from orka.controller.reconciler import (
+    FULL_PASS_EVERY,
     KEEP_FINISHED,
     RESEND_AFTER,
     CrashBackoff,
     Reconciler,
     _apply_report,
+    _node_changed,
 )
 from orka.controller.repo import Change, Repo
 from orka.errors import Unavailable
@@ -30,6 +32,7 @@ from orka.models import (
     InstanceReport,
     Node,
     NodeState,
+    Resources,
     RestartPolicy,
     Workload,
     WorkloadKind,
@@ -658,21 +661,79 @@ async def test_new_ready_node_is_stored_and_retries_placement(env: Env) -> None:
 async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
+    env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
     await env.rec.on_updates([node_update("n1", schedulable=True, last_heartbeat=9.0)])
     assert env.repo.writes == writes
+    assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
+    assert not env.rec._dirty.is_set()  # and no pass is due
     assert env.repo.nodes["n1"].last_heartbeat == 9.0  # soft field refreshed in memory
 
 
 async def test_bad_update_is_skipped_not_fatal(env: Env) -> None:
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    with structlog.testing.capture_logs() as logs:
+        await env.rec.on_updates(
+            [
+                report_update("n1", status_pb("", pb.Instance.RUNNING)),
+                report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
+                report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
+            ]
+        )
+    assert env.inst("web-a").phase is P.RUNNING
+    assert logs == [
+        {"event": "bad update from scheduler", "error": error, "log_level": "warning"}
+        for error in [
+            "instance status: name is required",
+            "instance status web-a: phase: is required",
+        ]
+    ]
+
+
+async def test_reports_of_one_instance_in_one_batch_apply_in_turn(env: Env) -> None:
+    """The second report folds into what the first made of the instance: once FAILED, a late
+    RUNNING does not bring it back."""
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
     await env.rec.on_updates(
         [
-            report_update("n1", status_pb("", pb.Instance.RUNNING)),
-            report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
+            report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=3)),
             report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
         ]
     )
-    assert env.inst("web-a").phase is P.RUNNING
+    a = env.inst("web-a")
+    assert (a.phase, a.exit_code) == (P.FAILED, 3)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"state": NodeState.NOT_READY},
+        {"schedulable": False},
+        {"draining": True},
+        {"labels": {"zone": "b"}},
+        {"drivers": ["process", "fake"]},
+        {"capacity": Resources(cpu_millis=2000, memory_bytes=1 << 30)},
+        {"allocatable": Resources(cpu_millis=1000, memory_bytes=1 << 29)},
+    ],
+)
+def test_a_node_is_written_when_one_field_the_controller_keeps_changes(
+    change: dict[str, Any],
+) -> None:
+    old = node("n1", labels={"zone": "a"}, drivers=["process"])
+    assert _node_changed(old, old.model_copy(update=change)) is True
+
+
+def test_a_node_is_not_written_for_its_soft_fields() -> None:
+    old = node("n1", labels={"zone": "a"}, drivers=["process"])
+    new = old.model_copy(
+        update={
+            "usage": Resources(cpu_millis=5),
+            "allocated": Resources(cpu_millis=5),
+            "instances": 3,
+            "last_heartbeat": 9.0,
+            "message": "busy",
+        }
+    )
+    assert _node_changed(old, new) is False
 
 
 # ---- _apply_report ----
@@ -698,6 +759,7 @@ def rep(phase: InstancePhase = P.RUNNING, **kw: Any) -> InstanceReport:
         ),
         (inst("web-a", P.RUNNING), rep(P.RUNNING, restarts=4), {"restarts": 4}),
         (inst("web-a", P.RUNNING), rep(P.RUNNING, message="hi"), {"message": "hi"}),
+        (inst("web-a", P.RUNNING, message="hi"), rep(P.RUNNING), {"message": ""}),
         # The controller's stop reason is kept when the agent says nothing.
         (inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"), rep(P.RUNNING), None),
         (
@@ -904,16 +966,16 @@ async def test_a_start_not_confirmed_is_sent_again_after_resend_after(
         node("n1"),
         node("n2", state=NodeState.NOT_READY),
         workload(replicas=9, generation=2),
-        # Its workload is gone: skipped, and the ones after it are still sent.
+        # Each skipped, and the ones after it still sent: its workload is gone, ...
         inst("x-orphan", P.SCHEDULED, "n1", workload="x", scheduled_at=0.0),
-        inst("web-old", P.SCHEDULED, "n1", generation=2, scheduled_at=wall - RESEND_AFTER - 0.01),
-        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - RESEND_AFTER),
-        inst("web-none", P.SCHEDULED, "n1"),  # no bind time: as old as can be
+        inst("web-pend", P.PENDING, desired_stop=True),  # no node
+        inst("web-failed", P.FAILED, "n1", desired_stop=True),  # finished
         inst("web-nr", P.SCHEDULED, "n2", scheduled_at=0.0),  # node not READY
         inst("web-gone", P.SCHEDULED, "n9", scheduled_at=0.0),  # no node record
         inst("web-run", P.RUNNING, "n1", scheduled_at=0.0),
-        inst("web-failed", P.FAILED, "n1", desired_stop=True),
-        inst("web-pend", P.PENDING, desired_stop=True),
+        inst("web-old", P.SCHEDULED, "n1", generation=2, scheduled_at=wall - RESEND_AFTER - 0.01),
+        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - RESEND_AFTER),
+        inst("web-none", P.SCHEDULED, "n1"),  # no bind time: as old as can be
     )
     expected = [("n1", "start", "web-old", "web@2"), ("n1", "start", "web-none", "web@1")]
     await env.rec._send_commands()
@@ -1046,3 +1108,111 @@ async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env:
     await env.rec.reconcile_once()
     assert {i.name for i in env.of() if i.terminal} == {f"web-k{i}" for i in range(KEEP_FINISHED)}
     assert sent(env.link.commands) == [("n1", "stop", "web-f1", "forgotten")]
+
+
+# ---- incremental passes ----
+
+
+def listen(env: Env) -> None:
+    """What `run` does before its first pass: the reconciler hears every write."""
+    env.repo.listeners.append(env.rec._on_change)
+    env.rec._listening = True
+
+
+async def put_unheard(env: Env, *objs: Workload | Instance | Node) -> None:
+    """A write the reconciler does not hear of (as if made before it listened)."""
+    env.repo.listeners.remove(env.rec._on_change)
+    try:
+        await env.put(*objs)
+    finally:
+        env.repo.listeners.append(env.rec._on_change)
+
+
+async def test_writes_name_the_workloads_of_the_next_pass(env: Env) -> None:
+    rec = env.rec
+    rec._full_due = False
+    rec._on_change(Change("instances", "a-1", inst("a-1", workload="a")), None)
+    rec._on_change(Change("instances", "b-1", None), inst("b-1", workload="b"))
+    rec._on_change(Change("workloads", "c", workload("c")), None)
+    assert (rec._changed_workloads, rec._full_due) == ({"a", "b", "c"}, False)
+    rec._on_change(Change("nodes", "n1", node("n1")), None)
+    assert (rec._changed_workloads, rec._full_due) == ({"a", "b", "c"}, True)
+
+
+async def test_an_incremental_pass_plans_sends_and_queues_only_what_changed(
+    env: Env, fake_time: FakeTime
+) -> None:
+    listen(env)
+    await env.put(node("n1"), workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()  # the first pass is full
+    await env.rec.reconcile_once()  # the next one looks at what the first wrote
+    assert (len(env.of("a")), len(env.of("b"))) == (1, 1)
+    start = fake_time.mono
+    # Unheard of: b wants two replicas, and one of its instances is to stop.
+    await put_unheard(
+        env,
+        workload("b", replicas=2),
+        inst("b-stop", P.RUNNING, "n1", workload="b", desired_stop=True, message="scaled down"),
+    )
+    env.rec._stops_sent["gone"] = start  # what was sent for an instance no longer there
+    env.queue.pending.clear()
+    await env.put(workload("a", replicas=2))  # heard of
+    await env.rec.reconcile_once()
+    assert (len(env.of("a")), len(env.of("b"))) == (2, 2)  # b-stop and its first instance
+    assert set(env.queue.pending) == {i.name for i in env.of("a")}
+    assert env.link.commands == []
+    assert set(env.rec._stops_sent) == {"gone"}  # only a full pass prunes
+    # Nothing changed, the last full pass not FULL_PASS_EVERY ago: nothing is planned.
+    fake_time.mono = start + FULL_PASS_EVERY - 0.001
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 2
+    fake_time.mono = start + FULL_PASS_EVERY
+    await env.rec.reconcile_once()
+    assert len(active(env.of("b"))) == 2
+    assert sent(env.link.commands) == [("n1", "stop", "b-stop", "scaled down")]
+    assert set(env.rec._stops_sent) == {"b-stop"}
+    assert set(env.queue.pending) == {i.name for i in env.of("a") + active(env.of("b"))}
+
+
+@pytest.mark.parametrize("why", ["node", "reload", "not listening", "failed pass"])
+async def test_a_full_pass_follows_a_node_write_a_reload_or_a_failed_pass(
+    env: Env, fake_time: FakeTime, why: str
+) -> None:
+    listen(env)
+    await env.put(node("n1"), workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()
+    await env.rec.reconcile_once()
+    await put_unheard(env, workload("b", replicas=2))
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 1  # an incremental pass with nothing in it
+    if why == "node":
+        await env.put(node("n2"))
+    elif why == "reload":
+        env.repo.reloads += 1
+    elif why == "not listening":
+        env.rec._listening = False
+    else:
+        env.rec.link = FailingLink()  # type: ignore[assignment]
+        await env.put(
+            workload("a", replicas=1, deleting=True),
+            inst("a-gone", P.FAILED, "n1", workload="a"),
+        )
+        with pytest.raises(ValueError):
+            await env.rec.reconcile_once()  # its removal command got no answer
+        assert len(env.of("b")) == 1
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 2
+    # And the one after it is incremental again (once what the full one wrote is planned).
+    await env.rec.reconcile_once()
+    await put_unheard(env, workload("b", replicas=3))
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == (3 if why == "not listening" else 2)
+
+
+async def test_a_plan_outside_a_pass_looks_at_every_workload(env: Env) -> None:
+    listen(env)
+    await env.put(workload("a", replicas=1))
+    await env.rec.reconcile_once()
+    await env.put(workload("b", replicas=1))
+    await env.plan()
+    assert (len(env.of("a")), len(env.of("b"))) == (1, 1)
