@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -19,10 +21,12 @@ from orka.controller.reconciler import (
     FULL_PASS_EVERY,
     KEEP_FINISHED,
     RESEND_AFTER,
+    START_GRACE,
     CrashBackoff,
     Reconciler,
     _apply_report,
     _node_changed,
+    new_instance,
 )
 from orka.controller.repo import Change, Repo
 from orka.errors import Unavailable
@@ -393,7 +397,7 @@ async def test_orphan_instances_are_healed(env: Env) -> None:
     )
     await env.plan()
     assert set(env.repo.instances) == {"x-a"}
-    assert env.inst("x-a").desired_stop
+    assert (env.inst("x-a").desired_stop, env.inst("x-a").message) == (True, "workload deleted")
 
 
 # ---- planning: restart policy ----
@@ -1216,3 +1220,211 @@ async def test_a_plan_outside_a_pass_looks_at_every_workload(env: Env) -> None:
     await env.put(workload("b", replicas=1))
     await env.plan()
     assert (len(env.of("a")), len(env.of("b"))) == (1, 1)
+
+
+async def test_a_workload_gone_from_the_scope_is_skipped_not_the_end_of_the_pass(
+    env: Env,
+) -> None:
+    listen(env)
+    await env.put(workload("a", replicas=0))
+    await env.rec.reconcile_once()
+    await env.rec.reconcile_once()
+    await env.repo.mutate(lambda: [Change("workloads", "a", None)])
+    await env.put(workload("b", replicas=2))
+    await env.rec.reconcile_once()  # scope: a (gone), then b
+    assert len(env.of("b")) == 2
+
+
+async def test_one_pass_plans_every_workload_deleting_or_not(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        workload("a", replicas=1),
+        workload("b", replicas=1, deleting=True),
+        inst("b-1", P.PENDING, workload="b"),
+        workload("c", replicas=1),
+    )
+    await env.plan()
+    assert (len(env.of("a")), env.of("b"), len(env.of("c"))) == (1, [], 1)
+    assert set(env.repo.workloads) == {"a", "c"}
+
+
+# ---- on_updates: more ----
+
+
+async def test_a_report_after_one_for_another_node_still_applies(
+    env: Env, fake_time: FakeTime
+) -> None:
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    await env.rec.on_updates(
+        [
+            report_update("n1", status_pb("web-zz")),  # not bound anywhere: stopped
+            report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=1)),
+        ]
+    )
+    a = env.inst("web-a")
+    assert (a.phase, a.exit_code, a.updated_at) == (P.FAILED, 1, fake_time.wall)
+    assert sent(env.link.commands) == [("n1", "stop", "web-zz", "not bound to this node")]
+    assert env.queue.backoff == {}  # a finished instance frees its resources
+
+
+async def test_a_sync_marks_lost_what_the_node_no_longer_runs(
+    env: Env, fake_time: FakeTime
+) -> None:
+    wall = fake_time.wall
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(
+        node("n1"),
+        workload(replicas=5),
+        inst("web-x", P.RUNNING, "n1"),  # reported FAILED in the same batch
+        inst("web-b", P.RUNNING, "n1"),
+        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE),
+        inst("web-in", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE + 0.01),
+    )
+    await env.rec.on_updates(
+        [
+            report_update("n1", status_pb("web-x", pb.Instance.FAILED, exit_code=1)),
+            sync_update("n1"),
+        ]
+    )
+    assert env.inst("web-x").phase is P.FAILED
+    for name in ("web-b", "web-edge"):
+        lost = env.inst(name)
+        assert (lost.phase, lost.reason, lost.message, lost.finished_at, lost.updated_at) == (
+            P.LOST,
+            "NotOnNode",
+            "node n1 re-registered without it",
+            wall,
+            wall,
+        )
+    assert env.inst("web-in").phase is P.SCHEDULED  # still in its start grace
+    assert env.queue.backoff == {}
+
+
+async def test_a_sync_losing_an_instance_frees_its_resources(env: Env) -> None:
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(node("n1"), workload(replicas=1), inst("web-b", P.RUNNING, "n1"))
+    await env.rec.on_updates([sync_update("n1")])
+    assert env.inst("web-b").phase is P.LOST
+    assert env.queue.backoff == {}
+
+
+class CordonFailingLink(DummyLink):
+    async def set_node(self, name: str, **kw: Any) -> None:
+        raise Unavailable("scheduler restarting")
+
+
+async def test_a_cordon_that_cannot_be_re_applied_is_logged(env: Env) -> None:
+    env.rec.link = CordonFailingLink()  # type: ignore[assignment]
+    await env.put(node("n1", schedulable=False))
+    with structlog.testing.capture_logs() as logs:
+        await env.rec.on_updates([node_update("n1", schedulable=True)])
+    assert logs == [
+        {
+            "event": "could not re-apply cordon",
+            "node": "n1",
+            "error": "scheduler restarting",
+            "log_level": "warning",
+        }
+    ]
+    assert env.repo.nodes["n1"].schedulable is False
+
+
+# ---- crash-loop backoff: more ----
+
+
+@pytest.mark.parametrize(
+    ("message", "reason", "last"),
+    [
+        ("x" * 300, "Crashed", "x" * 200),
+        ("", "Crashed", "Crashed"),
+        ("", "", "failed"),
+    ],
+)
+async def test_the_backoff_status_names_the_last_error(
+    env: Env, message: str, reason: str, last: str
+) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", P.FAILED, finished_at=clock.now, message=message, reason=reason),
+    )
+    await env.plan()
+    assert env.repo.workloads["web"].status.message == (
+        f"1 instance failure(s) in a row (the last: {last}); replaced with backoff, up to 300s"
+    )
+
+
+async def test_each_counted_failure_is_logged_once_and_wakes_its_workload(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+    real_call_later = loop.call_later
+
+    def call_later(delay: float, cb: Any, *args: Any) -> asyncio.TimerHandle:
+        timers.append((delay, cb, args))
+        return real_call_later(delay, cb, *args)
+
+    monkeypatch.setattr(loop, "call_later", call_later)
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(
+        node("n1"),
+        workload(replicas=2),
+        inst("web-a", P.FAILED, finished_at=clock.now - 0.26, reason="Crashed", message="y" * 300),
+        inst("web-b", P.RUNNING),
+    )
+    with structlog.testing.capture_logs() as logs:
+        await env.plan()
+        await env.plan()
+    assert logs == [
+        {
+            "event": "instance failed; replacing with backoff",
+            "workload": "web",
+            "instance": "web-a",
+            "reason": "Crashed",
+            "error": "y" * 200,
+            "failures": 1,
+            "retry_in": 0.7,
+            "log_level": "info",
+        }
+    ]
+    assert [(round(d, 6), cb, args) for d, cb, args in timers] == [(0.75, env.rec._wake, ("web",))]
+    # A failure long past its backoff still wakes its workload, at once.
+    clock.now += 20
+    await env.set_inst("web-b", phase=P.FAILED, finished_at=clock.now - 10)
+    await env.plan()
+    assert [(round(d, 6), args) for d, _, args in timers[1:]] == [(0.01, ("web",))]
+    env.rec._changed_workloads.clear()
+    env.rec._dirty.clear()
+    await asyncio.wait_for(env.rec._dirty.wait(), 5)
+    assert env.rec._changed_workloads == {"web"}
+
+
+async def test_failures_count_in_the_order_they_happened(env: Env) -> None:
+    """The second failure in time starts a new round only if it came after the first's
+    backoff: counted oldest first, whatever the order of the table."""
+    w = workload(replicas=2)
+    late = inst("web-late", P.FAILED, finished_at=10.0)
+    early = inst("web-early", P.FAILED, finished_at=5.0)
+    crash = env.rec._crash_streak(w, {late.name: late, early.name: early}, now=20.0)
+    assert crash is not None
+    assert (crash.failures, crash.not_before) == (2, 12.0)
+
+
+async def test_a_stop_is_stamped_with_the_time_it_was_decided(
+    env: Env, fake_time: FakeTime
+) -> None:
+    await env.put(workload(replicas=0), inst("web-a"))
+    await env.plan()
+    a = env.inst("web-a")
+    assert (a.desired_stop, a.message, a.updated_at) == (True, "scaled down", fake_time.wall)
+
+
+def test_new_instance_names_are_the_workload_and_six_hex_digits() -> None:
+    names = {new_instance(workload(generation=4)).name for _ in range(50)}
+    assert all(re.fullmatch(r"web-[0-9a-f]{6}", n) for n in names)
+    assert len(names) > 45
