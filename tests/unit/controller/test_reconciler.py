@@ -1428,3 +1428,67 @@ def test_new_instance_names_are_the_workload_and_six_hex_digits() -> None:
     names = {new_instance(workload(generation=4)).name for _ in range(50)}
     assert all(re.fullmatch(r"web-[0-9a-f]{6}", n) for n in names)
     assert len(names) > 45
+
+
+# ---- the loop ----
+
+
+async def test_run_listens_passes_on_each_kick_and_tick_and_outlives_a_failed_pass(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = env.rec
+    loop = asyncio.get_running_loop()
+    timers: list[tuple[float, Any]] = []
+    real_call_later = loop.call_later
+
+    def call_later(delay: float, cb: Any, *args: Any) -> asyncio.TimerHandle:
+        timers.append((delay, cb))
+        return real_call_later(delay, cb, *args)
+
+    monkeypatch.setattr(loop, "call_later", call_later)
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    class Aio:
+        """The reconciler's `asyncio`, with `sleep` recorded and made instant."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(asyncio, name)
+
+        async def sleep(self, delay: float) -> None:
+            sleeps.append(delay)
+            await real_sleep(0)
+
+    monkeypatch.setattr(reconciler_module, "asyncio", Aio())
+    passes: list[tuple[bool, bool, bool]] = []
+    passed = asyncio.Event()
+
+    async def reconcile_once() -> None:
+        passes.append((rec._listening, rec._full_due, rec._on_change in env.repo.listeners))
+        rec._full_due = False
+        passed.set()
+        if len(passes) == 2:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(rec, "reconcile_once", reconcile_once)
+
+    async def next_pass(count: int) -> None:
+        while len(passes) < count:
+            passed.clear()
+            await asyncio.wait_for(passed.wait(), 5)
+
+    rec._full_due = False
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(rec.run())
+        rec.kick()
+        await next_pass(1)  # at once, on the kick
+        await next_pass(3)  # then on the 1 s tick: one fails, the next is full
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert passes == [(True, True, True), (True, False, True), (True, True, True)]
+    assert [(e["event"], e["log_level"]) for e in logs] == [("reconcile pass failed", "error")]
+    assert sleeps == [0.5]
+    ticks = [d for d, cb in timers if cb == rec._dirty.set]
+    assert len(ticks) >= 3 and set(ticks) == {1.0}
+    assert (rec._listening, rec._on_change in env.repo.listeners) == (False, False)
