@@ -185,6 +185,11 @@ async def test_reconcile_once_queues_pending_instances(env: Env) -> None:
         ([P.SCHEDULED, P.RUNNING, P.STARTING], 2, [1, 2]),
         ([P.PENDING, P.PENDING, P.RUNNING], 2, [0, 2]),
         ([P.RUNNING, P.RUNNING, P.RUNNING], 0, []),
+        # The order by phase decides before age does.
+        ([P.PENDING, P.SCHEDULED], 1, [1]),
+        ([P.STARTING, P.RUNNING], 1, [1]),
+        ([P.STOPPING, P.STARTING], 1, [1]),  # any other phase ranks with SCHEDULED
+        ([P.SCHEDULED, P.STOPPING], 1, [0]),
     ],
 )
 async def test_scale_down_stops_extras_preferring_pending(
@@ -1492,3 +1497,116 @@ async def test_run_listens_passes_on_each_kick_and_tick_and_outlives_a_failed_pa
     ticks = [d for d, cb in timers if cb == rec._dirty.set]
     assert len(ticks) >= 3 and set(ticks) == {1.0}
     assert (rec._listening, rec._on_change in env.repo.listeners) == (False, False)
+
+
+# ---- planning: each step looks at every instance ----
+
+
+def planned(changes: list[Change]) -> dict[str, Instance | None]:
+    """The last planned value of each instance."""
+    return {c.name: c.value for c in changes if c.kind == "instances"}  # type: ignore[misc]
+
+
+async def test_a_node_loss_is_seen_behind_finished_and_unplaced_instances(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1", state=NodeState.LOST)}
+    insts = {
+        "web-f": inst("web-f", P.FAILED, "n1", reason="Crashed"),
+        "web-p": inst("web-p", P.PENDING),
+        "web-r": inst("web-r", P.RUNNING, "n1"),
+    }
+    out = planned(env.rec._plan_workload(workload(replicas=2), insts, now=77.0))
+    assert "web-f" not in out  # finished before the loss: it stays what it was
+    lost = out["web-r"]
+    assert lost is not None
+    assert (lost.phase, lost.reason, lost.message, lost.finished_at, lost.updated_at) == (
+        P.LOST,
+        "NodeLost",
+        "node n1 is LOST",
+        77.0,
+        77.0,
+    )
+
+
+async def test_rolling_and_draining_steps_look_past_what_they_skip(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1"), "n2": node("n2", draining=True)}
+    w = workload(replicas=4, generation=2)
+    insts = {
+        "web-f": inst("web-f", P.FAILED, "n1", generation=1),  # finished: not rolled
+        "web-s": inst("web-s", P.RUNNING, "n1", generation=1, desired_stop=True),  # stopping
+        "web-p": inst("web-p", P.PENDING, generation=1),  # updated in place, then ...
+        "web-r": inst("web-r", P.RUNNING, "n1", generation=1),  # ... the oldest bound one
+        "web-o": inst("web-o", P.RUNNING, "n1", generation=1),  # waits: one at a time
+        "web-d": inst("web-d", P.RUNNING, "n2", generation=2),  # but a drain does not wait
+    }
+    out = planned(env.rec._plan_workload(w, insts, now=time.time()))
+    assert out["web-p"] is not None and out["web-p"].generation == 2
+    assert {n for n, i in out.items() if i is not None and i.replaced_by} == {"web-r", "web-d"}
+    assert "web-f" not in out and "web-s" not in out and "web-o" not in out
+
+
+async def test_a_rolling_update_waits_for_its_successor_to_run(env: Env) -> None:
+    olds = [inst(f"web-{i}", P.RUNNING, "n1", generation=1) for i in range(3)]
+    await env.put(node("n1"), workload(replicas=3, generation=2), *olds)
+    await env.plan()
+    await env.plan()
+    assert [i.name for i in env.of() if i.replaced_by] == ["web-0"]
+
+
+async def test_during_a_backoff_outdated_pending_instances_are_still_updated(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1")}
+    now = 1000.0
+    env.rec.crashes["web"] = CrashBackoff(failures=1, not_before=now + 1)
+    insts = {
+        "web-r": inst("web-r", P.RUNNING, "n1", generation=1, created_at=1.0),
+        "web-p": inst("web-p", P.PENDING, generation=1, created_at=2.0),
+    }
+    out = planned(env.rec._plan_workload(workload(replicas=2, generation=2), insts, now))
+    assert set(out) == {"web-p"}  # web-r waits out the backoff
+    assert out["web-p"] is not None and out["web-p"].generation == 2
+
+
+async def test_a_rolling_successor_waits_until_the_backoff_ends_exactly(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1, generation=2), inst("web-a", generation=1))
+    env.rec.crashes["web"] = CrashBackoff(failures=1, not_before=clock.now + 1)
+    clock.now += 1 - 0.001
+    await env.plan()
+    assert not env.inst("web-a").replaced_by
+    clock.now = env.rec.crashes["web"].not_before
+    await env.plan()
+    succ = env.inst("web-a").replaced_by
+    assert succ and env.rec.crashes["web"].probes == {succ}
+
+
+async def test_the_backoff_status_ends_when_the_backoff_does(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.FAILED, finished_at=clock.now))
+    await env.plan()
+    w = env.repo.workloads["web"]
+    assert w.status.message.startswith("1 instance failure(s) in a row")
+    assert w.updated_at == clock.now
+    clock.now += 1
+    await env.plan()
+    w = env.repo.workloads["web"]
+    assert (w.status.message, w.updated_at) == ("", clock.now)
+
+
+async def test_history_is_trimmed_by_finish_time(env: Env) -> None:
+    # The first to finish was written last (a late report): still the first to go.
+    failed = [
+        inst(f"web-f{i}", P.FAILED, finished_at=float(i + 1), updated_at=float(100 - i))
+        for i in range(KEEP_FINISHED + 1)
+    ]
+    await env.put(node("n1"), workload(replicas=1), inst("web-run"), *failed)
+    await env.plan()
+    assert "web-f0" not in env.repo.instances
+    assert len([i for i in env.of() if i.terminal]) == KEEP_FINISHED
+
+
+async def test_without_run_every_pass_is_full(env: Env) -> None:
+    await env.rec.reconcile_once()
+    await env.put(workload(replicas=1))
+    await env.rec.reconcile_once()
+    assert len(env.of()) == 1
