@@ -168,9 +168,10 @@ async def test_new_workload_gets_one_pending_instance_per_replica(env: Env) -> N
 
 
 async def test_reconcile_once_queues_pending_instances(env: Env) -> None:
-    await env.put(workload(replicas=2))
+    await env.put(node("n1"), workload(replicas=3), inst("web-r", P.RUNNING, "n1"))
     await env.rec.reconcile_once()
-    assert set(env.queue.pending) == {i.name for i in env.of()}
+    assert set(env.queue.pending) == {i.name for i in env.of() if i.phase is P.PENDING}
+    assert len(env.queue.pending) == 2
     assert env.link.commands == []
 
 
