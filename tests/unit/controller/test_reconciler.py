@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import structlog
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
-from orka.controller.placement import PlacementQueue, _Backoff
-from orka.controller.reconciler import KEEP_FINISHED, CrashBackoff, Reconciler, _apply_report
+from orka.controller import reconciler as reconciler_module
+from orka.controller.placement import PlacementQueue, _Backoff, stop_command
+from orka.controller.reconciler import (
+    FULL_PASS_EVERY,
+    KEEP_FINISHED,
+    RESEND_AFTER,
+    START_GRACE,
+    CrashBackoff,
+    Reconciler,
+    _apply_report,
+    _node_changed,
+    new_instance,
+)
 from orka.controller.repo import Change, Repo
+from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
     InstanceReport,
     Node,
     NodeState,
+    Resources,
     RestartPolicy,
     Workload,
     WorkloadKind,
@@ -152,9 +168,10 @@ async def test_new_workload_gets_one_pending_instance_per_replica(env: Env) -> N
 
 
 async def test_reconcile_once_queues_pending_instances(env: Env) -> None:
-    await env.put(workload(replicas=2))
+    await env.put(node("n1"), workload(replicas=3), inst("web-r", P.RUNNING, "n1"))
     await env.rec.reconcile_once()
-    assert set(env.queue.pending) == {i.name for i in env.of()}
+    assert set(env.queue.pending) == {i.name for i in env.of() if i.phase is P.PENDING}
+    assert len(env.queue.pending) == 2
     assert env.link.commands == []
 
 
@@ -169,6 +186,11 @@ async def test_reconcile_once_queues_pending_instances(env: Env) -> None:
         ([P.SCHEDULED, P.RUNNING, P.STARTING], 2, [1, 2]),
         ([P.PENDING, P.PENDING, P.RUNNING], 2, [0, 2]),
         ([P.RUNNING, P.RUNNING, P.RUNNING], 0, []),
+        # The order by phase decides before age does.
+        ([P.PENDING, P.SCHEDULED], 1, [1]),
+        ([P.STARTING, P.RUNNING], 1, [1]),
+        ([P.STOPPING, P.STARTING], 1, [1]),  # any other phase ranks with SCHEDULED
+        ([P.SCHEDULED, P.STOPPING], 1, [0]),
     ],
 )
 async def test_scale_down_stops_extras_preferring_pending(
@@ -381,7 +403,7 @@ async def test_orphan_instances_are_healed(env: Env) -> None:
     )
     await env.plan()
     assert set(env.repo.instances) == {"x-a"}
-    assert env.inst("x-a").desired_stop
+    assert (env.inst("x-a").desired_stop, env.inst("x-a").message) == (True, "workload deleted")
 
 
 # ---- planning: restart policy ----
@@ -649,21 +671,79 @@ async def test_new_ready_node_is_stored_and_retries_placement(env: Env) -> None:
 async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
+    env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
     await env.rec.on_updates([node_update("n1", schedulable=True, last_heartbeat=9.0)])
     assert env.repo.writes == writes
+    assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
+    assert not env.rec._dirty.is_set()  # and no pass is due
     assert env.repo.nodes["n1"].last_heartbeat == 9.0  # soft field refreshed in memory
 
 
 async def test_bad_update_is_skipped_not_fatal(env: Env) -> None:
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    with structlog.testing.capture_logs() as logs:
+        await env.rec.on_updates(
+            [
+                report_update("n1", status_pb("", pb.Instance.RUNNING)),
+                report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
+                report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
+            ]
+        )
+    assert env.inst("web-a").phase is P.RUNNING
+    assert logs == [
+        {"event": "bad update from scheduler", "error": error, "log_level": "warning"}
+        for error in [
+            "instance status: name is required",
+            "instance status web-a: phase: is required",
+        ]
+    ]
+
+
+async def test_reports_of_one_instance_in_one_batch_apply_in_turn(env: Env) -> None:
+    """The second report folds into what the first made of the instance: once FAILED, a late
+    RUNNING does not bring it back."""
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
     await env.rec.on_updates(
         [
-            report_update("n1", status_pb("", pb.Instance.RUNNING)),
-            report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
+            report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=3)),
             report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
         ]
     )
-    assert env.inst("web-a").phase is P.RUNNING
+    a = env.inst("web-a")
+    assert (a.phase, a.exit_code) == (P.FAILED, 3)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"state": NodeState.NOT_READY},
+        {"schedulable": False},
+        {"draining": True},
+        {"labels": {"zone": "b"}},
+        {"drivers": ["process", "fake"]},
+        {"capacity": Resources(cpu_millis=2000, memory_bytes=1 << 30)},
+        {"allocatable": Resources(cpu_millis=1000, memory_bytes=1 << 29)},
+    ],
+)
+def test_a_node_is_written_when_one_field_the_controller_keeps_changes(
+    change: dict[str, Any],
+) -> None:
+    old = node("n1", labels={"zone": "a"}, drivers=["process"])
+    assert _node_changed(old, old.model_copy(update=change)) is True
+
+
+def test_a_node_is_not_written_for_its_soft_fields() -> None:
+    old = node("n1", labels={"zone": "a"}, drivers=["process"])
+    new = old.model_copy(
+        update={
+            "usage": Resources(cpu_millis=5),
+            "allocated": Resources(cpu_millis=5),
+            "instances": 3,
+            "last_heartbeat": 9.0,
+            "message": "busy",
+        }
+    )
+    assert _node_changed(old, new) is False
 
 
 # ---- _apply_report ----
@@ -689,6 +769,7 @@ def rep(phase: InstancePhase = P.RUNNING, **kw: Any) -> InstanceReport:
         ),
         (inst("web-a", P.RUNNING), rep(P.RUNNING, restarts=4), {"restarts": 4}),
         (inst("web-a", P.RUNNING), rep(P.RUNNING, message="hi"), {"message": "hi"}),
+        (inst("web-a", P.RUNNING, message="hi"), rep(P.RUNNING), {"message": ""}),
         # The controller's stop reason is kept when the agent says nothing.
         (inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"), rep(P.RUNNING), None),
         (
@@ -831,3 +912,702 @@ async def test_replicas_failing_together_wait_one_round(env: Env) -> None:
     assert env.rec.crashes["web"].failures == 1  # one round, not three failures in a row
     assert await wait_for_replacement(env, clock) == 1.0
     assert len(active(env.of())) == 3  # all three replaced together
+
+
+# ---- commands to nodes ----
+
+
+class FakeTime:
+    """Stands in for the reconciler module's `time`: wall and monotonic clocks set by hand."""
+
+    def __init__(self, wall: float = 1_000_000.0, mono: float = 5_000.0) -> None:
+        self.wall = wall
+        self.mono = mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    t = FakeTime()
+    monkeypatch.setattr(reconciler_module, "time", t)
+    return t
+
+
+def sent(cmds: Iterable[apb.NodeCommand]) -> list[tuple[str, str, str, str]]:
+    """(node, kind, instance, stop reason or the started spec's name) of each command."""
+    out = []
+    for c in cmds:
+        if c.WhichOneof("command") == "stop":
+            assert c.stop.remove is True
+            out.append((c.node, "stop", c.stop.instance, c.stop.reason))
+        else:
+            a = c.start.assignment
+            out.append((c.node, "start", a.instance, f"{a.spec.name}@{a.generation}"))
+    return out
+
+
+async def test_a_stop_is_sent_again_only_after_resend_after(env: Env, fake_time: FakeTime) -> None:
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", desired_stop=True, message="scaled down"),
+        inst("web-b"),
+    )
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "stop", "web-a", "scaled down")]
+    fake_time.mono += RESEND_AFTER
+    await env.rec._send_commands()
+    assert len(env.link.commands) == 1  # exactly RESEND_AFTER: not yet
+    fake_time.mono += 0.001
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "stop", "web-a", "scaled down")] * 2
+
+
+async def test_a_start_not_confirmed_is_sent_again_after_resend_after(
+    env: Env, fake_time: FakeTime
+) -> None:
+    wall = fake_time.wall
+    await env.put(
+        node("n1"),
+        node("n2", state=NodeState.NOT_READY),
+        workload(replicas=9, generation=2),
+        # Each skipped, and the ones after it still sent: its workload is gone, ...
+        inst("x-orphan", P.SCHEDULED, "n1", workload="x", scheduled_at=0.0),
+        inst("web-pend", P.PENDING, desired_stop=True),  # no node
+        inst("web-failed", P.FAILED, "n1", desired_stop=True),  # finished
+        inst("web-nr", P.SCHEDULED, "n2", scheduled_at=0.0),  # node not READY
+        inst("web-gone", P.SCHEDULED, "n9", scheduled_at=0.0),  # no node record
+        inst("web-run", P.RUNNING, "n1", scheduled_at=0.0),
+        inst("web-old", P.SCHEDULED, "n1", generation=2, scheduled_at=wall - RESEND_AFTER - 0.01),
+        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - RESEND_AFTER),
+        inst("web-none", P.SCHEDULED, "n1"),  # no bind time: as old as can be
+    )
+    expected = [("n1", "start", "web-old", "web@2"), ("n1", "start", "web-none", "web@1")]
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == expected
+    # Every bind is old now; the ones sent wait out the resend window, exactly.
+    fake_time.wall += 0.001
+    fake_time.mono += RESEND_AFTER
+    env.link.commands.clear()
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == [("n1", "start", "web-edge", "web@1")]
+    fake_time.mono += 0.001
+    env.link.commands.clear()
+    await env.rec._send_commands()
+    assert sent(env.link.commands) == expected
+
+
+async def test_a_full_pass_forgets_what_was_sent_for_instances_that_are_gone(
+    env: Env, fake_time: FakeTime
+) -> None:
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", desired_stop=True),
+        inst("web-b", P.SCHEDULED, "n1", scheduled_at=0.0),
+    )
+    await env.rec._send_commands()
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == ({"web-a"}, {"web-b"})
+    env.rec._stops_sent["web-x"] = env.rec._starts_sent["web-y"] = fake_time.mono
+    env.rec._cleanup_sent[("n1", "old")] = fake_time.mono - RESEND_AFTER
+    env.rec._cleanup_sent[("n1", "new")] = fake_time.mono - RESEND_AFTER + 0.01
+    # An incremental pass leaves them all.
+    await env.rec._send_commands([], full=False)
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == (
+        {"web-a", "web-x"},
+        {"web-b", "web-y"},
+    )
+    assert set(env.rec._cleanup_sent) == {("n1", "old"), ("n1", "new")}
+    await env.rec._send_commands([])
+    assert (set(env.rec._stops_sent), set(env.rec._starts_sent)) == ({"web-a"}, {"web-b"})
+    assert set(env.rec._cleanup_sent) == {("n1", "new")}
+    assert len(env.link.commands) == 2
+
+
+async def test_cleanup_stops_an_unexpected_instance_once_per_resend_window(
+    env: Env, fake_time: FakeTime
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        first = env.rec.cleanup("n1", "web-a", "not bound to this node")
+        assert env.rec.cleanup("n1", "web-a", "not bound to this node") is None
+        other = env.rec.cleanup("n2", "web-a", "replaced after node loss")
+        fake_time.mono += RESEND_AFTER - 0.01
+        assert env.rec.cleanup("n1", "web-a", "again") is None
+        fake_time.mono += 0.01
+        again = env.rec.cleanup("n1", "web-a", "again")
+    assert sent([c for c in (first, other, again) if c is not None]) == [
+        ("n1", "stop", "web-a", "not bound to this node"),
+        ("n2", "stop", "web-a", "replaced after node loss"),
+        ("n1", "stop", "web-a", "again"),
+    ]
+    assert logs == [
+        {
+            "event": "stopping unexpected instance",
+            "node": n,
+            "instance": "web-a",
+            "why": why,
+            "log_level": "info",
+        }
+        for n, why in [
+            ("n1", "not bound to this node"),
+            ("n2", "replaced after node loss"),
+            ("n1", "again"),
+        ]
+    ]
+
+
+class FailingLink(DummyLink):
+    """Delivers nothing (`error`) or answers each command with `answers` (ok, error)."""
+
+    def __init__(self, error: str = "", answers: list[tuple[bool, str]] | None = None) -> None:
+        super().__init__()
+        self.error = error
+        self.answers = answers or []
+
+    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
+        self.commands.extend(cmds)
+        if self.error:
+            raise Unavailable(self.error)
+        return apb.CommandResponse(
+            results=[apb.CommandResult(ok=ok, error=e) for ok, e in self.answers]
+        )
+
+
+async def test_commands_not_delivered_or_refused_are_logged(env: Env) -> None:
+    cmds = [stop_command("n1", "web-a", "x"), stop_command("n2", "web-b", "y")]
+    env.rec.link = FailingLink(error="scheduler gone")  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await env.rec._command(cmds)
+    assert logs == [
+        {
+            "event": "commands not delivered",
+            "count": 2,
+            "error": "scheduler gone",
+            "log_level": "warning",
+        }
+    ]
+    env.rec.link = FailingLink(answers=[(False, "no such task"), (True, "")])  # type: ignore[assignment]
+    with structlog.testing.capture_logs() as logs:
+        await env.rec._command(cmds)
+    assert logs == [
+        {"event": "command refused", "node": "n1", "error": "no such task", "log_level": "warning"}
+    ]
+    env.rec.link = FailingLink(answers=[(True, "")])  # type: ignore[assignment]
+    with pytest.raises(ValueError):
+        await env.rec._command(cmds)  # a short answer is an error, not a partial success
+
+
+async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env: Env) -> None:
+    """Trimmed history: the record goes, and a READY node is told to remove the task (its logs,
+    its container); a node not READY, or no node, is told nothing."""
+    failed = [
+        inst("web-f1", P.FAILED, "n1", finished_at=1.0),
+        inst("web-f2", P.FAILED, "n2", finished_at=2.0),
+        inst("web-f3", P.FAILED, "", finished_at=3.0),
+        inst("web-f4", P.FAILED, "n9", finished_at=4.0),
+    ] + [inst(f"web-k{i}", P.FAILED, "n1", finished_at=10.0 + i) for i in range(KEEP_FINISHED)]
+    await env.put(
+        node("n1"), node("n2", state=NodeState.NOT_READY), workload(replicas=1), inst("web-run")
+    )
+    await env.put(*failed)
+    await env.rec.reconcile_once()
+    assert {i.name for i in env.of() if i.terminal} == {f"web-k{i}" for i in range(KEEP_FINISHED)}
+    assert sent(env.link.commands) == [("n1", "stop", "web-f1", "forgotten")]
+
+
+# ---- incremental passes ----
+
+
+def listen(env: Env) -> None:
+    """What `run` does before its first pass: the reconciler hears every write."""
+    env.repo.listeners.append(env.rec._on_change)
+    env.rec._listening = True
+
+
+async def put_unheard(env: Env, *objs: Workload | Instance | Node) -> None:
+    """A write the reconciler does not hear of (as if made before it listened)."""
+    env.repo.listeners.remove(env.rec._on_change)
+    try:
+        await env.put(*objs)
+    finally:
+        env.repo.listeners.append(env.rec._on_change)
+
+
+async def test_writes_name_the_workloads_of_the_next_pass(env: Env) -> None:
+    rec = env.rec
+    rec._full_due = False
+    rec._on_change(Change("instances", "a-1", inst("a-1", workload="a")), None)
+    rec._on_change(Change("instances", "b-1", None), inst("b-1", workload="b"))
+    rec._on_change(Change("workloads", "c", workload("c")), None)
+    assert (rec._changed_workloads, rec._full_due) == ({"a", "b", "c"}, False)
+    rec._on_change(Change("nodes", "n1", node("n1")), None)
+    assert (rec._changed_workloads, rec._full_due) == ({"a", "b", "c"}, True)
+
+
+async def test_an_incremental_pass_plans_sends_and_queues_only_what_changed(
+    env: Env, fake_time: FakeTime
+) -> None:
+    listen(env)
+    await env.put(node("n1"), workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()  # the first pass is full
+    await env.rec.reconcile_once()  # the next one looks at what the first wrote
+    assert (len(env.of("a")), len(env.of("b"))) == (1, 1)
+    start = fake_time.mono
+    # Unheard of: b wants two replicas, and one of its instances is to stop.
+    await put_unheard(
+        env,
+        workload("b", replicas=2),
+        inst("b-stop", P.RUNNING, "n1", workload="b", desired_stop=True, message="scaled down"),
+    )
+    env.rec._stops_sent["gone"] = start  # what was sent for an instance no longer there
+    env.queue.pending.clear()
+    await env.put(workload("a", replicas=2))  # heard of
+    await env.rec.reconcile_once()
+    assert (len(env.of("a")), len(env.of("b"))) == (2, 2)  # b-stop and its first instance
+    assert set(env.queue.pending) == {i.name for i in env.of("a")}
+    assert env.link.commands == []
+    assert set(env.rec._stops_sent) == {"gone"}  # only a full pass prunes
+    # Nothing changed, the last full pass not FULL_PASS_EVERY ago: nothing is planned.
+    fake_time.mono = start + FULL_PASS_EVERY - 0.001
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 2
+    fake_time.mono = start + FULL_PASS_EVERY
+    await env.rec.reconcile_once()
+    assert len(active(env.of("b"))) == 2
+    assert sent(env.link.commands) == [("n1", "stop", "b-stop", "scaled down")]
+    assert set(env.rec._stops_sent) == {"b-stop"}
+    assert set(env.queue.pending) == {i.name for i in env.of("a") + active(env.of("b"))}
+
+
+@pytest.mark.parametrize("why", ["node", "reload", "not listening", "failed pass"])
+async def test_a_full_pass_follows_a_node_write_a_reload_or_a_failed_pass(
+    env: Env, fake_time: FakeTime, why: str
+) -> None:
+    listen(env)
+    await env.put(node("n1"), workload("a", replicas=1), workload("b", replicas=1))
+    await env.rec.reconcile_once()
+    await env.rec.reconcile_once()
+    await put_unheard(env, workload("b", replicas=2))
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 1  # an incremental pass with nothing in it
+    if why == "node":
+        await env.put(node("n2"))
+    elif why == "reload":
+        env.repo.reloads += 1
+    elif why == "not listening":
+        env.rec._listening = False
+    else:
+        env.rec.link = FailingLink()  # type: ignore[assignment]
+        await env.put(
+            workload("a", replicas=1, deleting=True),
+            inst("a-gone", P.FAILED, "n1", workload="a"),
+        )
+        with pytest.raises(ValueError):
+            await env.rec.reconcile_once()  # its removal command got no answer
+        assert len(env.of("b")) == 1
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == 2
+    # And the one after it is incremental again (once what the full one wrote is planned).
+    await env.rec.reconcile_once()
+    await put_unheard(env, workload("b", replicas=3))
+    await env.rec.reconcile_once()
+    assert len(env.of("b")) == (3 if why == "not listening" else 2)
+
+
+async def test_a_plan_outside_a_pass_looks_at_every_workload(env: Env) -> None:
+    listen(env)
+    await env.put(workload("a", replicas=1))
+    await env.rec.reconcile_once()
+    await env.put(workload("b", replicas=1))
+    await env.plan()
+    assert (len(env.of("a")), len(env.of("b"))) == (1, 1)
+
+
+async def test_a_workload_gone_from_the_scope_is_skipped_not_the_end_of_the_pass(
+    env: Env,
+) -> None:
+    listen(env)
+    await env.put(workload("a", replicas=0))
+    await env.rec.reconcile_once()
+    await env.rec.reconcile_once()
+    await env.repo.mutate(lambda: [Change("workloads", "a", None)])
+    await env.put(workload("b", replicas=2))
+    await env.rec.reconcile_once()  # scope: a (gone), then b
+    assert len(env.of("b")) == 2
+
+
+async def test_one_pass_plans_every_workload_deleting_or_not(env: Env) -> None:
+    await env.put(
+        node("n1"),
+        workload("a", replicas=1),
+        workload("b", replicas=1, deleting=True),
+        inst("b-1", P.PENDING, workload="b"),
+        workload("c", replicas=1),
+    )
+    await env.plan()
+    assert (len(env.of("a")), env.of("b"), len(env.of("c"))) == (1, [], 1)
+    assert set(env.repo.workloads) == {"a", "c"}
+
+
+# ---- on_updates: more ----
+
+
+async def test_a_report_after_one_for_another_node_still_applies(
+    env: Env, fake_time: FakeTime
+) -> None:
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
+    await env.rec.on_updates(
+        [
+            report_update("n1", status_pb("web-zz")),  # not bound anywhere: stopped
+            report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=1)),
+        ]
+    )
+    a = env.inst("web-a")
+    assert (a.phase, a.exit_code, a.updated_at) == (P.FAILED, 1, fake_time.wall)
+    assert sent(env.link.commands) == [("n1", "stop", "web-zz", "not bound to this node")]
+    assert env.queue.backoff == {}  # a finished instance frees its resources
+
+
+async def test_a_sync_marks_lost_what_the_node_no_longer_runs(
+    env: Env, fake_time: FakeTime
+) -> None:
+    wall = fake_time.wall
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(
+        node("n1"),
+        workload(replicas=5),
+        inst("web-x", P.RUNNING, "n1"),  # reported FAILED in the same batch
+        inst("web-b", P.RUNNING, "n1"),
+        inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE),
+        inst("web-in", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE + 0.01),
+    )
+    await env.rec.on_updates(
+        [
+            report_update("n1", status_pb("web-x", pb.Instance.FAILED, exit_code=1)),
+            sync_update("n1"),
+        ]
+    )
+    assert env.inst("web-x").phase is P.FAILED
+    for name in ("web-b", "web-edge"):
+        lost = env.inst(name)
+        assert (lost.phase, lost.reason, lost.message, lost.finished_at, lost.updated_at) == (
+            P.LOST,
+            "NotOnNode",
+            "node n1 re-registered without it",
+            wall,
+            wall,
+        )
+    assert env.inst("web-in").phase is P.SCHEDULED  # still in its start grace
+    assert env.queue.backoff == {}
+
+
+async def test_a_sync_losing_an_instance_frees_its_resources(env: Env) -> None:
+    env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
+    await env.put(node("n1"), workload(replicas=1), inst("web-b", P.RUNNING, "n1"))
+    await env.rec.on_updates([sync_update("n1")])
+    assert env.inst("web-b").phase is P.LOST
+    assert env.queue.backoff == {}
+
+
+class CordonFailingLink(DummyLink):
+    async def set_node(self, name: str, **kw: Any) -> None:
+        raise Unavailable("scheduler restarting")
+
+
+async def test_a_cordon_that_cannot_be_re_applied_is_logged(env: Env) -> None:
+    env.rec.link = CordonFailingLink()  # type: ignore[assignment]
+    await env.put(node("n1", schedulable=False))
+    with structlog.testing.capture_logs() as logs:
+        await env.rec.on_updates([node_update("n1", schedulable=True)])
+    assert logs == [
+        {
+            "event": "could not re-apply cordon",
+            "node": "n1",
+            "error": "scheduler restarting",
+            "log_level": "warning",
+        }
+    ]
+    assert env.repo.nodes["n1"].schedulable is False
+
+
+# ---- crash-loop backoff: more ----
+
+
+@pytest.mark.parametrize(
+    ("message", "reason", "last"),
+    [
+        ("x" * 300, "Crashed", "x" * 200),
+        ("", "Crashed", "Crashed"),
+        ("", "", "failed"),
+    ],
+)
+async def test_the_backoff_status_names_the_last_error(
+    env: Env, message: str, reason: str, last: str
+) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(
+        node("n1"),
+        workload(replicas=1),
+        inst("web-a", P.FAILED, finished_at=clock.now, message=message, reason=reason),
+    )
+    await env.plan()
+    assert env.repo.workloads["web"].status.message == (
+        f"1 instance failure(s) in a row (the last: {last}); replaced with backoff, up to 300s"
+    )
+
+
+async def test_each_counted_failure_is_logged_once_and_wakes_its_workload(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loop = asyncio.get_running_loop()
+    timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+    real_call_later = loop.call_later
+
+    def call_later(delay: float, cb: Any, *args: Any) -> asyncio.TimerHandle:
+        timers.append((delay, cb, args))
+        return real_call_later(delay, cb, *args)
+
+    monkeypatch.setattr(loop, "call_later", call_later)
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(
+        node("n1"),
+        workload(replicas=2),
+        inst("web-a", P.FAILED, finished_at=clock.now - 0.26, reason="Crashed", message="y" * 300),
+        inst("web-b", P.RUNNING),
+    )
+    with structlog.testing.capture_logs() as logs:
+        await env.plan()
+        await env.plan()
+    assert logs == [
+        {
+            "event": "instance failed; replacing with backoff",
+            "workload": "web",
+            "instance": "web-a",
+            "reason": "Crashed",
+            "error": "y" * 200,
+            "failures": 1,
+            "retry_in": 0.7,
+            "log_level": "info",
+        }
+    ]
+    assert [(round(d, 6), cb, args) for d, cb, args in timers] == [(0.75, env.rec._wake, ("web",))]
+    # A failure long past its backoff still wakes its workload, at once.
+    clock.now += 20
+    await env.set_inst("web-b", phase=P.FAILED, finished_at=clock.now - 10)
+    await env.plan()
+    assert [(round(d, 6), args) for d, _, args in timers[1:]] == [(0.01, ("web",))]
+    env.rec._changed_workloads.clear()
+    env.rec._dirty.clear()
+    await asyncio.wait_for(env.rec._dirty.wait(), 5)
+    assert env.rec._changed_workloads == {"web"}
+
+
+async def test_failures_count_in_the_order_they_happened(env: Env) -> None:
+    """The second failure in time starts a new round only if it came after the first's
+    backoff: counted oldest first, whatever the order of the table."""
+    w = workload(replicas=2)
+    late = inst("web-late", P.FAILED, finished_at=10.0)
+    early = inst("web-early", P.FAILED, finished_at=5.0)
+    crash = env.rec._crash_streak(w, {late.name: late, early.name: early}, now=20.0)
+    assert crash is not None
+    assert (crash.failures, crash.not_before) == (2, 12.0)
+
+
+async def test_a_stop_is_stamped_with_the_time_it_was_decided(
+    env: Env, fake_time: FakeTime
+) -> None:
+    await env.put(workload(replicas=0), inst("web-a"))
+    await env.plan()
+    a = env.inst("web-a")
+    assert (a.desired_stop, a.message, a.updated_at) == (True, "scaled down", fake_time.wall)
+
+
+def test_new_instance_names_are_the_workload_and_six_hex_digits() -> None:
+    names = {new_instance(workload(generation=4)).name for _ in range(50)}
+    assert all(re.fullmatch(r"web-[0-9a-f]{6}", n) for n in names)
+    assert len(names) > 45
+
+
+# ---- the loop ----
+
+
+async def test_run_listens_passes_on_each_kick_and_tick_and_outlives_a_failed_pass(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rec = env.rec
+    loop = asyncio.get_running_loop()
+    timers: list[tuple[float, Any]] = []
+    real_call_later = loop.call_later
+
+    def call_later(delay: float, cb: Any, *args: Any) -> asyncio.TimerHandle:
+        timers.append((delay, cb))
+        return real_call_later(delay, cb, *args)
+
+    monkeypatch.setattr(loop, "call_later", call_later)
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    class Aio:
+        """The reconciler's `asyncio`, with `sleep` recorded and made instant."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(asyncio, name)
+
+        async def sleep(self, delay: float) -> None:
+            sleeps.append(delay)
+            await real_sleep(0)
+
+    monkeypatch.setattr(reconciler_module, "asyncio", Aio())
+    passes: list[tuple[bool, bool, bool]] = []
+    passed = asyncio.Event()
+
+    async def reconcile_once() -> None:
+        passes.append((rec._listening, rec._full_due, rec._on_change in env.repo.listeners))
+        rec._full_due = False
+        passed.set()
+        if len(passes) == 2:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(rec, "reconcile_once", reconcile_once)
+
+    async def next_pass(count: int) -> None:
+        while len(passes) < count:
+            passed.clear()
+            await asyncio.wait_for(passed.wait(), 5)
+
+    rec._full_due = False
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(rec.run())
+        rec.kick()
+        await next_pass(1)  # at once, on the kick
+        await next_pass(3)  # then on the 1 s tick: one fails, the next is full
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert passes == [(True, True, True), (True, False, True), (True, True, True)]
+    assert [(e["event"], e["log_level"]) for e in logs] == [("reconcile pass failed", "error")]
+    assert sleeps == [0.5]
+    ticks = [d for d, cb in timers if cb == rec._dirty.set]
+    assert len(ticks) >= 3 and set(ticks) == {1.0}
+    assert (rec._listening, rec._on_change in env.repo.listeners) == (False, False)
+
+
+# ---- planning: each step looks at every instance ----
+
+
+def planned(changes: list[Change]) -> dict[str, Instance | None]:
+    """The last planned value of each instance."""
+    return {c.name: c.value for c in changes if c.kind == "instances"}  # type: ignore[misc]
+
+
+async def test_a_node_loss_is_seen_behind_finished_and_unplaced_instances(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1", state=NodeState.LOST)}
+    insts = {
+        "web-f": inst("web-f", P.FAILED, "n1", reason="Crashed"),
+        "web-p": inst("web-p", P.PENDING),
+        "web-r": inst("web-r", P.RUNNING, "n1"),
+    }
+    out = planned(env.rec._plan_workload(workload(replicas=2), insts, now=77.0))
+    assert "web-f" not in out  # finished before the loss: it stays what it was
+    lost = out["web-r"]
+    assert lost is not None
+    assert (lost.phase, lost.reason, lost.message, lost.finished_at, lost.updated_at) == (
+        P.LOST,
+        "NodeLost",
+        "node n1 is LOST",
+        77.0,
+        77.0,
+    )
+
+
+async def test_rolling_and_draining_steps_look_past_what_they_skip(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1"), "n2": node("n2", draining=True)}
+    w = workload(replicas=4, generation=2)
+    insts = {
+        "web-f": inst("web-f", P.FAILED, "n1", generation=1),  # finished: not rolled
+        "web-s": inst("web-s", P.RUNNING, "n1", generation=1, desired_stop=True),  # stopping
+        "web-p": inst("web-p", P.PENDING, generation=1),  # updated in place, then ...
+        "web-r": inst("web-r", P.RUNNING, "n1", generation=1),  # ... the oldest bound one
+        "web-o": inst("web-o", P.RUNNING, "n1", generation=1),  # waits: one at a time
+        "web-d": inst("web-d", P.RUNNING, "n2", generation=2),  # but a drain does not wait
+    }
+    out = planned(env.rec._plan_workload(w, insts, now=time.time()))
+    assert out["web-p"] is not None and out["web-p"].generation == 2
+    assert {n for n, i in out.items() if i is not None and i.replaced_by} == {"web-r", "web-d"}
+    assert "web-f" not in out and "web-s" not in out and "web-o" not in out
+
+
+async def test_a_rolling_update_waits_for_its_successor_to_run(env: Env) -> None:
+    olds = [inst(f"web-{i}", P.RUNNING, "n1", generation=1) for i in range(3)]
+    await env.put(node("n1"), workload(replicas=3, generation=2), *olds)
+    await env.plan()
+    await env.plan()
+    assert [i.name for i in env.of() if i.replaced_by] == ["web-0"]
+
+
+async def test_during_a_backoff_outdated_pending_instances_are_still_updated(env: Env) -> None:
+    env.repo.nodes = {"n1": node("n1")}
+    now = 1000.0
+    env.rec.crashes["web"] = CrashBackoff(failures=1, not_before=now + 1)
+    insts = {
+        "web-r": inst("web-r", P.RUNNING, "n1", generation=1, created_at=1.0),
+        "web-p": inst("web-p", P.PENDING, generation=1, created_at=2.0),
+    }
+    out = planned(env.rec._plan_workload(workload(replicas=2, generation=2), insts, now))
+    assert set(out) == {"web-p"}  # web-r waits out the backoff
+    assert out["web-p"] is not None and out["web-p"].generation == 2
+
+
+async def test_a_rolling_successor_waits_until_the_backoff_ends_exactly(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1, generation=2), inst("web-a", generation=1))
+    env.rec.crashes["web"] = CrashBackoff(failures=1, not_before=clock.now + 1)
+    clock.now += 1 - 0.001
+    await env.plan()
+    assert not env.inst("web-a").replaced_by
+    clock.now = env.rec.crashes["web"].not_before
+    await env.plan()
+    succ = env.inst("web-a").replaced_by
+    assert succ and env.rec.crashes["web"].probes == {succ}
+
+
+async def test_the_backoff_status_ends_when_the_backoff_does(env: Env) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    await env.put(node("n1"), workload(replicas=1), inst("web-a", P.FAILED, finished_at=clock.now))
+    await env.plan()
+    w = env.repo.workloads["web"]
+    assert w.status.message.startswith("1 instance failure(s) in a row")
+    assert w.updated_at == clock.now
+    clock.now += 1
+    await env.plan()
+    w = env.repo.workloads["web"]
+    assert (w.status.message, w.updated_at) == ("", clock.now)
+
+
+async def test_history_is_trimmed_by_finish_time(env: Env) -> None:
+    # The first to finish was written last (a late report): still the first to go.
+    failed = [
+        inst(f"web-f{i}", P.FAILED, finished_at=float(i + 1), updated_at=float(100 - i))
+        for i in range(KEEP_FINISHED + 1)
+    ]
+    await env.put(node("n1"), workload(replicas=1), inst("web-run"), *failed)
+    await env.plan()
+    assert "web-f0" not in env.repo.instances
+    assert len([i for i in env.of() if i.terminal]) == KEEP_FINISHED
+
+
+async def test_without_run_every_pass_is_full(env: Env) -> None:
+    await env.rec.reconcile_once()
+    await env.put(workload(replicas=1))
+    await env.rec.reconcile_once()
+    assert len(env.of()) == 1
