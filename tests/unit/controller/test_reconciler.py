@@ -18,6 +18,7 @@ from orka.api import controller_pb2 as pb
 from orka.controller import reconciler as reconciler_module
 from orka.controller.placement import PlacementQueue, _Backoff, stop_command
 from orka.controller.reconciler import (
+    CRASH_HEALTHY_RUN,
     FULL_PASS_EVERY,
     KEEP_FINISHED,
     RESEND_AFTER,
@@ -1611,3 +1612,25 @@ async def test_without_run_every_pass_is_full(env: Env) -> None:
     await env.put(workload(replicas=1))
     await env.rec.reconcile_once()
     assert len(env.of()) == 1
+
+
+async def test_the_streak_ends_at_exactly_the_healthy_run_logged_with_its_failures(
+    env: Env,
+) -> None:
+    clock = Clock()
+    env.rec.clock = clock
+    probe = inst("web-p", P.RUNNING, started_at=clock.now - CRASH_HEALTHY_RUN + 1)
+    await env.put(node("n1"), workload(replicas=1), probe)
+    crash = CrashBackoff(failures=3, not_before=clock.now + 4, probes={"web-p", "web-gone"})
+    env.rec.crashes["web"] = crash
+    await env.plan()
+    # a probe whose record is gone is dropped; the live one runs 1 s short of healthy
+    assert (crash.failures, crash.probes) == (3, {"web-p"})
+    clock.now += 1  # exactly CRASH_HEALTHY_RUN
+    with structlog.testing.capture_logs() as logs:
+        await env.plan()
+    assert (crash.failures, crash.not_before, crash.probes) == (0, 0.0, set())
+    recovered = [e for e in logs if e["event"] == "workload recovered"]
+    assert recovered == [
+        {"event": "workload recovered", "workload": "web", "failures": 3, "log_level": "info"}
+    ]
