@@ -73,8 +73,19 @@ class Module:
     def work(self) -> Path:
         return WORK / self.short.replace("/", "-")
 
+    def for_changed(self) -> Module:
+        """The same module with a work folder of its own for --changed, so a CI-style check
+        never replaces the results of a full run kept in .mutation/<module>/."""
+        return ChangedModule(self.path, self.tests, self.functions)
+
     def covers(self, function: str) -> bool:
         return self.functions is None or function in self.functions
+
+
+class ChangedModule(Module):
+    @property
+    def work(self) -> Path:
+        return WORK / "changed" / self.short.replace("/", "-")
 
 
 @dataclass
@@ -151,6 +162,24 @@ def function_hashes(path: Path) -> dict[str, str]:
     return found
 
 
+def decorated(path: Path) -> set[str]:
+    """The functions mutmut leaves alone: decorated ones, but for staticmethod/classmethod."""
+    tree = ast.parse(path.read_text())
+    plain = {"staticmethod", "classmethod"}
+    found = set()
+    for node in tree.body:
+        items = node.body if isinstance(node, ast.ClassDef) else [node]
+        for item in items:
+            if not isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            names = [d.id for d in item.decorator_list if isinstance(d, ast.Name)]
+            if item.decorator_list and not (
+                len(names) == 1 == len(item.decorator_list) and names[0] in plain
+            ):
+                found.add(f"xǁ{node.name}ǁ{item.name}" if node is not item else f"x_{item.name}")
+    return found
+
+
 def function_of(key: str) -> str:
     """orka.models.xǁResourcesǁ__add____mutmut_3 -> xǁResourcesǁ__add__"""
     return SUFFIX.sub("", key).rsplit(".", 1)[1]
@@ -223,13 +252,20 @@ def env() -> dict[str, str]:
     return e
 
 
-def run_mutmut(module: Module, names: list[str], children: int) -> float:
+def run_mutmut(
+    module: Module, names: list[str], children: int, functions: list[str] | None = None
+) -> float:
+    """mutmut run. Given the `functions` the names stand for, a run that fails because none of
+    them has a mutant (nothing in it mutmut mutates) is not an error."""
     start = time.monotonic()
     cmd = [mutmut_exe(), "run", "--max-children", str(children), *names]
     shown = names if len(names) <= 4 else [*names[:3], f"... ({len(names)} names)"]
     print(f"==> {module.short}: mutmut run {' '.join(shown)}", flush=True)
     done = subprocess.run(cmd, cwd=module.work, env=env(), check=False, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
+    lacking = functions is not None and not any(
+        function_of(k) in functions for k in results(module)
+    )
+    if done.returncode != 0 and not lacking:
         sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
     print(f"==> {module.short}: {took:.0f} s", flush=True)
@@ -324,13 +360,14 @@ def record(chosen: list[Module]) -> None:
         statuses = results(module)
         if not statuses or any(s == "not checked" for s in statuses.values()):
             sys.exit(f"error: {module.path}: no complete run to record")
-        hashes = function_hashes(ROOT / module.path)
-        per: dict[str, dict] = {}
+        # Every function, those without mutants too: a change to one is then seen as one.
+        per: dict[str, dict] = {
+            f: {"hash": h, "mutants": {}}
+            for f, h in function_hashes(ROOT / module.path).items()
+            if module.covers(f)
+        }
         for key, status in statuses.items():
-            fn = per.setdefault(
-                function_of(key), {"hash": hashes.get(function_of(key), ""), "mutants": {}}
-            )
-            fn["mutants"][key.rsplit("__mutmut_", 1)[1]] = status
+            per[function_of(key)]["mutants"][key.rsplit("__mutmut_", 1)[1]] = status
         baseline[module.path] = per
         print(f"recorded {module.path}: {len(statuses)} mutants in {len(per)} functions")
     BASELINE.write_text(json.dumps(baseline, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
@@ -354,11 +391,18 @@ def changed(chosen: list[Module], children: int) -> int:
             if f in now and f not in differ
             for n, status in fn["mutants"].items()
         }
+        skipped = decorated(ROOT / module.path)
         if differ:
             print(f"{module.path}: {len(differ)} function(s) changed: {', '.join(differ)}")
-            prepare(module, fresh=True)
-            run_mutmut(module, globs(module, differ), children)
-            statuses.update((k, s) for k, s in results(module).items() if function_of(k) in differ)
+        if set(differ) & skipped:
+            # A decorated function is not mutated; say so rather than pass it in silence.
+            print(f"  not mutated (decorated): {', '.join(sorted(set(differ) & skipped))}")
+        mutate = [f for f in differ if f not in skipped]
+        if mutate:
+            work = module.for_changed()
+            prepare(work, fresh=True)
+            run_mutmut(work, globs(work, mutate), children, functions=mutate)
+            statuses.update((k, s) for k, s in results(work).items() if function_of(k) in differ)
         s = score_of(module.short, statuses)
         print(s.line())
         if differ and s.percent < threshold():

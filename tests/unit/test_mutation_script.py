@@ -150,7 +150,9 @@ def test_changed_mutates_only_the_changed_function_and_scores_the_module(
     src, module = _fake_module(mutation, tmp_path, monkeypatch)
     src.write_text(SOURCE.replace("return [x]", "return [x, x]"))
     ran: list[list[str]] = []
-    monkeypatch.setattr(mutation, "run_mutmut", lambda m, names, jobs: ran.append(names) or 1.0)
+    monkeypatch.setattr(
+        mutation, "run_mutmut", lambda m, names, jobs, functions=None: ran.append(names) or 1.0
+    )
     # the changed function now has 3 mutants; results() also returns stale ones of others
     monkeypatch.setattr(
         mutation,
@@ -213,3 +215,21 @@ def test_a_survivors_only_run_keeps_the_other_verdicts_of_unchanged_functions(
     # a function changed since the run: its old verdicts no longer count
     src.write_text(SOURCE.replace("return a + 1", "return a + 2"))
     assert mutation.exit_codes(module) == {"orka.m.xǁBoxǁput__mutmut_1": 1}
+
+
+def test_a_changed_decorated_function_is_named_but_not_mutated(
+    mutation: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # mutmut skips decorated functions: --changed says so instead of failing on no mutants.
+    src, module = _fake_module(mutation, tmp_path, monkeypatch)
+    src.write_text(SOURCE.replace("    def put(", "    @property\n    def put("))
+    assert mutation.decorated(src) == {"xǁBoxǁput"}
+    monkeypatch.setattr(mutation, "run_mutmut", lambda *a, **k: pytest.fail("mutmut ran"))
+    mutation.changed([module], 2)
+    out = capsys.readouterr().out
+    assert "not mutated (decorated): xǁBoxǁput" in out
+    # put's recorded mutants are gone with it: x_top 1 of 2, take 4 of 4
+    assert re.search(r"\b5/6\s+83\.3 %", out)
