@@ -119,3 +119,15 @@ class Cluster:
                 errors.append(err)
         if errors:
             raise errors[0]
+
+
+def process_spec(name: str = "web", replicas: int = 0, **fields: object) -> pb.WorkloadSpec:
+    """A PROCESS workload's spec for the API, with any field given."""
+    data: dict[str, object] = {
+        "name": name,
+        "kind": pb.WorkloadSpec.PROCESS,
+        "command": ["sleep", "100"],
+        "replicas": replicas,
+    }
+    data.update(fields)
+    return pb.WorkloadSpec(**data)  # type: ignore[arg-type]

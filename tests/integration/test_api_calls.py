@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -21,32 +21,12 @@ from orka.errors import Invalid
 from orka.models import Workload, WorkloadSpec
 from orka.rpc import convert
 from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import process_spec as spec
 
 BAD_NAME = (
     "{field} 'Bad_Name' must be 1-63 lowercase letters, digits or '-',"
     " starting and ending with a letter or digit"
 )
-
-
-@pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=1, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
-
-
-def spec(name: str = "web", replicas: int = 0, **fields: object) -> pb.WorkloadSpec:
-    data: dict[str, object] = {
-        "name": name,
-        "kind": pb.WorkloadSpec.PROCESS,
-        "command": ["sleep", "100"],
-        "replicas": replicas,
-    }
-    data.update(fields)
-    return pb.WorkloadSpec(**data)  # type: ignore[arg-type]
 
 
 def parts(cluster: Cluster) -> tuple[pb_grpc.ControllerStub, ControllerApi]:

@@ -4,8 +4,6 @@ quotas and slow watchers are refused with the right code, and leave the store as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,27 +13,7 @@ from orka.controller import events
 from orka.controller.api import Quotas
 from orka.validation import MAX_SPEC_BYTES
 from tests.integration.cluster import Cluster, eventually
-
-
-@pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=1, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
-
-
-def spec(name: str = "web", replicas: int = 0, **fields: object) -> pb.WorkloadSpec:
-    data: dict[str, object] = {
-        "name": name,
-        "kind": pb.WorkloadSpec.PROCESS,
-        "command": ["sleep", "100"],
-        "replicas": replicas,
-    }
-    data.update(fields)
-    return pb.WorkloadSpec(**data)  # type: ignore[arg-type]
+from tests.integration.cluster import process_spec as spec
 
 
 async def names(cluster: Cluster) -> list[str]:

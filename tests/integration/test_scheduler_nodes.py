@@ -134,10 +134,13 @@ async def agents() -> AsyncIterator[list[HandAgent]]:
         await a.close()
 
 
-async def start_scheduler(certs: Path, **config: float) -> Scheduler:
+async def start_scheduler(
+    certs: Path, clock: Callable[[], float] = time.monotonic, **config: float
+) -> Scheduler:
     s = Scheduler(
         SchedulerConfig(listen="127.0.0.1:0", **config),  # type: ignore[arg-type]
         TlsFiles.for_service(certs, "scheduler", "scheduler"),
+        clock=clock,
     )
     await s.start()
     return s
@@ -308,14 +311,9 @@ async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
     order on the controller feed. The clock is stepped, so the bounds are exact."""
     clock = StepClock()
     interval, lost_after = 0.2, 1.0
-    s = Scheduler(
-        SchedulerConfig(
-            listen="127.0.0.1:0", heartbeat_interval=interval, node_lost_after=lost_after
-        ),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
+    s = await start_scheduler(
+        certs_dir, clock, heartbeat_interval=interval, node_lost_after=lost_after
     )
-    await s.start()
     feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
     s.hub.queues.add(feed)
     try:
@@ -357,12 +355,7 @@ async def test_a_heartbeat_brings_a_not_ready_node_back(
     certs_dir: Path, agents: list[HandAgent]
 ) -> None:
     clock = StepClock()
-    s = Scheduler(
-        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
-    )
-    await s.start()
+    s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
@@ -518,17 +511,13 @@ async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interva
     """A heartbeat's usage and time are recorded at once but not published on their own; the
     node (with that usage) goes to the controllers once usage_report_interval has passed."""
     clock = StepClock()
-    s = Scheduler(
-        SchedulerConfig(
-            listen="127.0.0.1:0",
-            heartbeat_interval=1.0,
-            node_lost_after=3.0,
-            usage_report_interval=0.5,
-        ),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
+    s = await start_scheduler(
+        certs_dir,
+        clock,
+        heartbeat_interval=1.0,
+        node_lost_after=3.0,
+        usage_report_interval=0.5,
     )
-    await s.start()
     feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
@@ -623,12 +612,7 @@ async def test_a_heartbeat_after_not_ready_publishes_ready_with_no_message_and_n
     """NOT_READY -> READY on a heartbeat: the node comes back with an empty message, and only
     a node that was LOST or LEFT gets a full sync (this one never lost its stream)."""
     clock = StepClock()
-    s = Scheduler(
-        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
-    )
-    await s.start()
+    s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
@@ -656,12 +640,7 @@ async def test_a_node_that_left_and_went_silent_ends_left_logged_and_without_a_s
     stream ends. Each step is one node update and one "node state" line; no sync is sent
     (there is nothing to reconcile on a node that is gone)."""
     clock = StepClock()
-    s = Scheduler(
-        SchedulerConfig(listen="127.0.0.1:0", heartbeat_interval=0.2, node_lost_after=1.0),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
-    )
-    await s.start()
+    s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
@@ -889,17 +868,13 @@ async def test_liveness_bounds_are_strict_and_usage_goes_out_on_the_interval(
     the nodes after it."""
     clock = StepClock()
     t0 = clock.now = 1024.0
-    s = Scheduler(
-        SchedulerConfig(
-            listen="127.0.0.1:0",
-            heartbeat_interval=0.25,
-            node_lost_after=1.0,
-            usage_report_interval=0.5,
-        ),
-        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
-        clock=clock,
+    s = await start_scheduler(
+        certs_dir,
+        clock,
+        heartbeat_interval=0.25,
+        node_lost_after=1.0,
+        usage_report_interval=0.5,
     )
-    await s.start()
     try:
         agents.append(HandAgent(s, certs_dir, "node-1"))
         await agents[0].register()
