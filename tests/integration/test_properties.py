@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,16 +54,6 @@ async def check_examples(
         asyncio.run_coroutine_threadsafe(check(value), loop).result(timeout=60)
 
     await asyncio.to_thread(example)
-
-
-@pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=1, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
 
 
 # ---- strategies ----

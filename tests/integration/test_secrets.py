@@ -5,7 +5,6 @@ sent back keeps the stored one."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,16 +15,6 @@ from orka.models import REDACTED
 from tests.integration.cluster import Cluster, eventually
 
 SECRET = "s3cr3t-f00-value"
-
-
-@pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=1, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
 
 
 def spec(replicas: int = 1, **secret_env: str) -> pb.WorkloadSpec:
