@@ -307,15 +307,15 @@ def _hashes_path(module: Module) -> Path:
 
 
 def exit_codes(module: Module) -> dict[str, int | None]:
-    """The last run's verdicts, of the functions whose source has not changed since (runs
-    record their functions' hashes; a run from before they did is taken as current)."""
+    """The last run's verdicts, of the functions whose source has not changed since (each run
+    records its functions' hashes beside mutmut's meta file; without them nothing is kept)."""
     meta = meta_path(module)
     if not meta.exists():
         return {}
     codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
     hashes = _hashes_path(module)
     if not hashes.exists():
-        return codes
+        return {}
     then = json.loads(hashes.read_text())
     now = function_hashes(ROOT / module.path)
     return {k: c for k, c in codes.items() if then.get(function_of(k)) == now.get(function_of(k))}

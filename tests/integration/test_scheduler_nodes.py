@@ -12,6 +12,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -144,6 +145,17 @@ async def start_scheduler(
     )
     await s.start()
     return s
+
+
+async def register_node(
+    s: Scheduler, certs: Path, agents: list[HandAgent], **register: Any
+) -> NodeRecord:
+    """A hand agent connects as node-1 and registers; its record at the scheduler."""
+    agents.append(HandAgent(s, certs, "node-1"))
+    await agents[-1].register(**register)
+    node = s.registry.get("node-1")
+    assert node is not None
+    return node
 
 
 @pytest.fixture
@@ -317,11 +329,9 @@ async def test_silent_node_goes_not_ready_then_lost_at_the_configured_times(
     feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
     s.hub.queues.add(feed)
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register(running=("web-1",))
-        node = s.registry.get("node-1")
-        assert node is not None and node.last_seen == t0
+        node = await register_node(s, certs_dir, agents, running=("web-1",))
+        assert node.last_seen == t0
         assert held(node) == ({"web-1": None}, 100, 64 * MIB)
 
         await clock.step_to(t0 + 2 * interval - 0.01)
@@ -357,11 +367,8 @@ async def test_a_heartbeat_brings_a_not_ready_node_back(
     clock = StepClock()
     s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register()
-        node = s.registry.get("node-1")
-        assert node is not None
+        node = await register_node(s, certs_dir, agents)
         await clock.step_to(t0 + 0.5)
         assert node.state is NodeState.NOT_READY
         await agents[0].call.write(apb.AgentMessage(heartbeat=apb.Heartbeat()))
@@ -520,11 +527,8 @@ async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interva
     )
     feed: asyncio.Queue[apb.ClusterUpdate | None] = asyncio.Queue()
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register()
-        node = s.registry.get("node-1")
-        assert node is not None
+        node = await register_node(s, certs_dir, agents)
         registered_wall = node.last_heartbeat_wall
         s.hub.queues.add(feed)
         before = time.time()
@@ -614,11 +618,8 @@ async def test_a_heartbeat_after_not_ready_publishes_ready_with_no_message_and_n
     clock = StepClock()
     s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register(running=("web-1",))
-        node = s.registry.get("node-1")
-        assert node is not None
+        node = await register_node(s, certs_dir, agents, running=("web-1",))
         feed = feed_of(s)
         await clock.step_to(t0 + 0.5)
         assert node.state is NodeState.NOT_READY
@@ -642,11 +643,8 @@ async def test_a_node_that_left_and_went_silent_ends_left_logged_and_without_a_s
     clock = StepClock()
     s = await start_scheduler(certs_dir, clock, heartbeat_interval=0.2, node_lost_after=1.0)
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
         t0 = clock.now
-        await agents[0].register()
-        node = s.registry.get("node-1")
-        assert node is not None
+        node = await register_node(s, certs_dir, agents)
         feed = feed_of(s)
         with structlog.testing.capture_logs() as logs:
             await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
@@ -876,10 +874,7 @@ async def test_liveness_bounds_are_strict_and_usage_goes_out_on_the_interval(
         usage_report_interval=0.5,
     )
     try:
-        agents.append(HandAgent(s, certs_dir, "node-1"))
-        await agents[0].register()
-        node = s.registry.get("node-1")
-        assert node is not None
+        node = await register_node(s, certs_dir, agents)
         feed = feed_of(s)
         await clock.step_to(t0 + 0.5)
         assert node.state is NodeState.READY
