@@ -103,6 +103,7 @@ def _fake_module(mutation: ModuleType, tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(mutation, "BASELINE", tmp_path / "baseline.json")
     monkeypatch.setattr(mutation, "threshold", lambda: 85.0)
     monkeypatch.setattr(mutation, "prepare", lambda module, fresh: None)
+    monkeypatch.setattr(mutation, "budget", lambda: 0)
     hashes = mutation.function_hashes(src)
     baseline = {
         "orka/m.py": {
@@ -171,6 +172,39 @@ def test_changed_mutates_only_the_changed_function_and_scores_the_module(
     assert re.search(expected, out)
     if code:
         assert "orka.m.xǁBoxǁput__mutmut_1: survived" in out
+
+
+def test_changed_runs_a_fixed_sample_when_the_change_has_more_mutants_than_the_budget(
+    mutation: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, module = _fake_module(mutation, tmp_path, monkeypatch)
+    src.write_text(SOURCE.replace("return [x]", "return [x, x]"))
+    monkeypatch.setattr(mutation, "budget", lambda: 4)
+    generated = {f"orka.m.xǁBoxǁput__mutmut_{n}": "not checked" for n in range(1, 11)}
+    state = dict(generated)
+    ran: list[list[str]] = []
+
+    def run(m: object, names: list[str], jobs: int, **kw: object) -> float:
+        ran.append(names)
+        for name in names:
+            if name in state:
+                state[name] = "killed"
+        return 1.0
+
+    monkeypatch.setattr(mutation, "run_mutmut", run)
+    monkeypatch.setattr(mutation, "results", lambda m: dict(state))
+    assert mutation.changed([module], 2) == 0
+    # first a run that only generates the mutants, then 4 of the 10, named one by one
+    assert len(ran) == 2 and "generate_only" in ran[0][0]
+    assert len(ran[1]) == 4 and set(ran[1]) <= set(generated)
+    assert ran[1] == mutation.sample(sorted(generated, reverse=True), 4)
+    out = capsys.readouterr().out
+    assert "10 mutants in the changed functions; running 4 of them" in out
+    # scored: recorded x_top 1 of 2 and take 4 of 4, this run's 4 of 4 (6 not checked)
+    assert re.search(r"\b9/10\s+90\.0 %.*not checked 6", out)
 
 
 def test_changed_skips_a_module_with_no_recorded_run(
