@@ -20,7 +20,14 @@ from orka.controller.link import SchedulerLink
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.memo import ByIdentity
-from orka.models import Instance, InstancePhase, NodeState, Workload, WorkloadSpec
+from orka.models import (
+    Instance,
+    InstancePhase,
+    InstanceReason,
+    NodeState,
+    Workload,
+    WorkloadSpec,
+)
 from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.placement")
@@ -220,16 +227,7 @@ class PlacementQueue:
                 if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
                     released.append((node, name))
                     continue
-                new = inst.model_copy(
-                    update={
-                        "phase": InstancePhase.SCHEDULED,
-                        "node": node,
-                        "reason": "Scheduled",
-                        "message": "",
-                        "scheduled_at": now,
-                        "updated_at": now,
-                    }
-                )
+                new = inst.scheduled(node, now)
                 committed.append(new)
                 changes.append(Change("instances", name, new))
             return changes
@@ -281,15 +279,7 @@ class PlacementQueue:
                 inst = self.repo.instances.get(name)
                 if inst is None or inst.phase is not InstancePhase.SCHEDULED:
                     continue
-                new = inst.model_copy(
-                    update={
-                        "phase": InstancePhase.PENDING,
-                        "node": "",
-                        "reason": "StartRefused",
-                        "message": f"node {inst.node}: {error}",
-                        "updated_at": time.time(),
-                    }
-                )
+                new = inst.start_refused(error, time.time())
                 changes.append(Change("instances", name, new))
             return changes
 
@@ -304,11 +294,9 @@ class PlacementQueue:
                 inst = self.repo.instances.get(name)
                 if inst is None or inst.phase is not InstancePhase.PENDING:
                     continue
-                if inst.reason == "Unschedulable" and inst.message == why:
+                if inst.reason == InstanceReason.UNSCHEDULABLE and inst.message == why:
                     continue  # unchanged: no write
-                new = inst.model_copy(
-                    update={"reason": "Unschedulable", "message": why, "updated_at": time.time()}
-                )
+                new = inst.unschedulable(why, time.time())
                 changes.append(Change("instances", name, new))
             return changes
 

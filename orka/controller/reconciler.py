@@ -26,6 +26,7 @@ from orka.models import (
     TERMINAL_PHASES,
     Instance,
     InstancePhase,
+    InstanceReason,
     InstanceReport,
     Node,
     NodeState,
@@ -243,7 +244,8 @@ class Reconciler:
                 if inst.terminal or not inst.node:
                     changes.append(self._forget(inst))
                 elif not inst.desired_stop:
-                    changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+                    stopped = _stop(inst, InstanceReason.WORKLOAD_DELETED)
+                    changes.append(Change("instances", inst.name, stopped))
         return changes
 
     def _node(self, name: str) -> Node | None:
@@ -261,7 +263,8 @@ class Reconciler:
                 continue
             remaining += 1
             if not inst.desired_stop:
-                changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+                stopped = _stop(inst, InstanceReason.WORKLOAD_DELETED)
+                changes.append(Change("instances", inst.name, stopped))
         if remaining == 0:
             changes.append(Change("workloads", w.name, None))
         return changes
@@ -291,17 +294,8 @@ class Reconciler:
                 continue
             node = self._node(inst.node)
             if node is not None and node.state in _NODE_GONE:
-                step.put(
-                    inst.model_copy(
-                        update={
-                            "phase": InstancePhase.LOST,
-                            "reason": "NodeLost",
-                            "message": f"node {node.name} is {node.state.value}",
-                            "finished_at": step.now,
-                            "updated_at": step.now,
-                        }
-                    )
-                )
+                message = f"node {node.name} is {node.state.value}"
+                step.put(inst.lost(InstanceReason.NODE_LOST, message, step.now))
 
     def _surge_replacements(self, step: WorkloadStep, crash: CrashBackoff | None) -> None:
         """Step 3. An instance of an old generation (rolling update) or on a draining node gets
@@ -316,7 +310,7 @@ class Reconciler:
         for inst in self._to_replace(w, current):
             if inst.phase is InstancePhase.PENDING:
                 if inst.generation != w.generation:
-                    step.put(inst.model_copy(update={"generation": w.generation}))
+                    step.put(inst.relabelled(w.generation))
                 continue
             node = self._node(inst.node)
             draining = node is not None and node.draining
@@ -331,7 +325,7 @@ class Reconciler:
             if crash is not None:
                 crash.probes.add(succ.name)
             step.put(succ)
-            step.put(inst.model_copy(update={"replaced_by": succ.name}))
+            step.put(inst.hand_over(succ.name))
             replacing.append(inst)
 
     def _to_replace(self, w: Workload, current: dict[str, Instance]) -> list[Instance]:
@@ -632,7 +626,7 @@ class Reconciler:
                     if cmd is not None:
                         cleanups.append(cmd)
                     continue
-                new = _apply_report(inst, r, now)
+                new = inst.reported(r, now)
                 if new is not None:
                     changed_instances[r.name] = new
                     if new.terminal:
@@ -648,14 +642,10 @@ class Reconciler:
                         and now - (inst.scheduled_at or 0) < START_GRACE
                     ):
                         continue
-                    changed_instances[inst.name] = inst.model_copy(
-                        update={
-                            "phase": InstancePhase.LOST,
-                            "reason": "NotOnNode",
-                            "message": f"node {node_name} re-registered without it",
-                            "finished_at": now,
-                            "updated_at": now,
-                        }
+                    changed_instances[inst.name] = inst.lost(
+                        InstanceReason.NOT_ON_NODE,
+                        f"node {node_name} re-registered without it",
+                        now,
                     )
                     freed = True
             changes += [Change("instances", n, i) for n, i in changed_instances.items()]
@@ -686,9 +676,9 @@ def _release_replaced(step: WorkloadStep) -> None:
         if inst.replaced_by and not inst.desired_stop and not inst.terminal:
             succ = current.get(inst.replaced_by)
             if succ is None or succ.terminal or succ.desired_stop:
-                step.put(inst.model_copy(update={"replaced_by": ""}))
+                step.put(inst.hand_over_failed())
             elif succ.phase is InstancePhase.RUNNING:
-                step.put(_stop(inst, f"replaced by {succ.name}"))
+                step.put(_stop(inst, InstanceReason.REPLACED, successor=succ.name))
 
 
 def _completed(w: Workload, current: dict[str, Instance]) -> list[Instance]:
@@ -738,11 +728,12 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
             :-missing
         ]
         for inst in extras:
-            step.put(_stop(inst, "scaled down"))
+            step.put(_stop(inst, InstanceReason.SCALED_DOWN))
 
 
-def _stop(inst: Instance, why: str) -> Instance:
-    return inst.model_copy(update={"desired_stop": True, "message": why, "updated_at": time.time()})
+def _stop(inst: Instance, reason: InstanceReason, successor: str = "") -> Instance:
+    """Stamped with the wall time the stop is decided (the pass's `now` may be a test clock)."""
+    return inst.stop(reason, time.time(), successor)
 
 
 def _node_changed(old: Node, new: Node) -> bool:
@@ -755,22 +746,3 @@ def _node_changed(old: Node, new: Node) -> bool:
         or old.capacity != new.capacity
         or old.allocatable != new.allocatable
     )
-
-
-def _apply_report(inst: Instance, r: InstanceReport, now: float) -> Instance | None:
-    """Fold an agent's report into the stored instance; None when nothing changed."""
-    if r.phase is InstancePhase.SCHEDULED:
-        return None
-    if inst.terminal and r.phase not in TERMINAL_PHASES:
-        return None
-    update: dict[str, object] = {}
-    for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
-        value = getattr(r, field)
-        if getattr(inst, field) != value:
-            update[field] = value
-    if r.message != inst.message and not (inst.desired_stop and not r.message):
-        update["message"] = r.message
-    if not update:
-        return None
-    update["updated_at"] = now
-    return inst.model_copy(update=update)

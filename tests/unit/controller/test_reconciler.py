@@ -25,7 +25,6 @@ from orka.controller.reconciler import (
     START_GRACE,
     CrashBackoff,
     Reconciler,
-    _apply_report,
     _node_changed,
     new_instance,
 )
@@ -34,7 +33,6 @@ from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
-    InstanceReport,
     Node,
     NodeState,
     Resources,
@@ -745,63 +743,6 @@ def test_a_node_is_not_written_for_its_soft_fields() -> None:
         }
     )
     assert _node_changed(old, new) is False
-
-
-# ---- _apply_report ----
-
-
-def rep(phase: InstancePhase = P.RUNNING, **kw: Any) -> InstanceReport:
-    return InstanceReport(name="web-a", workload="web", node="n1", phase=phase, **kw)
-
-
-@pytest.mark.parametrize(
-    ("stored", "report", "expected"),
-    [
-        (inst("web-a", P.STARTING), rep(P.SCHEDULED), None),
-        (inst("web-a", P.RUNNING), rep(P.SCHEDULED), None),
-        (inst("web-a", P.FAILED, exit_code=1), rep(P.RUNNING), None),
-        (inst("web-a", P.LOST), rep(P.STARTING), None),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING), None),
-        (inst("web-a", P.STARTING), rep(P.RUNNING), {"phase": P.RUNNING}),
-        (
-            inst("web-a", P.RUNNING),
-            rep(P.FAILED, exit_code=2, reason="Crashed", finished_at=9.0),
-            {"phase": P.FAILED, "exit_code": 2, "reason": "Crashed", "finished_at": 9.0},
-        ),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING, restarts=4), {"restarts": 4}),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING, message="hi"), {"message": "hi"}),
-        (inst("web-a", P.RUNNING, message="hi"), rep(P.RUNNING), {"message": ""}),
-        # The controller's stop reason is kept when the agent says nothing.
-        (inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"), rep(P.RUNNING), None),
-        (
-            inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"),
-            rep(P.STOPPED),
-            {"phase": P.STOPPED},
-        ),
-        # A terminal report on a terminal instance still lands (e.g. LOST then STOPPED).
-        (inst("web-a", P.LOST), rep(P.STOPPED), {"phase": P.STOPPED}),
-    ],
-)
-def test_apply_report(
-    stored: Instance, report: InstanceReport, expected: dict[str, Any] | None
-) -> None:
-    if "finished_at" not in (expected or {}):
-        # Builders stamp terminal instances; keep times out of cases that are not about them.
-        stored = stored.model_copy(update={"finished_at": report.finished_at})
-    out = _apply_report(stored, report, now=1234.0)
-    if expected is None:
-        assert out is None
-        return
-    assert out is not None
-    assert out.updated_at == 1234.0
-    changed = {
-        k
-        for k in Instance.model_fields
-        if getattr(out, k) != getattr(stored, k) and k != "updated_at"
-    }
-    assert changed == set(expected)
-    for k, v in expected.items():
-        assert getattr(out, k) == v
 
 
 # ---- planning: crash-loop backoff ----

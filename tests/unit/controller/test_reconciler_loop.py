@@ -16,13 +16,12 @@ from orka.controller.placement import stop_command
 from orka.controller.reconciler import (
     RESEND_AFTER,
     CrashBackoff,
-    _apply_report,
     _node_changed,
     _stop,
     new_instance,
 )
 from orka.controller.repo import Change
-from orka.models import InstanceReport, NodeState, Resources, WorkloadStatus
+from orka.models import InstanceReason, NodeState, Resources, WorkloadStatus
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
 __all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
@@ -302,7 +301,7 @@ def test_node_changed_by_each_field_alone(change: dict[str, Any]) -> None:
 
 def test_stop_marks_the_instance_and_its_update_time() -> None:
     before = time.time()
-    stopped = _stop(inst("web-a", updated_at=1.0), "scaled down")
+    stopped = _stop(inst("web-a", updated_at=1.0), InstanceReason.SCALED_DOWN)
     assert (stopped.desired_stop, stopped.message) == (True, "scaled down")
     assert before <= stopped.updated_at <= time.time()
 
@@ -312,27 +311,6 @@ def test_new_instance_is_named_after_its_workload_with_six_hex_digits() -> None:
     i = new_instance(w)
     assert re.fullmatch(r"^web-[0-9a-f]{6}$", i.name)
     assert (i.workload, i.generation, i.phase) == ("web", 4, P.PENDING)
-
-
-@pytest.mark.parametrize(
-    ("stored_message", "desired_stop", "reported", "expected"),
-    [
-        ("pulling", False, "", ""),  # the agent cleared its message
-        ("scaled down", True, "killed by signal", "killed by signal"),
-        ("scaled down", True, "", None),  # the stop reason stays
-    ],
-)
-def test_apply_report_message(
-    stored_message: str, desired_stop: bool, reported: str, expected: str | None
-) -> None:
-    stored = inst("web-a", P.RUNNING, message=stored_message, desired_stop=desired_stop)
-    r = InstanceReport(name="web-a", workload="web", node="n1", phase=P.RUNNING, message=reported)
-    out = _apply_report(stored, r, 7.0)
-    if expected is None:
-        assert out is None
-    else:
-        assert out is not None
-        assert (out.message, out.updated_at) == (expected, 7.0)
 
 
 # ---- the workload's status ----
