@@ -14,53 +14,18 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from orka.api import agent_pb2 as apb
-from orka.api import controller_pb2 as pb
-from orka.controller.link import SchedulerLink
+from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
+from orka.controller.link import SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.memo import ByIdentity
 from orka.models import (
     Instance,
     InstancePhase,
     InstanceReason,
     NodeState,
-    Workload,
-    WorkloadSpec,
 )
-from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.placement")
-
-
-def assignment(inst: Instance, w: Workload) -> apb.Assignment:
-    """What a node is told to run for one instance; the same for offers and starts."""
-    return apb.Assignment(instance=inst.name, generation=inst.generation, spec=_spec_msg(w.spec))
-
-
-# Converted once per spec rather than twice per instance. The messages are shared: only ever
-# copied from (as the Assignment constructor does).
-_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(
-    convert.spec_to_pb, weigh=lambda msg: msg.ByteSize(), max_weight=32 << 20
-)
-
-
-# What one instance adds to a Place or Command request: its spec plus name and framing.
-_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
-    lambda spec: _spec_msg(spec).ByteSize(), weigh=lambda size: size, max_weight=32 << 20
-)
-_ASSIGNMENT_OVERHEAD = 64
-
-
-def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
-    return apb.NodeCommand(node=inst.node, start=apb.StartInstance(assignment=assignment(inst, w)))
-
-
-def stop_command(node: str, instance: str, reason: str) -> apb.NodeCommand:
-    """Stop and remove an instance on a node."""
-    return apb.NodeCommand(
-        node=node, stop=apb.StopInstance(instance=instance, remove=True, reason=reason)
-    )
 
 
 @dataclass
@@ -177,7 +142,7 @@ class PlacementQueue:
             if w is None:
                 del self.pending[name]
                 continue
-            cost = _spec_bytes(w.spec) + len(name) + _ASSIGNMENT_OVERHEAD
+            cost = assignment_bytes(Assignment.of(inst, w))
             if batch and size + cost > self.config.batch_bytes:
                 break  # the next batch takes it
             del self.pending[name]
@@ -196,17 +161,17 @@ class PlacementQueue:
         assignments = []
         for inst in batch:
             w = self.repo.workloads[inst.workload]
-            assignments.append(assignment(inst, w))
+            assignments.append(Assignment.of(inst, w))
         try:
             try:
-                resp = await self.link.place(assignments)
+                results = await self.link.place(assignments)
             except OrkaError as err:
                 await self._mark_unplaced(
                     {i.name: f"scheduler unavailable: {err.message}" for i in batch}
                 )
                 return
-            bound = {r.instance: r.node for r in resp.results if r.node}
-            unplaced = {r.instance: r.reasons for r in resp.results if not r.node}
+            bound = {r.instance: r.node for r in results if r.node}
+            unplaced = {r.instance: r.reasons for r in results if not r.node}
             committed = await self._bind(bound)
             if unplaced:
                 await self._mark_unplaced(unplaced)
@@ -236,10 +201,7 @@ class PlacementQueue:
         for name in (i.name for i in committed):
             self.backoff.pop(name, None)
         if released:
-            cmds = [
-                apb.NodeCommand(node=node, release=apb.ReleaseOffer(instance=name))
-                for node, name in released
-            ]
+            cmds: list[NodeCommand] = [Release(node=node, instance=name) for node, name in released]
             try:
                 await self.link.command(cmds)
             except OrkaError as err:
@@ -249,7 +211,7 @@ class PlacementQueue:
     async def _start(self, committed: list[Instance]) -> None:
         if not committed:
             return
-        cmds = []
+        cmds: list[Start] = []
         for inst in committed:
             w = self.repo.workloads.get(inst.workload)
             if w is None:
@@ -257,16 +219,16 @@ class PlacementQueue:
             cmds.append(start_command(inst, w))
         failed: dict[str, str] = {}
         try:
-            resp = await self.link.command(cmds)
+            results = await self.link.command(cmds)
         except OrkaError as err:
             # The start may or may not have reached the node. Unbinding now could run the
             # instance twice; it stays SCHEDULED, the reconciler sends the start again, and a
             # node that never runs it reports so (or is lost), which frees the instance.
             log.warning("start not confirmed; will retry", count=len(cmds), error=err.message)
             return
-        for cmd, result in zip(cmds, resp.results, strict=True):
+        for cmd, result in zip(cmds, results, strict=True):
             if not result.ok and not result.unconfirmed:
-                failed[cmd.start.assignment.instance] = result.error
+                failed[cmd.instance] = result.error
         if failed:
             await self._unbind(failed)
 

@@ -17,9 +17,16 @@ from dataclasses import dataclass
 
 import structlog
 
-from orka.api import agent_pb2 as apb
+from orka.controller.commands import (
+    ClusterUpdate,
+    InstanceReported,
+    NodeCommand,
+    NodeSeen,
+    start_command,
+    stop_command,
+)
 from orka.controller.link import SchedulerLink
-from orka.controller.placement import PlacementQueue, start_command, stop_command
+from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.models import (
@@ -34,7 +41,6 @@ from orka.models import (
     Workload,
     WorkloadStatus,
 )
-from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.reconciler")
 
@@ -110,7 +116,7 @@ class Reconciler:
         self._starts_sent: dict[str, float] = {}
         self._cleanup_sent: dict[tuple[str, str], float] = {}
         # Removal commands for finished instances whose records a plan deletes.
-        self._removals: list[apb.NodeCommand] = []
+        self._removals: list[NodeCommand] = []
         # Incremental passes: while `run` listens to the repo, a pass plans only the workloads
         # whose records (or instances' records) changed since the last pass; a full pass runs
         # at least every FULL_PASS_EVERY seconds (time-based steps: resends, grace periods,
@@ -511,7 +517,7 @@ class Reconciler:
         self, insts: Sequence[Instance] | None = None, full: bool = True
     ) -> None:
         now = time.monotonic()
-        cmds: list[apb.NodeCommand] = []
+        cmds: list[NodeCommand] = []
         for inst in self.repo.instances.values() if insts is None else insts:
             if not inst.node or inst.terminal:
                 continue
@@ -548,17 +554,17 @@ class Reconciler:
         if cmds:
             await self._command(cmds)
 
-    async def _command(self, cmds: list[apb.NodeCommand]) -> None:
+    async def _command(self, cmds: list[NodeCommand]) -> None:
         try:
-            resp = await self.link.command(cmds)
+            results = await self.link.command(cmds)
         except OrkaError as err:
             log.warning("commands not delivered", count=len(cmds), error=err.message)
             return
-        for cmd, result in zip(cmds, resp.results, strict=True):
+        for cmd, result in zip(cmds, results, strict=True):
             if not result.ok:
                 log.warning("command refused", node=cmd.node, error=result.error)
 
-    def cleanup(self, node: str, instance: str, why: str) -> apb.NodeCommand | None:
+    def cleanup(self, node: str, instance: str, why: str) -> NodeCommand | None:
         """A node runs something the controller did not bind there: tell it to stop."""
         key = (node, instance)
         now = time.monotonic()
@@ -570,26 +576,19 @@ class Reconciler:
 
     # ---- what the scheduler tells us ----
 
-    async def on_updates(self, updates: Sequence[apb.ClusterUpdate]) -> None:
+    async def on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         nodes: list[Node] = []
         reports: list[InstanceReport] = []
         syncs: dict[str, set[str]] = {}
         for u in updates:
-            which = u.WhichOneof("body")
-            try:
-                if which == "node":
-                    nodes.append(convert.node_from_pb(u.node))
-                elif which == "instance":
-                    reports.append(convert.report_from_pb(u.instance.status, u.instance.node))
-                elif which == "sync":
-                    names = set()
-                    for s in u.sync.instances:
-                        reports.append(convert.report_from_pb(s, u.sync.node))
-                        names.add(s.name)
-                    syncs[u.sync.node] = names
-            except OrkaError as err:
-                log.warning("bad update from scheduler", error=err.message)
-        cleanups: list[apb.NodeCommand] = []
+            if isinstance(u, NodeSeen):
+                nodes.append(u.node)
+            elif isinstance(u, InstanceReported):
+                reports.append(u.report)
+            else:
+                reports += u.reports
+                syncs[u.node] = {r.name for r in u.reports}
+        cleanups: list[NodeCommand] = []
         reapply: list[Node] = []
         freed = False
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from orka.controller import reconciler as rmod
-from orka.controller.placement import stop_command
+from orka.controller.commands import stop_command
+from orka.controller.link import command_to_pb
 from orka.controller.reconciler import (
     RESEND_AFTER,
     CrashBackoff,
@@ -141,7 +142,7 @@ async def test_an_incremental_pass_plans_and_commands_only_the_changed_workloads
     clock.now += 2.0
     await env.rec.reconcile_once()
     assert len(env.of("b")) == 3
-    assert env.link.commands == [stop_command("n1", "b-run", "scaled down")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "b-run", "scaled down"))]
 
 
 async def test_an_incremental_pass_queues_the_pending_instances_of_every_workload_in_scope(
@@ -178,7 +179,7 @@ async def test_a_pass_queues_only_pending_instances_not_being_stopped(env: Env) 
 async def test_a_full_pass_forgets_the_commands_sent_for_deleted_instances(env: Env) -> None:
     await env.put(node("n1"), workload("web", replicas=0), inst("web-a", P.RUNNING))
     await env.rec.reconcile_once()
-    assert env.link.commands == [stop_command("n1", "web-a", "scaled down")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "web-a", "scaled down"))]
     assert list(env.rec._stops_sent) == ["web-a"]
     await env.set_inst("web-a", phase=P.STOPPED, finished_at=5.0)
     await env.rec.reconcile_once()
@@ -227,7 +228,7 @@ async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env:
     )
     await env.rec.reconcile_once()
     assert env.repo.instances == {}
-    assert env.link.commands == [stop_command("n1", "web-done", "forgotten")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "web-done", "forgotten"))]
 
 
 # ---- commands for tasks the controller did not bind ----
