@@ -18,12 +18,7 @@ from orka.controller.commands import Assignment, NodeCommand, Release, Start, st
 from orka.controller.link import SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.models import (
-    Instance,
-    InstancePhase,
-    InstanceReason,
-    NodeState,
-)
+from orka.models import Instance, InstancePhase, InstanceReason, NodeState
 
 log = structlog.get_logger("orka.controller.placement")
 
@@ -34,14 +29,11 @@ class PlacementConfig:
     # large under a backlog. Large batches are what lets the scheduler put several offers
     # (and later starts) to one node in one frame: with fewer instances per batch than
     # nodes, spreading gives each node at most one, so every instance costs four frames on
-    # the agent streams. 4,096 on 1,000 nodes: 1,188-1,323 -> 1,668-1,941 /s to RUNNING
-    # (bench/RESULTS.md).
+    # the agent streams (figures: bench/RESULTS.md).
     batch_size: int = 4096
     # ... and at most this many instances times READY nodes, but never fewer than
-    # min_batch_size: the scheduler's work per decision grows with the nodes, and 4,096 on
-    # 5,000 nodes overran it, chunked first round or not (its agents' streams failed,
-    # 4,005-4,556 nodes were marked NOT_READY and 200 of 10,000 instances were placed)
-    # where 1,024 placed all of them at 738 /s.
+    # min_batch_size: the scheduler's work per decision grows with the nodes, and a batch
+    # sized for 1,000 nodes overruns it on 5,000 (agent streams fail, nodes go NOT_READY).
     batch_node_product: int = 4096 * 1000
     min_batch_size: int = 256
     # ... and at most this many bytes of assignments (each carries its workload's spec), so

@@ -57,8 +57,8 @@ _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 # A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
 # the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
 # counted from when the failed instance finished. A replacement that then runs for
-# CRASH_HEALTHY_RUN seconds ends the streak. Without it a spec that fails at start was placed,
-# started and failed about 150 times a second, keeping three services busy.
+# CRASH_HEALTHY_RUN seconds ends the streak. Without it a spec that fails at start is placed,
+# started and failed again as fast as the services can go, keeping all three busy.
 CRASH_BACKOFF_START = 1.0
 CRASH_BACKOFF_MAX = 300.0
 CRASH_HEALTHY_RUN = 60.0
@@ -354,8 +354,7 @@ class Reconciler:
         """Step 5. Records that no longer serve anyone go, so the store does not grow without
         bound: a stop-requested instance never placed, and finished ones beyond the last
         KEEP_FINISHED. Completed replicas (`done`) stand for their replica: forgetting them
-        would start them again. A LOST one stays while its node is READY, until the node
-        confirms it stopped (or is gone for good)."""
+        would start them again."""
         current = step.current()
         done_names = {i.name for i in done}
         finished = sorted(
@@ -369,7 +368,7 @@ class Reconciler:
                 step.changes.append(self._forget(inst))
         for inst in finished[: max(0, len(finished) - KEEP_FINISHED)]:
             if inst.phase is InstancePhase.LOST and inst.node and self._node_unsettled(inst):
-                continue
+                continue  # kept until the node confirms it stopped, or is gone for good
             step.changes.append(self._forget(inst))
 
     def _crash_streak(
@@ -447,7 +446,7 @@ class Reconciler:
         """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
         replicas, none finished, stopping, replaced or of an old generation, none on a node
         that is lost, departed or draining. Most workloads are so on most passes (a full pass
-        looks at every one), and one loop tells, where the steps take six."""
+        looks at every one), and one loop tells, where the steps take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
         generation = w.generation
