@@ -458,6 +458,7 @@ class Instance(BaseModel):
 
     def hand_over_failed(self) -> Instance:
         """Its successor failed or vanished: it stays, and may be replaced again."""
+        self._require("take back its hand-over", _LIVE)
         return self.model_copy(update={"replaced_by": ""})
 
     def relabelled(self, generation: int) -> Instance:

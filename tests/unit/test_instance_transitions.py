@@ -130,6 +130,7 @@ TRANSITIONS: dict[str, tuple[Callable[[Instance], Instance], list[InstancePhase]
     "lost": (lambda i: i.lost(R.NODE_LOST, "gone", 9.0), LIVE),
     "stop": (lambda i: i.stop(R.SCALED_DOWN, 9.0), LIVE),
     "hand_over": (lambda i: i.hand_over("web-b"), BOUND),
+    "hand_over_failed": (lambda i: i.hand_over_failed(), LIVE),
     "relabelled": (lambda i: i.relabelled(2), [P.PENDING]),
 }
 
