@@ -65,23 +65,25 @@ def stop_command(node: str, instance: str, reason: str) -> Stop:
 
 
 # ---- the cluster feed: what the scheduler says changed ----
+# One per feed message, thousands a second under churn: plain slotted classes, which build in a
+# third of the time of frozen ones. Nothing changes them after the link built them.
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NodeSeen:
     """A node's record as the scheduler now sees it."""
 
     node: Node
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class InstanceReported:
     """A node's report of one instance (a state change)."""
 
     report: InstanceReport
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NodeSynced:
     """A node (re-)registered: everything it runs. An instance bound there and not in the list
     no longer runs there."""
