@@ -88,6 +88,10 @@ class InstancePhase(StrEnum):
 TERMINAL_PHASES = frozenset(
     {InstancePhase.SUCCEEDED, InstancePhase.FAILED, InstancePhase.STOPPED, InstancePhase.LOST}
 )
+# The phases each transition starts from (DESIGN.md, "Instance, node and workload states").
+_UNBOUND = frozenset({InstancePhase.PENDING})
+_JUST_BOUND = frozenset({InstancePhase.SCHEDULED})
+_LIVE = frozenset(InstancePhase) - TERMINAL_PHASES
 # Phases in which an instance holds (or is about to hold) a node's resources.
 BOUND_PHASES = frozenset(
     {
@@ -97,6 +101,37 @@ BOUND_PHASES = frozenset(
         InstancePhase.STOPPING,
     }
 )
+
+
+class InstanceReason(StrEnum):
+    """Why the controller moved an instance (or wants it stopped). The value is the `reason`
+    users see; a stop's reason shows only in its message (`Instance.stop`)."""
+
+    # Placement (orka/controller/placement.py).
+    SCHEDULED = "Scheduled"
+    UNSCHEDULABLE = "Unschedulable"
+    START_REFUSED = "StartRefused"
+    # Loss: the node is gone, or came back without the instance.
+    NODE_LOST = "NodeLost"
+    NOT_ON_NODE = "NotOnNode"
+    # Stops the controller asks for.
+    SCALED_DOWN = "ScaledDown"
+    REPLACED = "Replaced"
+    WORKLOAD_DELETED = "WorkloadDeleted"
+
+
+# What a stop tells the node and the user (the stored message, the stop command's reason).
+STOP_MESSAGES: dict[InstanceReason, str] = {
+    InstanceReason.SCALED_DOWN: "scaled down",
+    InstanceReason.REPLACED: "replaced by {successor}",
+    InstanceReason.WORKLOAD_DELETED: "workload deleted",
+}
+LOSS_REASONS = frozenset({InstanceReason.NODE_LOST, InstanceReason.NOT_ON_NODE})
+
+
+class InvalidTransition(ValueError):
+    """A transition asked of an instance in a phase it cannot leave that way: a controller bug
+    (every caller checks the phase first), refused so that no record is written wrong."""
 
 
 class NodeState(StrEnum):
@@ -338,6 +373,120 @@ class Instance(BaseModel):
     @property
     def terminal(self) -> bool:
         return self.phase in TERMINAL_PHASES
+
+    # ---- transitions: each returns the new record and refuses a phase it cannot come from
+    # (DESIGN.md, "Instance, node and workload states"). The records are values: a plan writes
+    # the returned copy, the stored one is left as it is.
+
+    def _require(self, what: str, phases: frozenset[InstancePhase]) -> None:
+        if self.phase not in phases:
+            raise InvalidTransition(f"instance {self.name}: cannot {what} from {self.phase}")
+
+    def scheduled(self, node: str, now: float) -> Instance:
+        """PENDING -> SCHEDULED: the controller wrote the binding an accepted offer made."""
+        self._require("be scheduled", _UNBOUND)
+        return self.model_copy(
+            update={
+                "phase": InstancePhase.SCHEDULED,
+                "node": node,
+                "reason": InstanceReason.SCHEDULED.value,
+                "message": "",
+                "scheduled_at": now,
+                "updated_at": now,
+            }
+        )
+
+    def unschedulable(self, why: str, now: float) -> Instance:
+        """Stays PENDING, saying why no node took it (the scheduler's reasons per node)."""
+        self._require("be unschedulable", _UNBOUND)
+        return self.model_copy(
+            update={
+                "reason": InstanceReason.UNSCHEDULABLE.value,
+                "message": why,
+                "updated_at": now,
+            }
+        )
+
+    def start_refused(self, error: str, now: float) -> Instance:
+        """SCHEDULED -> PENDING on no node: its node refused the start, so it is placed again."""
+        self._require("have its start refused", _JUST_BOUND)
+        return self.model_copy(
+            update={
+                "phase": InstancePhase.PENDING,
+                "node": "",
+                "reason": InstanceReason.START_REFUSED.value,
+                "message": f"node {self.node}: {error}",
+                "updated_at": now,
+            }
+        )
+
+    def lost(self, reason: InstanceReason, message: str, now: float) -> Instance:
+        """A live instance -> LOST: it runs nowhere the controller can see, and is replaced."""
+        if reason not in LOSS_REASONS:
+            raise InvalidTransition(f"{reason} is not a reason to lose an instance")
+        self._require("be lost", _LIVE)
+        return self.model_copy(
+            update={
+                "phase": InstancePhase.LOST,
+                "reason": reason.value,
+                "message": message,
+                "finished_at": now,
+                "updated_at": now,
+            }
+        )
+
+    def stop(self, reason: InstanceReason, now: float, successor: str = "") -> Instance:
+        """Ask a live instance to stop. A wish, not a phase: phase and reason stay what the node
+        reports until it has stopped; the message says why (and is what the node is told)."""
+        template = STOP_MESSAGES.get(reason)
+        if template is None:
+            raise InvalidTransition(f"{reason} is not a reason to stop an instance")
+        self._require("be stopped", _LIVE)
+        return self.model_copy(
+            update={
+                "desired_stop": True,
+                "message": template.format(successor=successor),
+                "updated_at": now,
+            }
+        )
+
+    def hand_over(self, successor: str) -> Instance:
+        """A bound live instance gets a successor (drain, rolling update); it stops once the
+        successor runs."""
+        self._require("be replaced", BOUND_PHASES)
+        return self.model_copy(update={"replaced_by": successor})
+
+    def hand_over_failed(self) -> Instance:
+        """Its successor failed or vanished: it stays, and may be replaced again."""
+        self._require("take back its hand-over", _LIVE)
+        return self.model_copy(update={"replaced_by": ""})
+
+    def relabelled(self, generation: int) -> Instance:
+        """A PENDING instance of an old generation simply becomes the new one: it has not run,
+        so there is nothing to replace."""
+        self._require("be relabelled", _UNBOUND)
+        return self.model_copy(update={"generation": generation})
+
+    def reported(self, r: InstanceReport, now: float) -> Instance | None:
+        """Fold what its node reports into the record; None when nothing changed. The node is
+        the truth for phases after SCHEDULED; a finished instance stays finished (a late
+        report of an earlier phase is ignored), and a stop's message stays until the node
+        says something of its own."""
+        if r.phase is InstancePhase.SCHEDULED:
+            return None
+        if self.terminal and r.phase not in TERMINAL_PHASES:
+            return None
+        update: dict[str, object] = {}
+        for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
+            value = getattr(r, field)
+            if getattr(self, field) != value:
+                update[field] = value
+        if r.message != self.message and not (self.desired_stop and not r.message):
+            update["message"] = r.message
+        if not update:
+            return None
+        update["updated_at"] = now
+        return self.model_copy(update=update)
 
 
 class Node(BaseModel):

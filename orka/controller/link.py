@@ -1,10 +1,17 @@
-"""The controller's connection to the scheduler: placement, commands and the cluster feed."""
+"""The controller's connection to the scheduler: placement, commands and the cluster feed.
+
+Protobuf stops here. Callers hand in domain commands (orka/controller/commands.py) and get back
+domain results; each message has one converter below, each way, so a change of the wire
+format touches one function. A result keeps the message it came from (`raw`) for what the
+domain value does not carry yet.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -12,13 +19,50 @@ import structlog
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
+from orka.controller.commands import (
+    Assignment,
+    ClusterUpdate,
+    InstanceReported,
+    NodeCommand,
+    NodeSeen,
+    NodeSynced,
+    Release,
+    Start,
+    Stop,
+)
 from orka.errors import OrkaError, Unavailable
+from orka.memo import ByIdentity
+from orka.models import Node, WorkloadSpec
+from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.security.tls import TlsFiles
 
 log = structlog.get_logger("orka.controller.link")
 
-UpdatesHandler = Callable[[Sequence[apb.ClusterUpdate]], Awaitable[None]]
+UpdatesHandler = Callable[[Sequence[ClusterUpdate]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class PlaceResult:
+    """Where the scheduler placed one instance: `node` when an agent accepted it, else
+    `reasons` (why no node took it) and the refusals per node."""
+
+    instance: str
+    node: str = ""
+    reasons: str = ""
+    refusals: dict[str, str] = field(default_factory=dict)
+    raw: apb.PlaceResult | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """A node's answer to one command. `unconfirmed`: no answer (not connected, timed out),
+    so it may or may not have acted."""
+
+    ok: bool
+    error: str = ""
+    unconfirmed: bool = False
+    raw: apb.CommandResult | None = field(default=None, compare=False, repr=False)
 
 
 class SchedulerLink:
@@ -80,7 +124,7 @@ class SchedulerLink:
                         attempt = 0
                         if self.on_connect is not None:
                             self.on_connect()
-                    await self.on_updates(updates)
+                    await self.on_updates(updates_from_pb(updates))
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
@@ -114,19 +158,23 @@ class SchedulerLink:
         except OrkaError:
             raise
 
-    async def place(self, items: list[apb.Assignment], timeout: float = 120.0) -> apb.PlaceResponse:
-        resp = await self._call("Place", apb.PlaceRequest(items=items), timeout)
+    async def place(self, items: list[Assignment], timeout: float = 120.0) -> list[PlaceResult]:
+        """One result per item, in the order of `items`."""
+        req = apb.PlaceRequest(items=[assignment_to_pb(a) for a in items])
+        resp = await self._call("Place", req, timeout)
         assert isinstance(resp, apb.PlaceResponse)
-        return resp
+        return [place_result_from_pb(r) for r in resp.results]
 
-    async def command(self, commands: list[apb.NodeCommand]) -> apb.CommandResponse:
-        resp = await self._call("Command", apb.CommandRequest(commands=commands), 60.0)
+    async def command(self, commands: Sequence[NodeCommand]) -> list[CommandResult]:
+        """One result per command, in the order of `commands`."""
+        req = apb.CommandRequest(commands=[command_to_pb(c) for c in commands])
+        resp = await self._call("Command", req, 60.0)
         assert isinstance(resp, apb.CommandResponse)
-        return resp
+        return [command_result_from_pb(r) for r in resp.results]
 
     async def set_node(
         self, name: str, schedulable: bool | None = None, draining: bool | None = None
-    ) -> pb.Node:
+    ) -> Node:
         req = apb.SetNodeRequest(name=name)
         if schedulable is not None:
             req.schedulable = schedulable
@@ -134,7 +182,86 @@ class SchedulerLink:
             req.draining = draining
         resp = await self._call("SetNode", req, 10.0)
         assert isinstance(resp, pb.Node)
-        return resp
+        return convert.node_from_pb(resp)
+
+
+# ---- converters: one per message, each way ----
+
+# A spec is converted once, not once per instance: a workload's replicas share it. The
+# messages are shared, so they are only ever copied from (as the Assignment constructor does).
+_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(
+    convert.spec_to_pb, weigh=lambda msg: msg.ByteSize(), max_weight=32 << 20
+)
+_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
+    lambda spec: _spec_msg(spec).ByteSize(), weigh=lambda size: size, max_weight=32 << 20
+)
+# What an assignment adds to a request besides its spec and instance name: fields and framing.
+_ASSIGNMENT_OVERHEAD = 64
+
+
+def assignment_bytes(a: Assignment) -> int:
+    """About what one assignment adds to a Place or Command request (within a few bytes): what
+    keeps a batch under the gRPC message limit."""
+    return _spec_bytes(a.spec) + len(a.instance) + _ASSIGNMENT_OVERHEAD
+
+
+def assignment_to_pb(a: Assignment) -> apb.Assignment:
+    return apb.Assignment(instance=a.instance, generation=a.generation, spec=_spec_msg(a.spec))
+
+
+def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
+    match c:
+        case Start():
+            return apb.NodeCommand(
+                node=c.node, start=apb.StartInstance(assignment=assignment_to_pb(c.assignment))
+            )
+        case Stop():
+            return apb.NodeCommand(
+                node=c.node,
+                stop=apb.StopInstance(instance=c.instance, remove=True, reason=c.reason),
+            )
+        case Release():
+            return apb.NodeCommand(node=c.node, release=apb.ReleaseOffer(instance=c.instance))
+
+
+def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
+    return PlaceResult(
+        instance=r.instance, node=r.node, reasons=r.reasons, refusals=dict(r.refusals), raw=r
+    )
+
+
+def command_result_from_pb(r: apb.CommandResult) -> CommandResult:
+    return CommandResult(ok=r.ok, error=r.error, unconfirmed=r.unconfirmed, raw=r)
+
+
+def update_from_pb(u: apb.ClusterUpdate) -> ClusterUpdate | None:
+    """Scheduler input, validated here (orka.rpc.convert raises Invalid for a bad one)."""
+    which = u.WhichOneof("body")
+    if which == "node":
+        return NodeSeen(convert.node_from_pb(u.node))
+    if which == "instance":
+        return InstanceReported(convert.report_from_pb(u.instance.status, u.instance.node))
+    if which == "sync":
+        return NodeSynced(
+            node=u.sync.node,
+            reports=[convert.report_from_pb(s, u.sync.node) for s in u.sync.instances],
+        )
+    return None  # a kind of update this controller does not know yet
+
+
+def updates_from_pb(updates: Iterable[apb.ClusterUpdate]) -> list[ClusterUpdate]:
+    """The feed's updates as domain values; a bad one is logged and skipped, never fatal: one
+    malformed message must not stop the controller hearing about the whole cluster."""
+    out: list[ClusterUpdate] = []
+    for u in updates:
+        try:
+            update = update_from_pb(u)
+        except OrkaError as err:
+            log.warning("bad update from scheduler", error=err.message)
+            continue
+        if update is not None:
+            out.append(update)
+    return out
 
 
 # Updates handed over in one call at most; the store commits them in chunks anyway.

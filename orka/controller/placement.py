@@ -14,46 +14,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from orka.api import agent_pb2 as apb
-from orka.api import controller_pb2 as pb
-from orka.controller.link import SchedulerLink
+from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
+from orka.controller.link import SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.memo import ByIdentity
-from orka.models import Instance, InstancePhase, NodeState, Workload, WorkloadSpec
-from orka.rpc import convert
+from orka.models import Instance, InstancePhase, InstanceReason, NodeState
 
 log = structlog.get_logger("orka.controller.placement")
-
-
-def assignment(inst: Instance, w: Workload) -> apb.Assignment:
-    """What a node is told to run for one instance; the same for offers and starts."""
-    return apb.Assignment(instance=inst.name, generation=inst.generation, spec=_spec_msg(w.spec))
-
-
-# Converted once per spec rather than twice per instance. The messages are shared: only ever
-# copied from (as the Assignment constructor does).
-_spec_msg: ByIdentity[WorkloadSpec, pb.WorkloadSpec] = ByIdentity(
-    convert.spec_to_pb, weigh=lambda msg: msg.ByteSize(), max_weight=32 << 20
-)
-
-
-# What one instance adds to a Place or Command request: its spec plus name and framing.
-_spec_bytes: ByIdentity[WorkloadSpec, int] = ByIdentity(
-    lambda spec: _spec_msg(spec).ByteSize(), weigh=lambda size: size, max_weight=32 << 20
-)
-_ASSIGNMENT_OVERHEAD = 64
-
-
-def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
-    return apb.NodeCommand(node=inst.node, start=apb.StartInstance(assignment=assignment(inst, w)))
-
-
-def stop_command(node: str, instance: str, reason: str) -> apb.NodeCommand:
-    """Stop and remove an instance on a node."""
-    return apb.NodeCommand(
-        node=node, stop=apb.StopInstance(instance=instance, remove=True, reason=reason)
-    )
 
 
 @dataclass
@@ -62,14 +29,11 @@ class PlacementConfig:
     # large under a backlog. Large batches are what lets the scheduler put several offers
     # (and later starts) to one node in one frame: with fewer instances per batch than
     # nodes, spreading gives each node at most one, so every instance costs four frames on
-    # the agent streams. 4,096 on 1,000 nodes: 1,188-1,323 -> 1,668-1,941 /s to RUNNING
-    # (bench/RESULTS.md).
+    # the agent streams (figures: bench/RESULTS.md).
     batch_size: int = 4096
     # ... and at most this many instances times READY nodes, but never fewer than
-    # min_batch_size: the scheduler's work per decision grows with the nodes, and 4,096 on
-    # 5,000 nodes overran it, chunked first round or not (its agents' streams failed,
-    # 4,005-4,556 nodes were marked NOT_READY and 200 of 10,000 instances were placed)
-    # where 1,024 placed all of them at 738 /s.
+    # min_batch_size: the scheduler's work per decision grows with the nodes, and a batch
+    # sized for 1,000 nodes overruns it on 5,000 (agent streams fail, nodes go NOT_READY).
     batch_node_product: int = 4096 * 1000
     min_batch_size: int = 256
     # ... and at most this many bytes of assignments (each carries its workload's spec), so
@@ -170,7 +134,7 @@ class PlacementQueue:
             if w is None:
                 del self.pending[name]
                 continue
-            cost = _spec_bytes(w.spec) + len(name) + _ASSIGNMENT_OVERHEAD
+            cost = assignment_bytes(Assignment.of(inst, w))
             if batch and size + cost > self.config.batch_bytes:
                 break  # the next batch takes it
             del self.pending[name]
@@ -189,17 +153,17 @@ class PlacementQueue:
         assignments = []
         for inst in batch:
             w = self.repo.workloads[inst.workload]
-            assignments.append(assignment(inst, w))
+            assignments.append(Assignment.of(inst, w))
         try:
             try:
-                resp = await self.link.place(assignments)
+                results = await self.link.place(assignments)
             except OrkaError as err:
                 await self._mark_unplaced(
                     {i.name: f"scheduler unavailable: {err.message}" for i in batch}
                 )
                 return
-            bound = {r.instance: r.node for r in resp.results if r.node}
-            unplaced = {r.instance: r.reasons for r in resp.results if not r.node}
+            bound = {r.instance: r.node for r in results if r.node}
+            unplaced = {r.instance: r.reasons for r in results if not r.node}
             committed = await self._bind(bound)
             if unplaced:
                 await self._mark_unplaced(unplaced)
@@ -220,16 +184,7 @@ class PlacementQueue:
                 if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
                     released.append((node, name))
                     continue
-                new = inst.model_copy(
-                    update={
-                        "phase": InstancePhase.SCHEDULED,
-                        "node": node,
-                        "reason": "Scheduled",
-                        "message": "",
-                        "scheduled_at": now,
-                        "updated_at": now,
-                    }
-                )
+                new = inst.scheduled(node, now)
                 committed.append(new)
                 changes.append(Change("instances", name, new))
             return changes
@@ -238,10 +193,7 @@ class PlacementQueue:
         for name in (i.name for i in committed):
             self.backoff.pop(name, None)
         if released:
-            cmds = [
-                apb.NodeCommand(node=node, release=apb.ReleaseOffer(instance=name))
-                for node, name in released
-            ]
+            cmds: list[NodeCommand] = [Release(node=node, instance=name) for node, name in released]
             try:
                 await self.link.command(cmds)
             except OrkaError as err:
@@ -251,7 +203,7 @@ class PlacementQueue:
     async def _start(self, committed: list[Instance]) -> None:
         if not committed:
             return
-        cmds = []
+        cmds: list[Start] = []
         for inst in committed:
             w = self.repo.workloads.get(inst.workload)
             if w is None:
@@ -259,16 +211,16 @@ class PlacementQueue:
             cmds.append(start_command(inst, w))
         failed: dict[str, str] = {}
         try:
-            resp = await self.link.command(cmds)
+            results = await self.link.command(cmds)
         except OrkaError as err:
             # The start may or may not have reached the node. Unbinding now could run the
             # instance twice; it stays SCHEDULED, the reconciler sends the start again, and a
             # node that never runs it reports so (or is lost), which frees the instance.
             log.warning("start not confirmed; will retry", count=len(cmds), error=err.message)
             return
-        for cmd, result in zip(cmds, resp.results, strict=True):
+        for cmd, result in zip(cmds, results, strict=True):
             if not result.ok and not result.unconfirmed:
-                failed[cmd.start.assignment.instance] = result.error
+                failed[cmd.instance] = result.error
         if failed:
             await self._unbind(failed)
 
@@ -281,15 +233,7 @@ class PlacementQueue:
                 inst = self.repo.instances.get(name)
                 if inst is None or inst.phase is not InstancePhase.SCHEDULED:
                     continue
-                new = inst.model_copy(
-                    update={
-                        "phase": InstancePhase.PENDING,
-                        "node": "",
-                        "reason": "StartRefused",
-                        "message": f"node {inst.node}: {error}",
-                        "updated_at": time.time(),
-                    }
-                )
+                new = inst.start_refused(error, time.time())
                 changes.append(Change("instances", name, new))
             return changes
 
@@ -304,11 +248,9 @@ class PlacementQueue:
                 inst = self.repo.instances.get(name)
                 if inst is None or inst.phase is not InstancePhase.PENDING:
                     continue
-                if inst.reason == "Unschedulable" and inst.message == why:
+                if inst.reason == InstanceReason.UNSCHEDULABLE and inst.message == why:
                     continue  # unchanged: no write
-                new = inst.model_copy(
-                    update={"reason": "Unschedulable", "message": why, "updated_at": time.time()}
-                )
+                new = inst.unschedulable(why, time.time())
                 changes.append(Change("instances", name, new))
             return changes
 

@@ -17,15 +17,23 @@ from dataclasses import dataclass
 
 import structlog
 
-from orka.api import agent_pb2 as apb
+from orka.controller.commands import (
+    ClusterUpdate,
+    InstanceReported,
+    NodeCommand,
+    NodeSeen,
+    start_command,
+    stop_command,
+)
 from orka.controller.link import SchedulerLink
-from orka.controller.placement import PlacementQueue, start_command, stop_command
+from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.models import (
     TERMINAL_PHASES,
     Instance,
     InstancePhase,
+    InstanceReason,
     InstanceReport,
     Node,
     NodeState,
@@ -33,7 +41,6 @@ from orka.models import (
     Workload,
     WorkloadStatus,
 )
-from orka.rpc import convert
 
 log = structlog.get_logger("orka.controller.reconciler")
 
@@ -50,8 +57,8 @@ _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 # A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
 # the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
 # counted from when the failed instance finished. A replacement that then runs for
-# CRASH_HEALTHY_RUN seconds ends the streak. Without it a spec that fails at start was placed,
-# started and failed about 150 times a second, keeping three services busy.
+# CRASH_HEALTHY_RUN seconds ends the streak. Without it a spec that fails at start is placed,
+# started and failed again as fast as the services can go, keeping all three busy.
 CRASH_BACKOFF_START = 1.0
 CRASH_BACKOFF_MAX = 300.0
 CRASH_HEALTHY_RUN = 60.0
@@ -73,6 +80,26 @@ class CrashBackoff:
         return min(CRASH_BACKOFF_START * 2 ** max(0, self.failures - 1), CRASH_BACKOFF_MAX)
 
 
+class WorkloadStep:
+    """One workload's planning pass: its instances as the steps so far left them, and the
+    writes they planned. Each step reads `current()` and writes with `put`."""
+
+    def __init__(self, workload: Workload, insts: dict[str, Instance], now: float) -> None:
+        self.workload = workload
+        self.insts = insts
+        self.now = now
+        self.changes: list[Change] = []
+        self._updated: dict[str, Instance] = {}
+
+    def put(self, inst: Instance) -> None:
+        self._updated[inst.name] = inst
+        self.changes.append(Change("instances", inst.name, inst))
+
+    def current(self) -> dict[str, Instance]:
+        # Most passes change nothing here: the workload's own table stands as is.
+        return {**self.insts, **self._updated} if self._updated else self.insts
+
+
 def new_instance(w: Workload) -> Instance:
     return Instance(
         name=f"{w.name}-{secrets.token_hex(3)}", workload=w.name, generation=w.generation
@@ -89,7 +116,7 @@ class Reconciler:
         self._starts_sent: dict[str, float] = {}
         self._cleanup_sent: dict[tuple[str, str], float] = {}
         # Removal commands for finished instances whose records a plan deletes.
-        self._removals: list[apb.NodeCommand] = []
+        self._removals: list[NodeCommand] = []
         # Incremental passes: while `run` listens to the repo, a pass plans only the workloads
         # whose records (or instances' records) changed since the last pass; a full pass runs
         # at least every FULL_PASS_EVERY seconds (time-based steps: resends, grace periods,
@@ -223,7 +250,8 @@ class Reconciler:
                 if inst.terminal or not inst.node:
                     changes.append(self._forget(inst))
                 elif not inst.desired_stop:
-                    changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+                    stopped = _stop(inst, InstanceReason.WORKLOAD_DELETED)
+                    changes.append(Change("instances", inst.name, stopped))
         return changes
 
     def _node(self, name: str) -> Node | None:
@@ -241,79 +269,54 @@ class Reconciler:
                 continue
             remaining += 1
             if not inst.desired_stop:
-                changes.append(Change("instances", inst.name, _stop(inst, "workload deleted")))
+                stopped = _stop(inst, InstanceReason.WORKLOAD_DELETED)
+                changes.append(Change("instances", inst.name, stopped))
         if remaining == 0:
             changes.append(Change("workloads", w.name, None))
         return changes
 
     def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
+        """The writes that move one live workload toward its spec, step by step; each step sees
+        what the steps before it wrote."""
         if self._settled(w, insts):
             if w.name in self.crashes:
                 self._crash_streak(w, insts, now)  # a settled workload may end its streak
             return self._status_change(w, insts.values(), now)
-        changes: list[Change] = []
-        updated: dict[str, Instance] = {}
+        step = WorkloadStep(w, insts, now)
+        self._lose_on_gone_nodes(step)
+        _release_replaced(step)
+        crash = self._crash_streak(w, step.current(), now)
+        self._surge_replacements(step, crash)
+        done = _completed(w, step.current())
+        _scale(step, done, crash)
+        self._forget_finished(step, done)
+        return step.changes + self._status_change(w, step.current().values(), now)
 
-        def put(inst: Instance) -> None:
-            updated[inst.name] = inst
-            changes.append(Change("instances", inst.name, inst))
-
-        def merged() -> dict[str, Instance]:
-            # Most passes change nothing here: the workload's own table stands as is.
-            return {**insts, **updated} if updated else insts
-
-        # 1. Instances on lost or departed nodes are LOST; replacements follow below.
-        for inst in insts.values():
+    def _lose_on_gone_nodes(self, step: WorkloadStep) -> None:
+        """Step 1. An instance on a lost or departed node runs nowhere the controller can see:
+        it is LOST, so that the later steps count it out and place a replacement."""
+        for inst in step.insts.values():
             if inst.terminal or not inst.node:
                 continue
             node = self._node(inst.node)
             if node is not None and node.state in _NODE_GONE:
-                put(
-                    inst.model_copy(
-                        update={
-                            "phase": InstancePhase.LOST,
-                            "reason": "NodeLost",
-                            "message": f"node {node.name} is {node.state.value}",
-                            "finished_at": now,
-                            "updated_at": now,
-                        }
-                    )
-                )
-        current = merged()
+                message = f"node {node.name} is {node.state.value}"
+                step.put(inst.lost(InstanceReason.NODE_LOST, message, step.now))
 
-        # 2. Replacements that now run let their predecessors stop.
-        for inst in current.values():
-            if inst.replaced_by and not inst.desired_stop and not inst.terminal:
-                succ = current.get(inst.replaced_by)
-                if succ is None or succ.terminal or succ.desired_stop:
-                    # The successor failed or vanished: this one stays and may be replaced again.
-                    put(inst.model_copy(update={"replaced_by": ""}))
-                elif succ.phase is InstancePhase.RUNNING:
-                    put(_stop(inst, f"replaced by {succ.name}"))
-        current = merged()
-
-        crash = self._crash_streak(w, current, now)
-
-        # 3. Old generations (rolling update) and draining nodes: surge one replacement each.
+    def _surge_replacements(self, step: WorkloadStep, crash: CrashBackoff | None) -> None:
+        """Step 3. An instance of an old generation (rolling update) or on a draining node gets
+        a successor before it stops (surge, so capacity never dips): one at a time for an
+        update, all at once for a drain, none while a crash backoff runs. An outdated instance
+        not yet placed is simply relabelled: it has nothing to hand over."""
+        w, now = step.workload, step.now
+        current = step.current()
         replacing = [
             i for i in current.values() if i.replaced_by and not i.desired_stop and not i.terminal
         ]
-        # Only an outdated instance or one on a draining node has anything to do below; they
-        # are few, so they alone are sorted (oldest first), not the whole workload each pass.
-        todo = []
-        for inst in current.values():
-            if inst.terminal or inst.desired_stop or inst.replaced_by:
-                continue
-            if inst.generation != w.generation:
-                todo.append(inst)
-            elif inst.phase is not InstancePhase.PENDING:
-                node = self._node(inst.node)
-                if node is not None and node.draining:
-                    todo.append(inst)
-        for inst in sorted(todo, key=lambda i: i.created_at):
+        for inst in self._to_replace(w, current):
             if inst.phase is InstancePhase.PENDING:
                 if inst.generation != w.generation:
-                    put(inst.model_copy(update={"generation": w.generation}))
+                    step.put(inst.relabelled(w.generation))
                 continue
             node = self._node(inst.node)
             draining = node is not None and node.draining
@@ -327,50 +330,32 @@ class Reconciler:
             succ = new_instance(w)
             if crash is not None:
                 crash.probes.add(succ.name)
-            put(succ)
-            put(inst.model_copy(update={"replaced_by": succ.name}))
+            step.put(succ)
+            step.put(inst.hand_over(succ.name))
             replacing.append(inst)
-        current = merged()
 
-        # 4. Count what serves the workload, then add or remove to match replicas.
-        active = [
-            i
-            for i in current.values()
-            if not i.terminal and not i.desired_stop and not i.replaced_by
-        ]
-        done = [
-            i
-            for i in current.values()
-            if not i.desired_stop
-            and (
-                i.phase is InstancePhase.SUCCEEDED
-                or (
-                    i.phase is InstancePhase.FAILED and w.spec.restart_policy is RestartPolicy.NEVER
-                )
-            )
-        ]
-        missing = w.spec.replicas - len(active) - len(done)
-        if missing > 0 and crash is not None and now < crash.not_before:
-            missing = 0  # failed replicas wait out the backoff
-        for _ in range(max(0, missing)):
-            fresh = new_instance(w)
-            if crash is not None:
-                crash.probes.add(fresh.name)
-            put(fresh)
-        if missing < 0:
-            order = {
-                InstancePhase.PENDING: 0,
-                InstancePhase.SCHEDULED: 1,
-                InstancePhase.STARTING: 2,
-                InstancePhase.RUNNING: 3,
-            }
-            extras = sorted(active, key=lambda i: (order.get(i.phase, 1), -i.created_at))[:-missing]
-            for inst in extras:
-                put(_stop(inst, "scaled down"))
-        current = merged()
+    def _to_replace(self, w: Workload, current: dict[str, Instance]) -> list[Instance]:
+        """The instances step 3 has work for, oldest first: outdated ones, and bound ones on a
+        draining node. They are few, so they alone are sorted, not the whole workload each
+        pass."""
+        todo = []
+        for inst in current.values():
+            if inst.terminal or inst.desired_stop or inst.replaced_by:
+                continue
+            if inst.generation != w.generation:
+                todo.append(inst)
+            elif inst.phase is not InstancePhase.PENDING:
+                node = self._node(inst.node)
+                if node is not None and node.draining:
+                    todo.append(inst)
+        return sorted(todo, key=lambda i: i.created_at)
 
-        # 5. Stopped-on-request and never-placed ones are removed; history is trimmed.
-        # Completed replicas stand for their replica: trimming them would start them again.
+    def _forget_finished(self, step: WorkloadStep, done: list[Instance]) -> None:
+        """Step 5. Records that no longer serve anyone go, so the store does not grow without
+        bound: a stop-requested instance never placed, and finished ones beyond the last
+        KEEP_FINISHED. Completed replicas (`done`) stand for their replica: forgetting them
+        would start them again."""
+        current = step.current()
         done_names = {i.name for i in done}
         finished = sorted(
             (i for i in current.values() if i.terminal and i.name not in done_names),
@@ -380,14 +365,11 @@ class Reconciler:
             if inst.desired_stop and (
                 inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
             ):
-                changes.append(self._forget(inst))
+                step.changes.append(self._forget(inst))
         for inst in finished[: max(0, len(finished) - KEEP_FINISHED)]:
             if inst.phase is InstancePhase.LOST and inst.node and self._node_unsettled(inst):
-                continue  # keep until the node confirms it stopped, or is gone for good
-            changes.append(self._forget(inst))
-
-        # 6. Status.
-        return changes + self._status_change(w, current.values(), now)
+                continue  # kept until the node confirms it stopped, or is gone for good
+            step.changes.append(self._forget(inst))
 
     def _crash_streak(
         self, w: Workload, insts: dict[str, Instance], now: float
@@ -464,7 +446,7 @@ class Reconciler:
         """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
         replicas, none finished, stopping, replaced or of an old generation, none on a node
         that is lost, departed or draining. Most workloads are so on most passes (a full pass
-        looks at every one), and one loop tells, where the steps take six."""
+        looks at every one), and one loop tells, where the steps take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
         generation = w.generation
@@ -534,7 +516,7 @@ class Reconciler:
         self, insts: Sequence[Instance] | None = None, full: bool = True
     ) -> None:
         now = time.monotonic()
-        cmds: list[apb.NodeCommand] = []
+        cmds: list[NodeCommand] = []
         for inst in self.repo.instances.values() if insts is None else insts:
             if not inst.node or inst.terminal:
                 continue
@@ -571,17 +553,17 @@ class Reconciler:
         if cmds:
             await self._command(cmds)
 
-    async def _command(self, cmds: list[apb.NodeCommand]) -> None:
+    async def _command(self, cmds: list[NodeCommand]) -> None:
         try:
-            resp = await self.link.command(cmds)
+            results = await self.link.command(cmds)
         except OrkaError as err:
             log.warning("commands not delivered", count=len(cmds), error=err.message)
             return
-        for cmd, result in zip(cmds, resp.results, strict=True):
+        for cmd, result in zip(cmds, results, strict=True):
             if not result.ok:
                 log.warning("command refused", node=cmd.node, error=result.error)
 
-    def cleanup(self, node: str, instance: str, why: str) -> apb.NodeCommand | None:
+    def cleanup(self, node: str, instance: str, why: str) -> NodeCommand | None:
         """A node runs something the controller did not bind there: tell it to stop."""
         key = (node, instance)
         now = time.monotonic()
@@ -593,26 +575,19 @@ class Reconciler:
 
     # ---- what the scheduler tells us ----
 
-    async def on_updates(self, updates: Sequence[apb.ClusterUpdate]) -> None:
+    async def on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         nodes: list[Node] = []
         reports: list[InstanceReport] = []
         syncs: dict[str, set[str]] = {}
         for u in updates:
-            which = u.WhichOneof("body")
-            try:
-                if which == "node":
-                    nodes.append(convert.node_from_pb(u.node))
-                elif which == "instance":
-                    reports.append(convert.report_from_pb(u.instance.status, u.instance.node))
-                elif which == "sync":
-                    names = set()
-                    for s in u.sync.instances:
-                        reports.append(convert.report_from_pb(s, u.sync.node))
-                        names.add(s.name)
-                    syncs[u.sync.node] = names
-            except OrkaError as err:
-                log.warning("bad update from scheduler", error=err.message)
-        cleanups: list[apb.NodeCommand] = []
+            if isinstance(u, NodeSeen):
+                nodes.append(u.node)
+            elif isinstance(u, InstanceReported):
+                reports.append(u.report)
+            else:
+                reports += u.reports
+                syncs[u.node] = {r.name for r in u.reports}
+        cleanups: list[NodeCommand] = []
         reapply: list[Node] = []
         freed = False
 
@@ -649,7 +624,7 @@ class Reconciler:
                     if cmd is not None:
                         cleanups.append(cmd)
                     continue
-                new = _apply_report(inst, r, now)
+                new = inst.reported(r, now)
                 if new is not None:
                     changed_instances[r.name] = new
                     if new.terminal:
@@ -665,14 +640,10 @@ class Reconciler:
                         and now - (inst.scheduled_at or 0) < START_GRACE
                     ):
                         continue
-                    changed_instances[inst.name] = inst.model_copy(
-                        update={
-                            "phase": InstancePhase.LOST,
-                            "reason": "NotOnNode",
-                            "message": f"node {node_name} re-registered without it",
-                            "finished_at": now,
-                            "updated_at": now,
-                        }
+                    changed_instances[inst.name] = inst.lost(
+                        InstanceReason.NOT_ON_NODE,
+                        f"node {node_name} re-registered without it",
+                        now,
                     )
                     freed = True
             changes += [Change("instances", n, i) for n, i in changed_instances.items()]
@@ -694,8 +665,73 @@ class Reconciler:
             self.kick()
 
 
-def _stop(inst: Instance, why: str) -> Instance:
-    return inst.model_copy(update={"desired_stop": True, "message": why, "updated_at": time.time()})
+def _release_replaced(step: WorkloadStep) -> None:
+    """Step 2. An instance being replaced (drain, rolling update) stops once its successor
+    runs, not before, so the workload never has fewer running than it had. A successor that
+    failed or vanished frees its predecessor, which stays and may be replaced again."""
+    current = step.current()
+    for inst in current.values():
+        if inst.replaced_by and not inst.desired_stop and not inst.terminal:
+            succ = current.get(inst.replaced_by)
+            if succ is None or succ.terminal or succ.desired_stop:
+                step.put(inst.hand_over_failed())
+            elif succ.phase is InstancePhase.RUNNING:
+                step.put(_stop(inst, InstanceReason.REPLACED, successor=succ.name))
+
+
+def _completed(w: Workload, current: dict[str, Instance]) -> list[Instance]:
+    """The instances that finished their replica's work for good: succeeded, or failed under
+    restart policy NEVER. They count toward the replicas, so none is started in their place."""
+    return [
+        i
+        for i in current.values()
+        if not i.desired_stop
+        and (
+            i.phase is InstancePhase.SUCCEEDED
+            or (i.phase is InstancePhase.FAILED and w.spec.restart_policy is RestartPolicy.NEVER)
+        )
+    ]
+
+
+# Which active instances a scale-down stops first: those that have done the least (a pending
+# one costs nothing to drop; a running one serves), the newest first among equals.
+_SCALE_DOWN_ORDER = {
+    InstancePhase.PENDING: 0,
+    InstancePhase.SCHEDULED: 1,
+    InstancePhase.STARTING: 2,
+    InstancePhase.RUNNING: 3,
+}
+
+
+def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None) -> None:
+    """Step 4. Add or stop instances until those serving the workload (active, not being
+    replaced) and the completed ones make `replicas`. Additions wait out a crash backoff:
+    that is what keeps a spec that fails at start from being placed over and over."""
+    w = step.workload
+    active = [
+        i
+        for i in step.current().values()
+        if not i.terminal and not i.desired_stop and not i.replaced_by
+    ]
+    missing = w.spec.replicas - len(active) - len(done)
+    if missing > 0 and crash is not None and step.now < crash.not_before:
+        missing = 0
+    for _ in range(max(0, missing)):
+        fresh = new_instance(w)
+        if crash is not None:
+            crash.probes.add(fresh.name)
+        step.put(fresh)
+    if missing < 0:
+        extras = sorted(active, key=lambda i: (_SCALE_DOWN_ORDER.get(i.phase, 1), -i.created_at))[
+            :-missing
+        ]
+        for inst in extras:
+            step.put(_stop(inst, InstanceReason.SCALED_DOWN))
+
+
+def _stop(inst: Instance, reason: InstanceReason, successor: str = "") -> Instance:
+    """Stamped with the wall time the stop is decided (the pass's `now` may be a test clock)."""
+    return inst.stop(reason, time.time(), successor)
 
 
 def _node_changed(old: Node, new: Node) -> bool:
@@ -708,22 +744,3 @@ def _node_changed(old: Node, new: Node) -> bool:
         or old.capacity != new.capacity
         or old.allocatable != new.allocatable
     )
-
-
-def _apply_report(inst: Instance, r: InstanceReport, now: float) -> Instance | None:
-    """Fold an agent's report into the stored instance; None when nothing changed."""
-    if r.phase is InstancePhase.SCHEDULED:
-        return None
-    if inst.terminal and r.phase not in TERMINAL_PHASES:
-        return None
-    update: dict[str, object] = {}
-    for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
-        value = getattr(r, field)
-        if getattr(inst, field) != value:
-            update[field] = value
-    if r.message != inst.message and not (inst.desired_stop and not r.message):
-        update["message"] = r.message
-    if not update:
-        return None
-    update["updated_at"] = now
-    return inst.model_copy(update=update)

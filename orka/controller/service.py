@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
+from orka.controller.commands import ClusterUpdate, NodeSynced
 from orka.controller.events import EventHub
 from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
@@ -109,11 +111,11 @@ class Controller:
         self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
         self.reconciler = Reconciler(self.repo, self.link, self.queue)
 
-    async def _on_updates(self, updates: object) -> None:
-        await self.reconciler.on_updates(updates)  # type: ignore[arg-type]
+    async def _on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
+        await self.reconciler.on_updates(updates)
         # An agent (re-)registering is a node joining as far as placement is concerned: after
         # a scheduler restart its node record is unchanged, so the reconciler would not say so.
-        if any(u.WhichOneof("body") == "sync" for u in updates):  # type: ignore[attr-defined]
+        if any(isinstance(u, NodeSynced) for u in updates):
             self.queue.cluster_changed()
 
     def _feed_connected(self) -> None:

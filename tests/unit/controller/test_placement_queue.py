@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
 import structlog
 
 from orka.api import agent_pb2 as apb
-from orka.controller.placement import (
-    PlacementConfig,
-    PlacementQueue,
-    _Backoff,
+from orka.controller import commands
+from orka.controller.commands import Assignment, NodeCommand, stop_command
+from orka.controller.link import (
+    CommandResult,
+    PlaceResult,
     _spec_bytes,
-    assignment,
-    start_command,
-    stop_command,
+    assignment_to_pb,
+    command_result_from_pb,
+    command_to_pb,
+    place_result_from_pb,
 )
+from orka.controller.placement import PlacementConfig, PlacementQueue, _Backoff
 from orka.controller.repo import Change, Repo
 from orka.errors import Unavailable
 from orka.models import (
@@ -160,16 +163,29 @@ class _RecordingLink:
         self._place = place
         self._command = command
 
-    async def place(self, items: list[apb.Assignment]) -> apb.PlaceResponse:
-        self.placed.append(list(items))
+    # Both speak the wire format through the link's converters, as SchedulerLink does.
+    async def place(self, items: Sequence[Assignment]) -> list[PlaceResult]:
+        msgs = [assignment_to_pb(a) for a in items]
+        self.placed.append(msgs)
         assert self._place is not None
-        return await self._place(items)
+        return [place_result_from_pb(r) for r in (await self._place(msgs)).results]
 
-    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
-        self.commands.append(list(cmds))
-        if self._command is not None:
-            return await self._command(cmds)
-        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
+    async def command(self, cmds: Sequence[NodeCommand]) -> list[CommandResult]:
+        msgs = [command_to_pb(c) for c in cmds]
+        self.commands.append(msgs)
+        if self._command is None:
+            return [command_result_from_pb(apb.CommandResult(ok=True)) for _ in cmds]
+        return [command_result_from_pb(r) for r in (await self._command(msgs)).results]
+
+
+def assignment(inst: Instance, w: Workload) -> apb.Assignment:
+    """The assignment sent for `inst`, as on the wire."""
+    return assignment_to_pb(Assignment.of(inst, w))
+
+
+def start_command(inst: Instance, w: Workload) -> apb.NodeCommand:
+    """The start sent for `inst`, as on the wire."""
+    return command_to_pb(commands.start_command(inst, w))
 
 
 @pytest.mark.parametrize(
@@ -247,7 +263,7 @@ def test_assignment_and_start_command_carry_instance_generation_spec_and_node() 
 
 
 def test_stop_command_stops_and_removes_with_the_reason() -> None:
-    assert stop_command("n1", "web-0000", "scaled down") == apb.NodeCommand(
+    assert command_to_pb(stop_command("n1", "web-0000", "scaled down")) == apb.NodeCommand(
         node="n1", stop=apb.StopInstance(instance="web-0000", remove=True, reason="scaled down")
     )
 

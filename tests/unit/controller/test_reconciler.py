@@ -6,7 +6,7 @@ import asyncio
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,14 @@ import structlog
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.controller import reconciler as reconciler_module
-from orka.controller.placement import PlacementQueue, _Backoff, stop_command
+from orka.controller.commands import NodeCommand, stop_command
+from orka.controller.link import (
+    CommandResult,
+    command_result_from_pb,
+    command_to_pb,
+    updates_from_pb,
+)
+from orka.controller.placement import PlacementQueue, _Backoff
 from orka.controller.reconciler import (
     CRASH_HEALTHY_RUN,
     FULL_PASS_EVERY,
@@ -25,7 +32,6 @@ from orka.controller.reconciler import (
     START_GRACE,
     CrashBackoff,
     Reconciler,
-    _apply_report,
     _node_changed,
     new_instance,
 )
@@ -34,7 +40,6 @@ from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
-    InstanceReport,
     Node,
     NodeState,
     Resources,
@@ -52,12 +57,13 @@ P = InstancePhase
 class DummyLink:
     """Records what the reconciler asks of the scheduler; every command succeeds."""
 
+    # As sent on the wire: each test also checks the one converter of each command.
     commands: list[apb.NodeCommand] = field(default_factory=list)
     set_nodes: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
-        self.commands.extend(cmds)
-        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
+    async def command(self, cmds: Sequence[NodeCommand]) -> list[CommandResult]:
+        self.commands.extend(command_to_pb(c) for c in cmds)
+        return [command_result_from_pb(apb.CommandResult(ok=True)) for _ in cmds]
 
     async def set_node(self, name: str, **kw: Any) -> None:
         self.set_nodes.append((name, kw))
@@ -574,6 +580,11 @@ async def test_a_settled_workload_plans_what_the_full_steps_plan(env: Env) -> No
 # ---- on_updates ----
 
 
+async def feed(env: Env, updates: list[apb.ClusterUpdate]) -> None:
+    """What the scheduler link hands the reconciler for these messages."""
+    await env.rec.on_updates(updates_from_pb(updates))
+
+
 def status_pb(name: str, phase: int = pb.Instance.RUNNING, **kw: Any) -> apb.InstanceStatus:
     return apb.InstanceStatus(name=name, workload="web", phase=phase, **kw)
 
@@ -593,7 +604,7 @@ def node_update(name: str, **kw: Any) -> apb.ClusterUpdate:
 
 async def test_report_of_running_updates_phase(env: Env) -> None:
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
-    await env.rec.on_updates([report_update("n1", status_pb("web-a", started_at=5.0))])
+    await feed(env, [report_update("n1", status_pb("web-a", started_at=5.0))])
     a = env.inst("web-a")
     assert a.phase is P.RUNNING
     assert a.started_at == 5.0
@@ -613,7 +624,7 @@ async def test_report_for_instance_not_bound_there_stops_it(
     env: Env, stored: Instance | None, reason: str
 ) -> None:
     await env.put(node("n1"), node("n2"), workload(replicas=1), *([stored] if stored else []))
-    await env.rec.on_updates([report_update("n2", status_pb("web-a"))])
+    await feed(env, [report_update("n2", status_pb("web-a"))])
     assert len(env.link.commands) == 1
     cmd = env.link.commands[0]
     assert cmd.node == "n2"
@@ -621,7 +632,7 @@ async def test_report_for_instance_not_bound_there_stops_it(
     if stored is not None:
         assert env.inst("web-a") == stored  # the stored record is untouched
     # A repeat within the resend window sends nothing new.
-    await env.rec.on_updates([report_update("n2", status_pb("web-a"))])
+    await feed(env, [report_update("n2", status_pb("web-a"))])
     assert len(env.link.commands) == 1
 
 
@@ -636,7 +647,7 @@ async def test_sync_missing_running_instance_marks_it_lost(env: Env) -> None:
         inst("web-d", P.SCHEDULED, "n1", scheduled_at=now - 60),
         inst("web-e", P.RUNNING, "n2"),  # another node's: not this sync's business
     )
-    await env.rec.on_updates([sync_update("n1", status_pb("web-a"))])
+    await feed(env, [sync_update("n1", status_pb("web-a"))])
     assert env.inst("web-a").phase is P.RUNNING
     for name in ("web-b", "web-d"):
         lost = env.inst(name)
@@ -648,14 +659,14 @@ async def test_sync_missing_running_instance_marks_it_lost(env: Env) -> None:
 
 async def test_admin_cordon_survives_scheduler_forgetting_it(env: Env) -> None:
     await env.put(node("n1", schedulable=False))
-    await env.rec.on_updates([node_update("n1", schedulable=True)])
+    await feed(env, [node_update("n1", schedulable=True)])
     assert env.repo.nodes["n1"].schedulable is False
     assert env.link.set_nodes == [("n1", {"schedulable": False, "draining": None})]
 
 
 async def test_drain_survives_scheduler_forgetting_it(env: Env) -> None:
     await env.put(node("n1", schedulable=False, draining=True))
-    await env.rec.on_updates([node_update("n1", schedulable=True, draining=False)])
+    await feed(env, [node_update("n1", schedulable=True, draining=False)])
     stored = env.repo.nodes["n1"]
     assert (stored.schedulable, stored.draining) == (False, True)
     assert env.link.set_nodes[-1] == ("n1", {"schedulable": False, "draining": True})
@@ -663,7 +674,7 @@ async def test_drain_survives_scheduler_forgetting_it(env: Env) -> None:
 
 async def test_new_ready_node_is_stored_and_retries_placement(env: Env) -> None:
     env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
-    await env.rec.on_updates([node_update("n3", schedulable=True, labels={"zone": "a"})])
+    await feed(env, [node_update("n3", schedulable=True, labels={"zone": "a"})])
     assert env.repo.nodes["n3"].labels == {"zone": "a"}
     assert env.queue.backoff == {}
     assert env.link.set_nodes == []
@@ -673,7 +684,7 @@ async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
     env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
-    await env.rec.on_updates([node_update("n1", schedulable=True, last_heartbeat=9.0)])
+    await feed(env, [node_update("n1", schedulable=True, last_heartbeat=9.0)])
     assert env.repo.writes == writes
     assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
     assert not env.rec._dirty.is_set()  # and no pass is due
@@ -683,12 +694,13 @@ async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
 async def test_bad_update_is_skipped_not_fatal(env: Env) -> None:
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
     with structlog.testing.capture_logs() as logs:
-        await env.rec.on_updates(
+        await feed(
+            env,
             [
                 report_update("n1", status_pb("", pb.Instance.RUNNING)),
                 report_update("n1", status_pb("web-a", pb.Instance.PHASE_UNSPECIFIED)),
                 report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
-            ]
+            ],
         )
     assert env.inst("web-a").phase is P.RUNNING
     assert logs == [
@@ -704,11 +716,12 @@ async def test_reports_of_one_instance_in_one_batch_apply_in_turn(env: Env) -> N
     """The second report folds into what the first made of the instance: once FAILED, a late
     RUNNING does not bring it back."""
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
-    await env.rec.on_updates(
+    await feed(
+        env,
         [
             report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=3)),
             report_update("n1", status_pb("web-a", pb.Instance.RUNNING)),
-        ]
+        ],
     )
     a = env.inst("web-a")
     assert (a.phase, a.exit_code) == (P.FAILED, 3)
@@ -745,63 +758,6 @@ def test_a_node_is_not_written_for_its_soft_fields() -> None:
         }
     )
     assert _node_changed(old, new) is False
-
-
-# ---- _apply_report ----
-
-
-def rep(phase: InstancePhase = P.RUNNING, **kw: Any) -> InstanceReport:
-    return InstanceReport(name="web-a", workload="web", node="n1", phase=phase, **kw)
-
-
-@pytest.mark.parametrize(
-    ("stored", "report", "expected"),
-    [
-        (inst("web-a", P.STARTING), rep(P.SCHEDULED), None),
-        (inst("web-a", P.RUNNING), rep(P.SCHEDULED), None),
-        (inst("web-a", P.FAILED, exit_code=1), rep(P.RUNNING), None),
-        (inst("web-a", P.LOST), rep(P.STARTING), None),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING), None),
-        (inst("web-a", P.STARTING), rep(P.RUNNING), {"phase": P.RUNNING}),
-        (
-            inst("web-a", P.RUNNING),
-            rep(P.FAILED, exit_code=2, reason="Crashed", finished_at=9.0),
-            {"phase": P.FAILED, "exit_code": 2, "reason": "Crashed", "finished_at": 9.0},
-        ),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING, restarts=4), {"restarts": 4}),
-        (inst("web-a", P.RUNNING), rep(P.RUNNING, message="hi"), {"message": "hi"}),
-        (inst("web-a", P.RUNNING, message="hi"), rep(P.RUNNING), {"message": ""}),
-        # The controller's stop reason is kept when the agent says nothing.
-        (inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"), rep(P.RUNNING), None),
-        (
-            inst("web-a", P.RUNNING, desired_stop=True, message="scaled down"),
-            rep(P.STOPPED),
-            {"phase": P.STOPPED},
-        ),
-        # A terminal report on a terminal instance still lands (e.g. LOST then STOPPED).
-        (inst("web-a", P.LOST), rep(P.STOPPED), {"phase": P.STOPPED}),
-    ],
-)
-def test_apply_report(
-    stored: Instance, report: InstanceReport, expected: dict[str, Any] | None
-) -> None:
-    if "finished_at" not in (expected or {}):
-        # Builders stamp terminal instances; keep times out of cases that are not about them.
-        stored = stored.model_copy(update={"finished_at": report.finished_at})
-    out = _apply_report(stored, report, now=1234.0)
-    if expected is None:
-        assert out is None
-        return
-    assert out is not None
-    assert out.updated_at == 1234.0
-    changed = {
-        k
-        for k in Instance.model_fields
-        if getattr(out, k) != getattr(stored, k) and k != "updated_at"
-    }
-    assert changed == set(expected)
-    for k, v in expected.items():
-        assert getattr(out, k) == v
 
 
 # ---- planning: crash-loop backoff ----
@@ -1041,7 +997,7 @@ async def test_cleanup_stops_an_unexpected_instance_once_per_resend_window(
         assert env.rec.cleanup("n1", "web-a", "again") is None
         fake_time.mono += 0.01
         again = env.rec.cleanup("n1", "web-a", "again")
-    assert sent([c for c in (first, other, again) if c is not None]) == [
+    assert sent([command_to_pb(c) for c in (first, other, again) if c is not None]) == [
         ("n1", "stop", "web-a", "not bound to this node"),
         ("n2", "stop", "web-a", "replaced after node loss"),
         ("n1", "stop", "web-a", "again"),
@@ -1070,13 +1026,11 @@ class FailingLink(DummyLink):
         self.error = error
         self.answers = answers or []
 
-    async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
-        self.commands.extend(cmds)
+    async def command(self, cmds: Sequence[NodeCommand]) -> list[CommandResult]:
+        self.commands.extend(command_to_pb(c) for c in cmds)
         if self.error:
             raise Unavailable(self.error)
-        return apb.CommandResponse(
-            results=[apb.CommandResult(ok=ok, error=e) for ok, e in self.answers]
-        )
+        return [command_result_from_pb(apb.CommandResult(ok=ok, error=e)) for ok, e in self.answers]
 
 
 async def test_commands_not_delivered_or_refused_are_logged(env: Env) -> None:
@@ -1263,11 +1217,12 @@ async def test_a_report_after_one_for_another_node_still_applies(
 ) -> None:
     env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
     await env.put(node("n1"), workload(replicas=1), inst("web-a", P.STARTING))
-    await env.rec.on_updates(
+    await feed(
+        env,
         [
             report_update("n1", status_pb("web-zz")),  # not bound anywhere: stopped
             report_update("n1", status_pb("web-a", pb.Instance.FAILED, exit_code=1)),
-        ]
+        ],
     )
     a = env.inst("web-a")
     assert (a.phase, a.exit_code, a.updated_at) == (P.FAILED, 1, fake_time.wall)
@@ -1288,11 +1243,12 @@ async def test_a_sync_marks_lost_what_the_node_no_longer_runs(
         inst("web-edge", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE),
         inst("web-in", P.SCHEDULED, "n1", scheduled_at=wall - START_GRACE + 0.01),
     )
-    await env.rec.on_updates(
+    await feed(
+        env,
         [
             report_update("n1", status_pb("web-x", pb.Instance.FAILED, exit_code=1)),
             sync_update("n1"),
-        ]
+        ],
     )
     assert env.inst("web-x").phase is P.FAILED
     for name in ("web-b", "web-edge"):
@@ -1311,7 +1267,7 @@ async def test_a_sync_marks_lost_what_the_node_no_longer_runs(
 async def test_a_sync_losing_an_instance_frees_its_resources(env: Env) -> None:
     env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
     await env.put(node("n1"), workload(replicas=1), inst("web-b", P.RUNNING, "n1"))
-    await env.rec.on_updates([sync_update("n1")])
+    await feed(env, [sync_update("n1")])
     assert env.inst("web-b").phase is P.LOST
     assert env.queue.backoff == {}
 
@@ -1325,7 +1281,7 @@ async def test_a_cordon_that_cannot_be_re_applied_is_logged(env: Env) -> None:
     env.rec.link = CordonFailingLink()  # type: ignore[assignment]
     await env.put(node("n1", schedulable=False))
     with structlog.testing.capture_logs() as logs:
-        await env.rec.on_updates([node_update("n1", schedulable=True)])
+        await feed(env, [node_update("n1", schedulable=True)])
     assert logs == [
         {
             "event": "could not re-apply cordon",

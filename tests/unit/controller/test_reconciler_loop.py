@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 
 from orka.controller import reconciler as rmod
-from orka.controller.placement import stop_command
+from orka.controller.commands import stop_command
+from orka.controller.link import command_to_pb
 from orka.controller.reconciler import (
     RESEND_AFTER,
     CrashBackoff,
-    _apply_report,
     _node_changed,
     _stop,
     new_instance,
 )
 from orka.controller.repo import Change
-from orka.models import InstanceReport, NodeState, Resources, WorkloadStatus
+from orka.models import InstanceReason, NodeState, Resources, WorkloadStatus
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
 __all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
@@ -142,7 +142,7 @@ async def test_an_incremental_pass_plans_and_commands_only_the_changed_workloads
     clock.now += 2.0
     await env.rec.reconcile_once()
     assert len(env.of("b")) == 3
-    assert env.link.commands == [stop_command("n1", "b-run", "scaled down")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "b-run", "scaled down"))]
 
 
 async def test_an_incremental_pass_queues_the_pending_instances_of_every_workload_in_scope(
@@ -179,7 +179,7 @@ async def test_a_pass_queues_only_pending_instances_not_being_stopped(env: Env) 
 async def test_a_full_pass_forgets_the_commands_sent_for_deleted_instances(env: Env) -> None:
     await env.put(node("n1"), workload("web", replicas=0), inst("web-a", P.RUNNING))
     await env.rec.reconcile_once()
-    assert env.link.commands == [stop_command("n1", "web-a", "scaled down")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "web-a", "scaled down"))]
     assert list(env.rec._stops_sent) == ["web-a"]
     await env.set_inst("web-a", phase=P.STOPPED, finished_at=5.0)
     await env.rec.reconcile_once()
@@ -228,7 +228,7 @@ async def test_a_forgotten_finished_instance_is_removed_from_its_ready_node(env:
     )
     await env.rec.reconcile_once()
     assert env.repo.instances == {}
-    assert env.link.commands == [stop_command("n1", "web-done", "forgotten")]
+    assert env.link.commands == [command_to_pb(stop_command("n1", "web-done", "forgotten"))]
 
 
 # ---- commands for tasks the controller did not bind ----
@@ -302,7 +302,7 @@ def test_node_changed_by_each_field_alone(change: dict[str, Any]) -> None:
 
 def test_stop_marks_the_instance_and_its_update_time() -> None:
     before = time.time()
-    stopped = _stop(inst("web-a", updated_at=1.0), "scaled down")
+    stopped = _stop(inst("web-a", updated_at=1.0), InstanceReason.SCALED_DOWN)
     assert (stopped.desired_stop, stopped.message) == (True, "scaled down")
     assert before <= stopped.updated_at <= time.time()
 
@@ -312,27 +312,6 @@ def test_new_instance_is_named_after_its_workload_with_six_hex_digits() -> None:
     i = new_instance(w)
     assert re.fullmatch(r"^web-[0-9a-f]{6}$", i.name)
     assert (i.workload, i.generation, i.phase) == ("web", 4, P.PENDING)
-
-
-@pytest.mark.parametrize(
-    ("stored_message", "desired_stop", "reported", "expected"),
-    [
-        ("pulling", False, "", ""),  # the agent cleared its message
-        ("scaled down", True, "killed by signal", "killed by signal"),
-        ("scaled down", True, "", None),  # the stop reason stays
-    ],
-)
-def test_apply_report_message(
-    stored_message: str, desired_stop: bool, reported: str, expected: str | None
-) -> None:
-    stored = inst("web-a", P.RUNNING, message=stored_message, desired_stop=desired_stop)
-    r = InstanceReport(name="web-a", workload="web", node="n1", phase=P.RUNNING, message=reported)
-    out = _apply_report(stored, r, 7.0)
-    if expected is None:
-        assert out is None
-    else:
-        assert out is not None
-        assert (out.message, out.updated_at) == (expected, 7.0)
 
 
 # ---- the workload's status ----
