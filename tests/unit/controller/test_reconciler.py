@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -673,7 +674,9 @@ async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
     env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
-    await env.rec.on_updates([node_update("n1", schedulable=True, last_heartbeat=9.0)])
+    await env.rec.on_updates(
+        [node_update("n1", schedulable=True, last_heartbeat_time=Timestamp(seconds=9))]
+    )
     assert env.repo.writes == writes
     assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
     assert not env.rec._dirty.is_set()  # and no pass is due
