@@ -78,13 +78,14 @@ def timestamp_to_pb(seconds: float | None) -> Timestamp | None:
 
 
 def set_timestamp(ts: Timestamp, seconds: float) -> None:
-    """Whole seconds and the fraction apart: `seconds * 1e9` as one float would lose the
-    nanoseconds (a double holds ~16 digits), and the float would not come back the same."""
+    """To the microsecond: a float Unix time holds no finer (a double carries ~16 digits, ten
+    of them whole seconds), and grpcurl then shows `12:00:00.123456Z`, not float noise in
+    nine digits. Whole seconds and the fraction apart, so that no digit is lost on the way."""
     whole = math.floor(seconds)
-    nanos = round((seconds - whole) * 1e9)
-    if nanos >= 1_000_000_000:
-        whole, nanos = whole + 1, nanos - 1_000_000_000
-    ts.seconds, ts.nanos = whole, nanos
+    micros = round((seconds - whole) * 1e6)
+    if micros >= 1_000_000:
+        whole, micros = whole + 1, micros - 1_000_000
+    ts.seconds, ts.nanos = whole, micros * 1000
 
 
 def timestamp_from_pb(msg: Message, name: str) -> float | None:

@@ -191,7 +191,14 @@ INSTANCES = [
         started_at=3.0,
         finished_at=4.0,
     ),
-    Instance(name="web-3", workload="web", phase=InstancePhase.LOST, exit_code=-9, created_at=1.0),
+    Instance(
+        name="web-3",
+        workload="web",
+        phase=InstancePhase.LOST,
+        exit_code=-9,
+        created_at=1.0,
+        updated_at=1795000000.25,
+    ),
 ]
 
 
@@ -205,10 +212,24 @@ def test_times_are_timestamps_and_the_grace_period_a_duration_in_json() -> None:
     assert "createdAt" not in shown and "stopGraceSeconds" not in shown["spec"]
 
 
-@pytest.mark.parametrize("seconds", [1795000000.123456789, 1.5, 1e-6, 4102444799.999999])
-def test_a_time_comes_back_as_the_same_float(seconds: float) -> None:
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (1795000000.123456, "2026-11-18T11:06:40.123456Z"),
+        (1795000000.1234564, "2026-11-18T11:06:40.123456Z"),
+        (1795000000.9999996, "2026-11-18T11:06:41Z"),
+        (1.5, "1970-01-01T00:00:01.500Z"),
+        (4102444799.999999, "2099-12-31T23:59:59.999999Z"),
+    ],
+)
+def test_a_time_is_kept_to_the_microsecond(seconds: float, shown: str) -> None:
     msg = convert.instance_to_pb(Instance(name="a", workload="w", created_at=seconds))
-    assert convert.instance_from_pb(msg).created_at == seconds
+    assert msg.create_time.ToJsonString() == shown
+    back = convert.instance_from_pb(msg).created_at
+    assert abs(back - seconds) < 1e-6
+    # And from there on it stays put: a time read back and sent again is the same time.
+    again = convert.instance_to_pb(Instance(name="a", workload="w", created_at=back))
+    assert again.create_time == msg.create_time
 
 
 def test_a_time_not_yet_reached_stays_unset() -> None:
