@@ -229,7 +229,8 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
         fresh = [
             n
             for n in resp.nodes
-            if n.state == pb.Node.READY and n.last_heartbeat >= restarted_wall - 0.5
+            if n.state == pb.Node.READY
+            and n.last_heartbeat_time.ToNanoseconds() >= (restarted_wall - 0.5) * 1e9
         ]
         return len(fresh) == len(nodes)
 
