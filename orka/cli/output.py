@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel
 
 from orka.cli.units import format_cpu, format_duration, format_memory
+from orka.etags import node_etag
 from orka.models import Instance, Node, Resources, Workload
 
 FORMATS = ("table", "json", "yaml")
@@ -94,12 +95,16 @@ def _api_shape(plain: object) -> object:
     return out
 
 
+def _plain(model: BaseModel) -> object:
+    plain = model.model_dump(mode="json")
+    if isinstance(model, Node):
+        # Derived, not stored (orka/etags.py); shown so that `--etag` can be given it.
+        plain["etag"] = node_etag(model)
+    return _api_shape(plain)
+
+
 def dump(data: BaseModel | Sequence[BaseModel], fmt: str) -> str:
-    plain = _api_shape(
-        data.model_dump(mode="json")
-        if isinstance(data, BaseModel)
-        else [m.model_dump(mode="json") for m in data]
-    )
+    plain = _plain(data) if isinstance(data, BaseModel) else [_plain(m) for m in data]
     if fmt == "json":
         return json.dumps(plain, indent=2)
     return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).rstrip("\n")
@@ -259,6 +264,7 @@ def describe_node(n: Node, instances: Sequence[Instance], now: float | None = No
         ("Labels", mapping(n.labels)),
         ("Drivers", ",".join(n.drivers) or NONE),
         ("Instances", n.instance_count),
+        ("Etag", node_etag(n)),
     ]
     if n.message:
         pairs.append(("Message", n.message))

@@ -116,6 +116,14 @@ async def test_the_second_of_two_applies_fails_and_is_told_to_re_read(
     assert (code, out.strip()) == (0, f"workload/{NAME} configured"), err
     assert await stored_command(cluster) == ["sleep", "2"]
 
+    # A delete with the etag read before all that is refused the same way, and keeps it.
+    code, out, err = await orka(cluster, "delete", "workload", NAME, "--etag", read)
+    assert code == 1 and err.strip() == (
+        f"error: workload/{NAME} was changed since it was read; nothing was deleted:"
+        f" re-read it (orka get workload {NAME}) and try again"
+    )
+    assert await stored_command(cluster) == ["sleep", "2"]
+
 
 class Interleaved(AdminClient):
     """A client that runs `between` (the other apply) right after each read of the workload:

@@ -6,6 +6,7 @@ import yaml
 
 from orka.cli import output
 from orka.models import Instance, InstancePhase, Node, Resources, Workload, WorkloadSpec
+from orka.rpc import convert
 
 NOW = 1_000_000.0
 
@@ -74,6 +75,7 @@ def test_json_and_yaml_show_times_and_spans_as_the_api_does() -> None:
     (row,) = yaml.safe_load(output.dump([node], "yaml"))
     assert row["last_heartbeat_time"] == "2026-11-18T11:06:40Z"
     assert row["instance_count"] == 2
+    assert row["etag"] == convert.node_to_pb(node).etag  # what --etag takes
 
 
 def test_describe_workload_lists_unschedulable_reasons() -> None:
