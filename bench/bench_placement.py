@@ -144,10 +144,11 @@ class Tracker:
         if not ev.HasField("instance"):
             return
         inst = ev.instance
+        seen = ev.event_time.seconds + ev.event_time.nanos / 1e9
         if inst.node and inst.name not in self.scheduled:
-            self.scheduled[inst.name] = ev.time
+            self.scheduled[inst.name] = seen
         if inst.phase == pb.Instance.RUNNING and inst.name not in self.running:
-            self.running[inst.name] = ev.time
+            self.running[inst.name] = seen
             self.delivered[inst.name] = time.time()
             if len(self.running) >= self.expected:
                 self.done.set()

@@ -107,7 +107,8 @@ async def measure(
         fresh = [
             n
             for n in resp.nodes
-            if n.state == pb.Node.READY and n.last_heartbeat >= restarted_wall - 0.2
+            if n.state == pb.Node.READY
+            and n.last_heartbeat_time.ToNanoseconds() >= (restarted_wall - 0.2) * 1e9
         ]
         return len(fresh) >= nodes
 

@@ -55,6 +55,10 @@ class Unavailable(OrkaError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(OrkaError):
+    code = grpc.StatusCode.ABORTED
+
+
 class RuntimeFailure(OrkaError):
     """A runtime driver could not do what was asked (bad image, missing binary, ...)."""
 
@@ -72,6 +76,7 @@ _BY_CODE: dict[grpc.StatusCode, type[OrkaError]] = {
         PermissionDenied,
         ResourceExhausted,
         Unavailable,
+        Aborted,
     )
 }
 

@@ -21,9 +21,11 @@ from pydantic import (
 )
 
 from orka import validation as checks
+from orka.etags import new_workload_etag
 from orka.validation import MAX_NAME_LENGTH, quote
 
 MAX_REPLICAS = 1000
+MAX_STOP_GRACE_SECONDS = 3600
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # A user or group a process workload runs as: a name (POSIX portable user names, as useradd
 # takes them) or a numeric id. Nothing else, so no NUL, control character or path reaches
@@ -223,7 +225,7 @@ class WorkloadSpec(BaseModel):
     # Spread rule: at most this many replicas of the workload on one node (0: no limit).
     max_per_node: int = Field(default=0, ge=0)
     # Seconds between SIGTERM and SIGKILL when an instance is stopped.
-    stop_grace_seconds: float = Field(default=10.0, ge=0, le=3600)
+    stop_grace_seconds: float = Field(default=10.0, ge=0, le=MAX_STOP_GRACE_SECONDS)
     # Who a PROCESS instance runs as (name or numeric id); empty: the agent's --workload-user.
     user: str = ""
     # Its group; empty: the user's primary group.
@@ -344,6 +346,8 @@ class Workload(BaseModel):
     created_by: str = ""
     updated_by: str = ""
     status: WorkloadStatus = Field(default_factory=WorkloadStatus)
+    # Drawn anew by each user write that changes the workload (orka/etags.py).
+    etag: str = Field(default_factory=new_workload_etag)
 
     @property
     def name(self) -> str:
@@ -500,7 +504,7 @@ class Node(BaseModel):
     usage: Resources = Field(default_factory=Resources)
     labels: dict[str, str] = Field(default_factory=dict)
     drivers: list[str] = Field(default_factory=list)
-    instances: int = 0
+    instance_count: int = 0
     last_heartbeat: float = 0.0
     joined_at: float = Field(default_factory=time.time)
     message: str = ""

@@ -33,6 +33,11 @@ APT_PACKAGES=(
   busybox-static
   etcd-server
 )
+# buf (proto lint and breaking checks) comes from npm. Debian's npm only where there is none:
+# NodeSource's nodejs bundles npm and conflicts with Debian's npm package.
+if ! command -v npm >/dev/null 2>&1; then
+  APT_PACKAGES+=(nodejs npm)
+fi
 # -----------------------------------------------------------------------------------------------
 
 missing_packages() {
@@ -88,6 +93,10 @@ stage "ruff format --check"
 
 stage "generated API is up to date"
 "$VENV/bin/python" scripts/gen_api.py --check
+
+stage "buf lint, buf breaking (npm ci: @bufbuild/buf from package-lock.json)"
+npm ci --no-audit --no-fund --loglevel=error
+"$VENV/bin/python" scripts/buf_check.py --buf "$ROOT/node_modules/.bin/buf" --against HEAD~1
 
 stage "pytest $*"
 # The venv first on PATH, so tests find grpcurl and the orka command.

@@ -190,6 +190,8 @@ class ControllerServicer:
 
     def WatchEventBatches(self, request, context):
         """The same events as WatchEvents, in the same order, several per message when they pile up.
+        It takes the very same request as WatchEvents, on purpose: one way to say what to watch.
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

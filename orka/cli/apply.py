@@ -9,27 +9,52 @@ import time
 from orka.cli.client import AdminClient
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.cli.manifest import load_manifests
-from orka.errors import NotFound, OrkaError
+from orka.errors import Aborted, AlreadyExists, NotFound, OrkaError
 from orka.models import Workload, WorkloadSpec
 
 POLL_SECONDS = 0.5
 
 
-async def apply_one(client: AdminClient, spec: WorkloadSpec) -> str:
-    """Create if absent, else update; returns the verb to print."""
+REREAD = "nothing was applied; re-read it (orka get workload {name}) and apply again"
+
+
+async def apply_one(client: AdminClient, spec: WorkloadSpec, etag: str = "") -> str:
+    """Create if absent, else update; returns the verb to print.
+
+    The update carries the etag read here (or `etag`, what the caller read earlier), so a
+    change someone made in between fails the update instead of being silently overwritten;
+    likewise two creates racing: the second gets ALREADY_EXISTS.
+    """
     try:
-        current = await client.get_workload(spec.name)
-    except NotFound:
-        await client.create_workload(spec)
-        return "created"
-    if current.spec == spec:
-        # An identical update could still start a rolling replacement on some controllers;
-        # re-applying an unchanged file must be a no-op.
-        return "unchanged"
-    # With secret_env the specs always differ here (the controller shows "<redacted>"); only
-    # it can tell whether anything changed, and it leaves an unchanged workload untouched.
-    after = await client.update_workload(spec)
-    return "configured" if after.updated_at != current.updated_at else "unchanged"
+        try:
+            current = await client.get_workload(spec.name)
+        except NotFound:
+            if etag:
+                raise Aborted("deleted since it was read") from None
+            try:
+                await client.create_workload(spec)
+            except AlreadyExists:
+                raise AlreadyExists(
+                    f"workload/{spec.name} was created by someone else meanwhile; "
+                    + REREAD.format(name=spec.name)
+                ) from None
+            return "created"
+        if etag and etag != current.etag:
+            raise Aborted("changed since it was read")
+        if current.spec == spec:
+            # An identical update could still start a rolling replacement on some
+            # controllers; re-applying an unchanged file must be a no-op.
+            return "unchanged"
+        # With secret_env the specs always differ here (the controller shows "<redacted>");
+        # only it can tell whether anything changed, and it leaves an unchanged workload as is.
+        after = await client.update_workload(spec, etag=etag or current.etag)
+    except Aborted:
+        # The controller's own words are not shown: whatever it said, the advice is the same.
+        raise Aborted(
+            f"workload/{spec.name} was changed by someone else since it was read; "
+            + REREAD.format(name=spec.name)
+        ) from None
+    return "configured" if after.etag != current.etag else "unchanged"
 
 
 def _ready(w: Workload) -> bool:
@@ -76,7 +101,7 @@ async def _apply(args: argparse.Namespace, specs: list[WorkloadSpec]) -> int:
     address, certs = client_target(args)
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
         for spec in specs:
-            verb = await apply_one(client, spec)
+            verb = await apply_one(client, spec, etag=args.etag)
             print(f"workload/{spec.name} {verb}")
         if not args.wait:
             return 0
@@ -93,6 +118,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         raise UsageError("--timeout: must be > 0")
     # Parse every document before sending anything, so a typo in the last one changes nothing.
     specs = load_manifests(args.file)
+    if args.etag and len(specs) != 1:
+        raise UsageError(f"--etag: {args.file} holds {len(specs)} workloads; it takes one")
     return asyncio.run(_apply(args, specs))
 
 
@@ -101,5 +128,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--file", "-f", metavar="FILE", help="YAML manifest, - for stdin")
     add_flag(p, "--wait", action="store_true", help="wait until every replica runs")
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait (120)")
+    # Not from the environment: an etag belongs to one object as read at one time.
+    p.add_argument(
+        "--etag",
+        default="",
+        help="apply only if the workload still has this etag (as `orka get -o yaml` shows it)",
+    )
     add_client_flags(p)
     p.set_defaults(func=cmd_apply)

@@ -160,9 +160,10 @@ class AdminClient:
         )
         return convert.workload_from_pb(msg)
 
-    async def update_workload(self, spec: WorkloadSpec) -> Workload:
+    async def update_workload(self, spec: WorkloadSpec, etag: str = "") -> Workload:
+        """`etag`: change the workload only if it still has this one (else Aborted)."""
         msg = await self._call(
-            "UpdateWorkload", pb.UpdateWorkloadRequest(spec=convert.spec_to_pb(spec))
+            "UpdateWorkload", pb.UpdateWorkloadRequest(spec=convert.spec_to_pb(spec), etag=etag)
         )
         return convert.workload_from_pb(msg)
 
@@ -174,8 +175,8 @@ class AdminClient:
         resp = await self._call("ListWorkloads", pb.ListWorkloadsRequest())
         return [convert.workload_from_pb(w) for w in resp.workloads]
 
-    async def delete_workload(self, name: str) -> Workload | None:
-        resp = await self._call("DeleteWorkload", pb.DeleteWorkloadRequest(name=name))
+    async def delete_workload(self, name: str, etag: str = "") -> Workload | None:
+        resp = await self._call("DeleteWorkload", pb.DeleteWorkloadRequest(name=name, etag=etag))
         return convert.workload_from_pb(resp.workload) if resp.HasField("workload") else None
 
     async def list_instances(
@@ -198,13 +199,14 @@ class AdminClient:
     async def get_node(self, name: str) -> Node:
         return convert.node_from_pb(await self._call("GetNode", pb.GetNodeRequest(name=name)))
 
-    async def cordon(self, name: str) -> Node:
-        return convert.node_from_pb(await self._call("CordonNode", pb.CordonNodeRequest(name=name)))
+    async def cordon(self, name: str, etag: str = "") -> Node:
+        req = pb.CordonNodeRequest(name=name, etag=etag)
+        return convert.node_from_pb(await self._call("CordonNode", req))
 
-    async def uncordon(self, name: str) -> Node:
-        return convert.node_from_pb(
-            await self._call("UncordonNode", pb.UncordonNodeRequest(name=name))
-        )
+    async def uncordon(self, name: str, etag: str = "") -> Node:
+        req = pb.UncordonNodeRequest(name=name, etag=etag)
+        return convert.node_from_pb(await self._call("UncordonNode", req))
 
-    async def drain(self, name: str) -> Node:
-        return convert.node_from_pb(await self._call("DrainNode", pb.DrainNodeRequest(name=name)))
+    async def drain(self, name: str, etag: str = "") -> Node:
+        req = pb.DrainNodeRequest(name=name, etag=etag)
+        return convert.node_from_pb(await self._call("DrainNode", req))

@@ -11,9 +11,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from orka.cli.units import parse_cpu, parse_memory
+from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
-from orka.models import VmSpec, WorkloadKind, WorkloadSpec
+from orka.models import MAX_STOP_GRACE_SECONDS, VmSpec, WorkloadKind, WorkloadSpec
 from orka.rpc.convert import invalid_from
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])([A-Z])")
@@ -26,6 +26,9 @@ _RESOURCE_KEYS = {
 }
 # Maps whose values users write unquoted (`port: 8080`, `ssd: true`) but the API holds as strings.
 _STRING_MAPS = ("env", "secret_env", "secret_env_files", "node_selector")
+# A manifest names fields as the API does: the grace period is a duration (`30s`, `1m`), as
+# the API's `stop_grace_period` and grpcurl show it, not the model's float seconds.
+_SPEC_KEYS = (set(WorkloadSpec.model_fields) - {"stop_grace_seconds"}) | {"stop_grace_period"}
 
 
 def snake(key: str) -> str:
@@ -91,7 +94,7 @@ def _kind(value: Any, where: str) -> str:
 
 def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
     """One flat workload mapping (camelCase or snake_case keys) to a validated spec."""
-    data = _normalise_keys(doc, set(WorkloadSpec.model_fields), where)
+    data = _normalise_keys(doc, _SPEC_KEYS, where)
     if "kind" not in data:
         raise Invalid(f"{where}: kind: is required (process, container or vm)")
     data["kind"] = _kind(data["kind"], where)
@@ -105,6 +108,11 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
     for key in _STRING_MAPS:
         if isinstance(data.get(key), dict):
             data[key] = {str(k): _scalar_str(v) for k, v in data[key].items()}
+    if "stop_grace_period" in data:
+        grace = parse_duration(data.pop("stop_grace_period"), f"{where}: stop_grace_period")
+        if grace > MAX_STOP_GRACE_SECONDS:
+            raise Invalid(f"{where}: stop_grace_period: must be at most {MAX_STOP_GRACE_SECONDS}s")
+        data["stop_grace_seconds"] = grace
     if isinstance(data.get("vm"), dict):
         data["vm"] = _normalise_keys(data["vm"], set(VmSpec.model_fields), f"{where}: vm")
     try:

@@ -11,7 +11,8 @@ from collections.abc import Iterable, Sequence
 import yaml
 from pydantic import BaseModel
 
-from orka.cli.units import format_cpu, format_memory
+from orka.cli.units import format_cpu, format_duration, format_memory
+from orka.etags import node_etag
 from orka.models import Instance, Node, Resources, Workload
 
 FORMATS = ("table", "json", "yaml")
@@ -58,12 +59,52 @@ def mapping(m: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(m.items())) or NONE
 
 
+# The models hold times as float Unix seconds; json/yaml output shows them as the API does
+# (AIP-142 names, RFC 3339), so a script reads the same shape from `orka get -o json` as from
+# grpcurl.
+_TIME_FIELDS = {
+    "created_at": "create_time",
+    "updated_at": "update_time",
+    "scheduled_at": "schedule_time",
+    "started_at": "start_time",
+    "finished_at": "end_time",
+    "last_heartbeat": "last_heartbeat_time",
+    "joined_at": "join_time",
+}
+
+
+def rfc3339(ts: float | None) -> str | None:
+    if not ts:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _api_shape(plain: object) -> object:
+    if isinstance(plain, list):
+        return [_api_shape(v) for v in plain]
+    if not isinstance(plain, dict):
+        return plain
+    out: dict[str, object] = {}
+    for key, value in plain.items():
+        if key in _TIME_FIELDS:
+            out[_TIME_FIELDS[key]] = rfc3339(value)
+        elif key == "stop_grace_seconds":
+            out["stop_grace_period"] = format_duration(value)
+        else:
+            out[key] = _api_shape(value)
+    return out
+
+
+def _plain(model: BaseModel) -> object:
+    plain = model.model_dump(mode="json")
+    if isinstance(model, Node):
+        # Derived, not stored (orka/etags.py); shown so that `--etag` can be given it.
+        plain["etag"] = node_etag(model)
+    return _api_shape(plain)
+
+
 def dump(data: BaseModel | Sequence[BaseModel], fmt: str) -> str:
-    plain = (
-        data.model_dump(mode="json")
-        if isinstance(data, BaseModel)
-        else [m.model_dump(mode="json") for m in data]
-    )
+    plain = _plain(data) if isinstance(data, BaseModel) else [_plain(m) for m in data]
     if fmt == "json":
         return json.dumps(plain, indent=2)
     return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).rstrip("\n")
@@ -115,7 +156,7 @@ def nodes_table(items: Sequence[Node]) -> str:
             f"{format_cpu(n.allocated.cpu_millis)}/{format_cpu(n.allocatable.cpu_millis)}",
             f"{format_memory(n.allocated.memory_bytes)}/"
             f"{format_memory(n.allocatable.memory_bytes)}",
-            n.instances,
+            n.instance_count,
             ",".join(n.drivers) or NONE,
         )
         for n in items
@@ -157,6 +198,7 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         ("Node selector", mapping(s.node_selector)),
         ("Restart policy", s.restart_policy.value),
         ("Max per node", s.max_per_node or "no limit"),
+        ("Stop grace", format_duration(s.stop_grace_seconds)),
     ]
     if s.working_dir:
         pairs.append(("Working dir", s.working_dir))
@@ -167,6 +209,7 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         pairs.append(("Secret env files", mapping(s.secret_env_files)))
     pairs += [
         ("Generation", w.generation),
+        ("Etag", w.etag),
         ("Created", timestamp(w.created_at, now)),
         ("Created by", w.created_by or NONE),
         ("Updated", timestamp(w.updated_at, now)),
@@ -220,7 +263,8 @@ def describe_node(n: Node, instances: Sequence[Instance], now: float | None = No
         ("Usage", resources(n.usage)),
         ("Labels", mapping(n.labels)),
         ("Drivers", ",".join(n.drivers) or NONE),
-        ("Instances", n.instances),
+        ("Instances", n.instance_count),
+        ("Etag", node_etag(n)),
     ]
     if n.message:
         pairs.append(("Message", n.message))

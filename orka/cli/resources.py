@@ -9,7 +9,7 @@ import time
 from orka.cli import output
 from orka.cli.client import AdminClient
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
-from orka.errors import NotFound, OrkaError
+from orka.errors import Aborted, NotFound, OrkaError
 from orka.models import InstancePhase
 
 # Every accepted spelling -> the canonical resource.
@@ -114,7 +114,13 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 async def _delete(args: argparse.Namespace) -> None:
     async with _client(args) as c:
-        await c.delete_workload(args.name)
+        try:
+            await c.delete_workload(args.name, etag=args.etag)
+        except Aborted:
+            raise Aborted(
+                f"workload/{args.name} was changed since it was read; nothing was deleted:"
+                f" re-read it (orka get workload {args.name}) and try again"
+            ) from None
         if not args.wait:
             print(f"workload/{args.name} deleted")
             return
@@ -155,7 +161,13 @@ _NODE_ACTIONS = {
 async def _node_action(args: argparse.Namespace) -> None:
     method, done = _NODE_ACTIONS[args.command]
     async with _client(args) as c:
-        await getattr(c, method)(args.node)
+        try:
+            await getattr(c, method)(args.node, etag=args.etag)
+        except Aborted:
+            raise Aborted(
+                f"node/{args.node} was changed since it was read; nothing was done:"
+                f" re-read it (orka get node {args.node}) and try again"
+            ) from None
     print(f"node/{args.node} {done}")
 
 
@@ -187,6 +199,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("name")
     add_flag(p, "--wait", action="store_true", help="wait until the workload is gone")
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait")
+    _etag_flag(p, "workload")
     add_client_flags(p)
     p.set_defaults(func=cmd_delete)
 
@@ -198,5 +211,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, text in helps.items():
         p = sub.add_parser(name, help=text)
         p.add_argument("node", metavar="NODE")
+        _etag_flag(p, "node")
         add_client_flags(p)
         p.set_defaults(func=cmd_node_action)
+
+
+def _etag_flag(p: argparse.ArgumentParser, what: str) -> None:
+    # Not from the environment: an etag belongs to one object as read at one time.
+    p.add_argument("--etag", default="", help=f"act only if the {what} still has this etag")

@@ -96,3 +96,25 @@ def format_memory(n: int) -> str:
                 return f"{n // size}{unit}"
             return f"{n / size:.1f}{unit}"
     return str(n)
+
+
+_DURATION_PART_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ms|s|m|h)")
+_DURATION_UNITS = {"ms": Decimal("0.001"), "s": Decimal(1), "m": Decimal(60), "h": Decimal(3600)}
+
+
+def parse_duration(value: object, field: str = "stop_grace_period") -> float:
+    """`10s`, `1.5s`, `500ms`, `2m`, `1m30s`, `1h` to seconds; the API's Duration JSON form
+    (`10s`, `0.500s`) is one of them. A bare number is not taken: `10` could mean any unit."""
+    bad = Invalid(f"{field}: {value!r} is not a duration (use e.g. 10s, 500ms, 1m30s)")
+    if not isinstance(value, str):
+        raise bad
+    text = value.strip()
+    parts = _DURATION_PART_RE.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise bad
+    return float(sum(Decimal(n) * _DURATION_UNITS[u] for n, u in parts))
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as `parse_duration` reads them back: `10s`, `0.5s`, `90s`."""
+    return f"{Decimal(repr(float(seconds))).normalize():f}s"

@@ -17,6 +17,7 @@ from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.controller.secrets import keep_redacted
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
+from orka.etags import check_etag, new_workload_etag, node_etag
 from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
 from orka.rpc.server import Auditor, boundaries, stream, unary
@@ -181,6 +182,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
             old = self.repo.workloads.get(spec.name)
             if old is None:
                 raise NotFound(f"workload {spec.name!r} not found")
+            check_etag(request.etag, old.etag, f"workload {spec.name!r}")
             if old.deleting:
                 raise Conflict(f"workload {spec.name!r} is being deleted")
             if old.spec.kind is not spec.kind:
@@ -204,6 +206,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
                     "generation": generation,
                     "updated_at": time.time(),
                     "updated_by": str(who),
+                    "etag": new_workload_etag(),
                 }
             )
             return [Change("workloads", spec.name, new)]
@@ -234,9 +237,11 @@ class ControllerApi(pb_grpc.ControllerServicer):
             w = self.repo.workloads.get(name)
             if w is None:
                 raise NotFound(f"workload {name!r} not found")
+            check_etag(request.etag, w.etag, f"workload {name!r}")
             if w.deleting:
                 return []
-            return [Change("workloads", name, w.model_copy(update={"deleting": True}))]
+            new = w.model_copy(update={"deleting": True, "etag": new_workload_etag()})
+            return [Change("workloads", name, new)]
 
         await self.repo.mutate(plan)
         self.reconciler.kick()
@@ -288,11 +293,12 @@ class ControllerApi(pb_grpc.ControllerServicer):
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return convert.node_to_pb(self._node(request.name))
 
-    async def _set_node(self, name: str, schedulable: bool, draining: bool) -> pb.Node:
+    async def _set_node(self, name: str, etag: str, schedulable: bool, draining: bool) -> pb.Node:
         self._node(name)
 
         def plan() -> list[Change]:
             node = self._node(name)
+            check_etag(etag, node_etag(node), f"node {name!r}")
             new = node.model_copy(update={"schedulable": schedulable, "draining": draining})
             return [Change("nodes", name, new)] if new != node else []
 
@@ -308,13 +314,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return convert.node_to_pb(self.repo.nodes[name])
 
     async def CordonNode(self, request: pb.CordonNodeRequest, who: Identity) -> pb.Node:
-        return await self._set_node(request.name, schedulable=False, draining=False)
+        return await self._set_node(request.name, request.etag, schedulable=False, draining=False)
 
     async def UncordonNode(self, request: pb.UncordonNodeRequest, who: Identity) -> pb.Node:
-        return await self._set_node(request.name, schedulable=True, draining=False)
+        return await self._set_node(request.name, request.etag, schedulable=True, draining=False)
 
     async def DrainNode(self, request: pb.DrainNodeRequest, who: Identity) -> pb.Node:
-        return await self._set_node(request.name, schedulable=False, draining=True)
+        return await self._set_node(request.name, request.etag, schedulable=False, draining=True)
 
     # ---- events ----
 

@@ -110,7 +110,7 @@ class EventHub:
 
 
 def to_event(kind: int, value: BaseModel) -> pb.Event:
-    event = pb.Event(type=kind, time=time.time())  # type: ignore[arg-type]
+    event = pb.Event(type=kind, event_time=convert.timestamp_fields(time.time()))  # type: ignore[arg-type]
     if isinstance(value, Workload):
         event.workload.CopyFrom(convert.workload_to_pb(value))
     elif isinstance(value, Instance):

@@ -5,13 +5,17 @@ from __future__ import annotations
 import functools
 import math
 
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
+from orka.etags import node_etag
 from orka.models import (
+    MAX_STOP_GRACE_SECONDS,
     REDACTED,
     Instance,
     InstancePhase,
@@ -61,6 +65,63 @@ def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
     if len(errors) > MAX_REPORTED_ERRORS:
         parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
     return Invalid("; ".join(parts))
+
+
+def timestamp_fields(seconds: float | None) -> dict[str, int] | None:
+    """A Unix time in float seconds (how the models hold it) as a Timestamp's fields, for a
+    message constructor (several times faster than building a Timestamp and copying it in);
+    None (or 0, which the models use for "never") leaves the field unset.
+
+    To the microsecond: a float Unix time holds no finer (a double carries ~16 digits, ten of
+    them whole seconds), and grpcurl then shows `12:00:00.123456Z`, not float noise in nine
+    digits. Whole seconds and the fraction apart, so that no digit is lost on the way."""
+    if not seconds:
+        return None
+    whole = math.floor(seconds)
+    micros = round((seconds - whole) * 1e6)
+    if micros >= 1_000_000:
+        whole, micros = whole + 1, micros - 1_000_000
+    return {"seconds": whole, "nanos": micros * 1000}
+
+
+def set_timestamp(ts: Timestamp, seconds: float) -> None:
+    """The same into an existing Timestamp field."""
+    fields = timestamp_fields(seconds)
+    if fields is None:
+        ts.Clear()
+    else:
+        ts.seconds, ts.nanos = fields["seconds"], fields["nanos"]
+
+
+def seconds_from_pb(ts: Timestamp) -> float | None:
+    """A Timestamp as float seconds; unset (or the epoch itself, "never" to the models) is None."""
+    whole, nanos = ts.seconds, ts.nanos
+    if not whole and not nanos:
+        return None
+    return whole + nanos / 1e9
+
+
+def duration_fields(seconds: float) -> dict[str, int]:
+    """A span of float seconds (>= 0) as a Duration's fields, for a message constructor."""
+    whole = math.floor(seconds)
+    nanos = round((seconds - whole) * 1e9)
+    if nanos >= 1_000_000_000:
+        whole, nanos = whole + 1, nanos - 1_000_000_000
+    return {"seconds": whole, "nanos": nanos}
+
+
+def duration_from_pb(d: Duration, field: str) -> float:
+    """A Duration a client sent, as float seconds; one whose parts disagree is refused."""
+    if (
+        not -999_999_999 <= d.nanos <= 999_999_999
+        or (d.seconds < 0 < d.nanos)
+        or (d.nanos < 0 < d.seconds)
+    ):
+        raise Invalid(
+            f"{field}: not a valid Duration (seconds {d.seconds}, nanos {d.nanos}: nanos must"
+            " be within ±999,999,999 and have the sign of seconds)"
+        )
+    return d.seconds + d.nanos / 1e9
 
 
 def resources_from_pb(msg: pb.Resources) -> Resources:
@@ -156,8 +217,14 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
     }
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
-    if msg.HasField("stop_grace_seconds"):
-        data["stop_grace_seconds"] = msg.stop_grace_seconds
+    if msg.HasField("stop_grace_period"):
+        grace = duration_from_pb(msg.stop_grace_period, "spec.stop_grace_period")
+        if not 0 <= grace <= MAX_STOP_GRACE_SECONDS:
+            raise Invalid(
+                f"spec.stop_grace_period: must be between 0s and {MAX_STOP_GRACE_SECONDS:g}s,"
+                f" got {grace:g}s"
+            )
+        data["stop_grace_seconds"] = grace
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:
@@ -180,7 +247,7 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         restart_policy=pb.WorkloadSpec.RestartPolicy.Value(spec.restart_policy.value),
         working_dir=spec.working_dir,
         max_per_node=spec.max_per_node,
-        stop_grace_seconds=spec.stop_grace_seconds,
+        stop_grace_period=duration_fields(spec.stop_grace_seconds),
         user=spec.user,
         group=spec.group,
         secret_env=secrets,
@@ -207,10 +274,11 @@ def workload_to_pb(w: Workload) -> pb.Workload:
         ),
         generation=w.generation,
         deleting=w.deleting,
-        created_at=w.created_at,
-        updated_at=w.updated_at,
+        create_time=timestamp_fields(w.created_at),
+        update_time=timestamp_fields(w.updated_at),
         created_by=w.created_by,
         updated_by=w.updated_by,
+        etag=w.etag,
     )
 
 
@@ -227,10 +295,11 @@ def workload_from_pb(msg: pb.Workload) -> Workload:
         ),
         generation=msg.generation,
         deleting=msg.deleting,
-        created_at=msg.created_at,
-        updated_at=msg.updated_at,
+        created_at=seconds_from_pb(msg.create_time) or 0.0,
+        updated_at=seconds_from_pb(msg.update_time) or 0.0,
         created_by=msg.created_by,
         updated_by=msg.updated_by,
+        etag=msg.etag,
     )
 
 
@@ -257,11 +326,11 @@ def instance_to_pb(i: Instance) -> pb.Instance:
         message=i.message,
         restarts=i.restarts,
         generation=i.generation,
-        created_at=i.created_at,
-        updated_at=i.updated_at,
-        scheduled_at=i.scheduled_at or 0.0,
-        started_at=i.started_at or 0.0,
-        finished_at=i.finished_at or 0.0,
+        create_time=timestamp_fields(i.created_at),
+        update_time=timestamp_fields(i.updated_at),
+        schedule_time=timestamp_fields(i.scheduled_at),
+        start_time=timestamp_fields(i.started_at),
+        end_time=timestamp_fields(i.finished_at),
     )
     if i.exit_code is not None:
         msg.exit_code = i.exit_code
@@ -279,11 +348,11 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         exit_code=msg.exit_code if msg.HasField("exit_code") else None,
         restarts=msg.restarts,
         generation=msg.generation,
-        created_at=msg.created_at,
-        updated_at=msg.updated_at,
-        scheduled_at=msg.scheduled_at or None,
-        started_at=msg.started_at or None,
-        finished_at=msg.finished_at or None,
+        created_at=seconds_from_pb(msg.create_time) or 0.0,
+        updated_at=seconds_from_pb(msg.update_time) or 0.0,
+        scheduled_at=seconds_from_pb(msg.schedule_time),
+        started_at=seconds_from_pb(msg.start_time),
+        finished_at=seconds_from_pb(msg.end_time),
     )
 
 
@@ -299,9 +368,10 @@ def node_to_pb(n: Node) -> pb.Node:
         usage=resources_to_pb(n.usage),
         labels=n.labels,
         drivers=n.drivers,
-        instances=n.instances,
-        last_heartbeat=n.last_heartbeat,
+        instance_count=n.instance_count,
+        last_heartbeat_time=timestamp_fields(n.last_heartbeat),
         message=n.message,
+        etag=node_etag(n),
     )
 
 
@@ -320,8 +390,8 @@ def node_from_pb(msg: pb.Node) -> Node:
         usage=resources_from_pb(msg.usage),
         labels=dict(msg.labels),
         drivers=list(msg.drivers),
-        instances=msg.instances,
-        last_heartbeat=msg.last_heartbeat,
+        instance_count=msg.instance_count,
+        last_heartbeat=seconds_from_pb(msg.last_heartbeat_time) or 0.0,
         message=msg.message,
     )
 

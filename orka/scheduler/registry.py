@@ -112,7 +112,7 @@ class NodeRecord:
             usage=self.usage,
             labels=dict(self.labels),
             drivers=sorted(self.drivers),
-            instances=len(self.holds),
+            instance_count=len(self.holds),
             last_heartbeat=self.last_heartbeat_wall,
             message=self.message,
         )

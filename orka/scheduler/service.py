@@ -16,6 +16,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid, NotFound, PermissionDenied
+from orka.etags import node_etag
 from orka.models import (
     TERMINAL_PHASES,
     InstancePhase,
@@ -168,9 +169,11 @@ class NodeMessages:
         usage = msg.usage
         usage.cpu_millis = node.usage.cpu_millis
         usage.memory_bytes = node.usage.memory_bytes
-        msg.instances = len(node.holds)
-        msg.last_heartbeat = node.last_heartbeat_wall
+        msg.instance_count = len(node.holds)
+        if node.last_heartbeat_wall:
+            convert.set_timestamp(msg.last_heartbeat_time, node.last_heartbeat_wall)
         msg.message = node.message
+        msg.etag = node_etag(node)
 
 
 @boundaries(

@@ -214,7 +214,7 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
         await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec(name, n)), timeout=10)
     await eventually(lambda: settled(c, workloads), timeout=60)
     by, states = await files_agree(c, nodes, workloads)
-    before = {i.name: (i.node, i.restarts, i.started_at) for v in by.values() for i in v}
+    before = {i.name: (i.node, i.restarts, i.start_time) for v in by.values() for i in v}
     states_before = {a: set(s) for a, s in states.items()}
     assert len(before) == 50
 
@@ -229,7 +229,8 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
         fresh = [
             n
             for n in resp.nodes
-            if n.state == pb.Node.READY and n.last_heartbeat >= restarted_wall - 0.5
+            if n.state == pb.Node.READY
+            and n.last_heartbeat_time.ToNanoseconds() >= (restarted_wall - 0.5) * 1e9
         ]
         return len(fresh) == len(nodes)
 
@@ -241,7 +242,7 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
     print(f"\nscheduler restart: agents back {back:.2f}s, new workload running {placed:.2f}s")
 
     by, states_after = await files_agree(c, nodes, {**workloads, "after": 5})
-    after = {i.name: (i.node, i.restarts, i.started_at) for v in by.values() for i in v}
+    after = {i.name: (i.node, i.restarts, i.start_time) for v in by.values() for i in v}
     for name, was in before.items():
         assert after.get(name) == was, f"{name}: {was} before the crash, {after.get(name)} after"
     new = {i.name for i in by["after"]}

@@ -241,7 +241,7 @@ async def test_create_get_update_delete_answer_with_the_stored_record(cluster: C
         "workload 'web' already exists",
     )
     got = await api.GetWorkload(pb.GetWorkloadRequest(name="web"))
-    assert got.spec == created.spec and got.created_at == created.created_at
+    assert got.spec == created.spec and got.create_time == created.create_time
     assert await error(api.GetWorkload(pb.GetWorkloadRequest(name="nope"))) == (
         grpc.StatusCode.NOT_FOUND,
         "workload 'nope' not found",
@@ -255,7 +255,7 @@ async def test_create_get_update_delete_answer_with_the_stored_record(cluster: C
     before = time.time()
     scaled = await api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=spec("web", replicas=2)))
     assert (scaled.generation, scaled.spec.replicas) == (1, 2)
-    assert scaled.updated_at >= before and scaled.updated_by == "admin/admin"
+    assert scaled.update_time.ToNanoseconds() >= before * 1e9 and scaled.updated_by == "admin/admin"
     changed = await api.UpdateWorkload(
         pb.UpdateWorkloadRequest(spec=spec("web", replicas=2, command=["sleep", "7"]))
     )
@@ -331,7 +331,7 @@ async def test_list_instances_sorts_and_filters(cluster: Cluster) -> None:
 
     listed = await eventually(all_running)
     assert [i.workload for i in listed] == ["a", "b", "b"]
-    assert listed[1].created_at <= listed[2].created_at
+    assert listed[1].create_time.ToNanoseconds() <= listed[2].create_time.ToNanoseconds()
     assert [i.name for i in await cluster.instances("b")] == [i.name for i in listed[1:]]
     on_node = await api.ListInstances(pb.ListInstancesRequest(node="node-1"))
     assert [i.name for i in on_node.instances] == [i.name for i in listed]

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from orka.api import controller_pb2 as pb
 from orka.errors import RuntimeFailure
@@ -243,7 +244,7 @@ async def test_container_workload_end_to_end(
             command=["sh", "-c", "echo serving from $ORKA_WORKLOAD; exec sleep 1000"],
             replicas=1,
             resources=pb.Resources(cpu_millis=100, memory_bytes=32 * MIB),
-            stop_grace_seconds=1.0,
+            stop_grace_period=Duration(seconds=1),
         )
         t0 = time.monotonic()
         await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import AsyncIterator
@@ -183,6 +185,48 @@ async def test_create_list_and_run_a_workload(grpcurl: Grpcurl) -> None:
     assert {i["workload"] for i in running} == {"web"}
     assert {i["node"] for i in running} <= {"node-1", "node-2"}
     assert all(i["node"] for i in running)
+
+
+# What grpcurl prints for a google.protobuf.Timestamp: RFC 3339 in UTC, with 0, 3, 6 or 9
+# digits (the controller keeps microseconds). grpcurl names fields as the .proto does.
+RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3}|\.\d{6}|\.\d{9})?Z$")
+
+
+async def test_times_are_rfc3339_and_a_stale_etag_is_aborted(
+    grpcurl: Grpcurl, cluster: Cluster
+) -> None:
+    before = dt.datetime.now(dt.UTC)
+    created = (await grpcurl.call("CreateWorkload", {"spec": web_spec()})).json()
+    assert RFC3339.match(created["create_time"]), created
+    when = dt.datetime.fromisoformat(created["create_time"])
+    assert before - dt.timedelta(seconds=1) <= when <= dt.datetime.now(dt.UTC)
+    assert created["spec"]["stop_grace_period"] == "10s"  # the default, as a Duration
+
+    async def running_on_a_node() -> dict[str, Any] | None:
+        body = (await grpcurl.call("ListInstances", {"workload": "web"})).json()
+        started = [i for i in body.get("instances", []) if "start_time" in i]
+        return started[0] if started else None
+
+    inst = await eventually(running_on_a_node, interval=0.2)
+    for key in ("create_time", "update_time", "schedule_time", "start_time"):
+        assert RFC3339.match(inst[key]), (key, inst)
+    assert "end_time" not in inst  # not ended: unset, not 1970
+
+    async def counted() -> list[dict[str, Any]] | None:
+        nodes = (await grpcurl.call("ListNodes")).json()["nodes"]
+        return nodes if sum(n.get("instance_count", 0) for n in nodes) == 2 else None
+
+    nodes = await eventually(counted, interval=0.2)
+    assert all(RFC3339.match(n["last_heartbeat_time"]) for n in nodes), nodes
+
+    # The etag as grpcurl shows it makes an update conditional; once stale, ABORTED.
+    etag = created["etag"]
+    update = {"spec": web_spec(replicas=3), "etag": etag}
+    assert (await grpcurl.call("UpdateWorkload", update)).json()["spec"]["replicas"] == 3
+    stale = await grpcurl.call("UpdateWorkload", {"spec": web_spec(replicas=1), "etag": etag})
+    assert stale.status() == "Aborted", stale.err
+    assert "re-read it" in stale.message()
+    assert (await grpcurl.call("GetWorkload", {"name": "web"})).json()["spec"]["replicas"] == 3
 
 
 def _assert_refused(result: Result) -> None:

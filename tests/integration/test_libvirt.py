@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from orka.api import controller_pb2 as pb
 from orka.errors import RuntimeFailure
@@ -124,7 +125,7 @@ async def test_vm_runs_through_scheduler_and_agent(
             ),
             replicas=1,
             resources=pb.Resources(cpu_millis=500, memory_bytes=128 << 20),
-            stop_grace_seconds=1.0,
+            stop_grace_period=Duration(seconds=1),
         )
         applied = time.monotonic()
         await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))

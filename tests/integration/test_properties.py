@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -117,7 +118,11 @@ SPEC_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "restart_policy": enum_ints,
     "working_dir": hostile,
     "max_per_node": ints,
-    "stop_grace_seconds": floats,
+    "stop_grace_period": st.builds(
+        Duration,
+        seconds=st.one_of(st.integers(-10, 4000), int64s),
+        nanos=st.integers(-(2**31), 2**31 - 1),
+    ),
     "vm": st.builds(pb.VmSpec, kernel=hostile, initrd=hostile, cmdline=hostile),
 }
 

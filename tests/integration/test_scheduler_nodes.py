@@ -23,6 +23,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.models import NodeState
+from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.scheduler.registry import NodeRecord
 from orka.scheduler.service import Scheduler, SchedulerConfig
@@ -546,7 +547,8 @@ async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interva
         assert update is not None and update.WhichOneof("body") == "node"
         assert update.node.name == "node-1" and update.node.state == pb.Node.READY
         assert (update.node.usage.cpu_millis, update.node.usage.memory_bytes) == (250, 100 * MIB)
-        assert update.node.last_heartbeat == node.last_heartbeat_wall
+        sent = convert.node_from_pb(update.node).last_heartbeat
+        assert sent == pytest.approx(node.last_heartbeat_wall, abs=1e-6)  # to the microsecond
     finally:
         await s.stop()
 

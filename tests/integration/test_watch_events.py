@@ -140,7 +140,9 @@ async def test_batches_carry_the_same_events_in_the_same_order(cluster: Cluster)
 
     flat = [e for b in batches for e in b]
     assert [_key(e) for e in flat] == [_key(e) for e in one_by_one]
-    assert [e.time for e in flat] == [e.time for e in one_by_one]  # the very same events
+    assert [e.event_time for e in flat] == [
+        e.event_time for e in one_by_one
+    ]  # the very same events
     # The 20 instances are stored in one commit: their ADDED events travel together.
     assert max(len(b) for b in batches) >= 20
     assert all(b for b in batches)  # never an empty message

@@ -73,6 +73,15 @@ def test_command_string_is_split() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "seconds"),
+    [("30s", 30.0), ("1m30s", 90.0), ("500ms", 0.5), ("0.500s", 0.5), ("0s", 0.0), ("1h", 3600.0)],
+)
+def test_stop_grace_period_is_a_duration(value: str, seconds: float) -> None:
+    (spec,) = parse_manifests(f"name: a\nkind: process\ncommand: [x]\nstopGracePeriod: {value}\n")
+    assert spec.stop_grace_seconds == seconds
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         (
@@ -89,6 +98,18 @@ def test_command_string_is_split() -> None:
         ("- a\n- b\n", r"expected a mapping"),
         ("kind: Workload\nmetadata: {name: a}\nspecs: {}\n", r"unknown key 'specs'"),
         ("a: [\n", r"not valid YAML"),
+        (
+            "name: a\nkind: process\ncommand: [x]\nstop_grace_period: 10\n",
+            r"stop_grace_period: 10 is not a duration \(use e\.g\. 10s",
+        ),
+        (
+            "name: a\nkind: process\ncommand: [x]\nstop_grace_period: 2h\n",
+            r"stop_grace_period: must be at most 3600s",
+        ),
+        (
+            "name: a\nkind: process\ncommand: [x]\nstop_grace_seconds: 5\n",
+            r"unknown key 'stop_grace_seconds'.*stop_grace_period",
+        ),
         ("", r"no workloads found"),
     ],
 )

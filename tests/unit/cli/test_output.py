@@ -6,6 +6,7 @@ import yaml
 
 from orka.cli import output
 from orka.models import Instance, InstancePhase, Node, Resources, Workload, WorkloadSpec
+from orka.rpc import convert
 
 NOW = 1_000_000.0
 
@@ -60,6 +61,21 @@ def test_json_and_yaml_dump_models() -> None:
     assert as_json[0]["spec"]["name"] == "web"
     assert as_json[0]["spec"]["kind"] == "PROCESS"
     assert yaml.safe_load(output.dump(items[0], "yaml"))["spec"]["replicas"] == 3
+
+
+def test_json_and_yaml_show_times_and_spans_as_the_api_does() -> None:
+    w = workload("web").model_copy(update={"created_at": 1795000000.5, "updated_at": 0.0})
+    shown = json.loads(output.dump(w, "json"))
+    assert shown["create_time"] == "2026-11-18T11:06:40.500000Z"
+    assert shown["update_time"] is None
+    assert "created_at" not in shown
+    assert shown["spec"]["stop_grace_period"] == "10s"
+    assert shown["etag"] == w.etag
+    node = Node(name="n1", last_heartbeat=1795000000.0, instance_count=2)
+    (row,) = yaml.safe_load(output.dump([node], "yaml"))
+    assert row["last_heartbeat_time"] == "2026-11-18T11:06:40Z"
+    assert row["instance_count"] == 2
+    assert row["etag"] == convert.node_to_pb(node).etag  # what --etag takes
 
 
 def test_describe_workload_lists_unschedulable_reasons() -> None:

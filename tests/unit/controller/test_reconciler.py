@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import structlog
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -684,7 +685,9 @@ async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
     env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
-    await feed(env, [node_update("n1", schedulable=True, last_heartbeat=9.0)])
+    await feed(
+        env, [node_update("n1", schedulable=True, last_heartbeat_time=Timestamp(seconds=9))]
+    )
     assert env.repo.writes == writes
     assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
     assert not env.rec._dirty.is_set()  # and no pass is due
@@ -752,7 +755,7 @@ def test_a_node_is_not_written_for_its_soft_fields() -> None:
         update={
             "usage": Resources(cpu_millis=5),
             "allocated": Resources(cpu_millis=5),
-            "instances": 3,
+            "instance_count": 3,
             "last_heartbeat": 9.0,
             "message": "busy",
         }

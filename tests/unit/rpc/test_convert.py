@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
+from google.protobuf.duration_pb2 import Duration
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -93,8 +95,13 @@ def test_defaults_from_empty_fields() -> None:
         ({"resources": pb.Resources(memory_bytes=-1)}, "spec.resources.memory_bytes", "greater"),
         ({"env": {"A=B": "1"}}, "spec.env['A=B'] (key)", "'='"),
         ({"node_selector": {"bad key": "1"}}, "spec.node_selector['bad key'] (key)", "label key"),
-        ({"stop_grace_seconds": -1.0}, "spec.stop_grace_seconds", "greater"),
-        ({"stop_grace_seconds": 4000.0}, "spec.stop_grace_seconds", "less"),
+        ({"stop_grace_period": Duration(seconds=-1)}, "spec.stop_grace_period", "between 0s"),
+        ({"stop_grace_period": Duration(seconds=4000)}, "spec.stop_grace_period", "3600s"),
+        (
+            {"stop_grace_period": Duration(seconds=1, nanos=-5)},
+            "spec.stop_grace_period",
+            "not a valid Duration",
+        ),
         ({"max_per_node": -2}, "spec.max_per_node", "greater"),
         ({"command": []}, "spec", "command is required for a PROCESS"),
         ({"kind": pb.WorkloadSpec.CONTAINER}, "spec", "image is required"),
@@ -184,8 +191,68 @@ INSTANCES = [
         started_at=3.0,
         finished_at=4.0,
     ),
-    Instance(name="web-3", workload="web", phase=InstancePhase.LOST, exit_code=-9, created_at=1.0),
+    Instance(
+        name="web-3",
+        workload="web",
+        phase=InstancePhase.LOST,
+        exit_code=-9,
+        created_at=1.0,
+        updated_at=1795000000.25,
+    ),
 ]
+
+
+def test_times_are_timestamps_and_the_grace_period_a_duration_in_json() -> None:
+    w = Workload(spec=SPECS[1], created_at=1795000000.125, updated_at=1795000060.5)
+    shown = json_format.MessageToDict(convert.workload_to_pb(w))
+    assert shown["createTime"] == "2026-11-18T11:06:40.125Z"
+    assert shown["updateTime"] == "2026-11-18T11:07:40.500Z"
+    assert shown["spec"]["stopGracePeriod"] == "2.500s"
+    assert shown["etag"] == w.etag
+    assert "createdAt" not in shown and "stopGraceSeconds" not in shown["spec"]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (1795000000.123456, "2026-11-18T11:06:40.123456Z"),
+        (1795000000.1234564, "2026-11-18T11:06:40.123456Z"),
+        (1795000000.9999996, "2026-11-18T11:06:41Z"),
+        (1.5, "1970-01-01T00:00:01.500Z"),
+        (4102444799.999999, "2099-12-31T23:59:59.999999Z"),
+    ],
+)
+def test_a_time_is_kept_to_the_microsecond(seconds: float, shown: str) -> None:
+    msg = convert.instance_to_pb(Instance(name="a", workload="w", created_at=seconds))
+    assert msg.create_time.ToJsonString() == shown
+    back = convert.instance_from_pb(msg).created_at
+    assert abs(back - seconds) < 1e-6
+    # And from there on it stays put: a time read back and sent again is the same time.
+    again = convert.instance_to_pb(Instance(name="a", workload="w", created_at=back))
+    assert again.create_time == msg.create_time
+
+
+def test_a_time_not_yet_reached_stays_unset() -> None:
+    msg = convert.instance_to_pb(INSTANCES[0])
+    assert msg.HasField("create_time")
+    assert not msg.HasField("schedule_time")
+    assert not msg.HasField("start_time")
+    assert not msg.HasField("end_time")
+    assert "startTime" not in json_format.MessageToDict(msg)
+
+
+def test_node_shows_its_instance_count_heartbeat_time_and_etag() -> None:
+    n = Node(name="n1", instance_count=3, last_heartbeat=1795000000.0, schedulable=False)
+    msg = convert.node_to_pb(n)
+    assert msg.instance_count == 3
+    assert msg.last_heartbeat_time.ToJsonString() == "2026-11-18T11:06:40Z"
+    back = convert.node_from_pb(msg)
+    assert (back.instance_count, back.last_heartbeat) == (3, 1795000000.0)
+    # The etag follows what users write of a node, not its heartbeats or usage.
+    busy = n.model_copy(update={"last_heartbeat": 1795000001.0, "instance_count": 4})
+    assert convert.node_to_pb(busy).etag == msg.etag
+    assert convert.node_to_pb(n.model_copy(update={"schedulable": True})).etag != msg.etag
+    assert convert.node_to_pb(n.model_copy(update={"draining": True})).etag != msg.etag
 
 
 @pytest.mark.parametrize("inst", INSTANCES)

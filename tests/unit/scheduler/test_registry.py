@@ -327,7 +327,7 @@ def test_to_model_reports_allocated_from_holds() -> None:
     rec.add_hold("b", Hold("web", 200, 20))
     node = rec.to_model()
     assert node.allocated == Resources(cpu_millis=500, memory_bytes=50)
-    assert node.instances == 2
+    assert node.instance_count == 2
     assert node.drivers == ["fake", "process"]
 
 
