@@ -685,9 +685,7 @@ async def test_unchanged_node_update_writes_nothing(env: Env) -> None:
     await env.put(node("n1"))
     writes = env.repo.writes
     env.queue.backoff["web-x"] = backoff = _Backoff(until=time.monotonic() + 100, delay=10)
-    await feed(
-        env, [node_update("n1", schedulable=True, last_heartbeat_time=Timestamp(seconds=9))]
-    )
+    await feed(env, [node_update("n1", schedulable=True, last_heartbeat_time=Timestamp(seconds=9))])
     assert env.repo.writes == writes
     assert env.queue.backoff == {"web-x": backoff}  # nothing freed: placements keep waiting
     assert not env.rec._dirty.is_set()  # and no pass is due
