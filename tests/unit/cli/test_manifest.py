@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from orka.cli.manifest import parse_manifests
+from orka.cli.manifest import load_manifests, parse_manifests
 from orka.errors import Invalid
 from orka.models import RestartPolicy, WorkloadKind
 
@@ -128,3 +130,12 @@ def test_error_names_document_index() -> None:
 def test_duplicate_names_rejected() -> None:
     with pytest.raises(Invalid, match="already defined"):
         parse_manifests(f"{FLAT}\n---\n{FLAT}", "f.yaml")
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml")), ids=str
+)
+def test_every_example_manifest_loads(path: Path) -> None:
+    # The README points new users at examples/: a renamed field must not leave them broken.
+    specs = load_manifests(str(path))
+    assert specs and all(s.name for s in specs)
