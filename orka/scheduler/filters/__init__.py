@@ -2,13 +2,15 @@
 
 A node is rejected by the first filter that returns a reason, so the order is both a cost order
 (cheap attribute checks first, they also remove the most nodes) and the precedence of reasons
-users see: a lost node reports "lost", not "insufficient cpu".
+users see: a lost node reports "lost", not "insufficient cpu". Each filter is one aspect of
+`orka.fit`'s rule, in the same order as `fit.fit`, so ranking and reserving agree on every node.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from orka import fit
 from orka.scheduler.filters.driver import DriverFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
 from orka.scheduler.filters.ready import ReadyFilter
@@ -20,12 +22,16 @@ from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 class Filter(Protocol):
     name: str
+    # True when the verdict depends only on what all nodes of one index bucket share (READY,
+    # schedulable, the same drivers and allocatable): the indexed stage then asks it once per
+    # bucket instead of once per node (orka.scheduler.indexed).
+    per_bucket: bool
 
     def applies(self, req: PlacementRequest) -> bool:
         """False when the request cannot be rejected by this filter, so it is skipped."""
         ...
 
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
+    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
         """The reason the node cannot take the request, or None when it can."""
         ...
 

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from orka.models import FAKE_DRIVER, KIND_DRIVER
+from orka import fit
 from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 
 class DriverFilter:
     __slots__ = ()
     name: str = "driver"
+    per_bucket: bool = True
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
 
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        driver = KIND_DRIVER[req.kind]
-        drivers = node.drivers
-        if driver in drivers or FAKE_DRIVER in drivers:
-            return None
-        return f"no {driver} driver"
+    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
+        return fit.driver(req.kind, node.drivers)

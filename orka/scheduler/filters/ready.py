@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from orka.models import NodeState
+from orka import fit
 from orka.scheduler.snapshot import NodeView, PlacementRequest
-
-_REASONS: dict[NodeState, str] = {
-    NodeState.NOT_READY: "not ready",
-    NodeState.LOST: "lost",
-    NodeState.LEFT: "left",
-}
 
 
 class ReadyFilter:
     __slots__ = ()
     name: str = "ready"
+    per_bucket: bool = True
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
 
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        state = node.state
-        if state is NodeState.READY:
-            return None
-        # A state added later must still reject, with a reason that names it.
-        return _REASONS.get(state) or state.value.lower().replace("_", " ")
+    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
+        # The schedulable half of the rule is SchedulableFilter's, so cordoned reads apart.
+        return fit.availability(node.state, True)

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
+from orka import fit
 from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 
 class SpreadFilter:
     __slots__ = ()
     name: str = "spread"
+    per_bucket: bool = False
 
     def applies(self, req: PlacementRequest) -> bool:
         return req.max_per_node > 0
 
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
+    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
         # check() stays correct on its own; applies() only lets the pipeline skip the call.
-        limit = req.max_per_node
-        if limit <= 0:
-            return None
-        count = node.workload_counts.get(req.workload, 0)
-        if count < limit:
-            return None
-        noun = "replica" if count == 1 else "replicas"
-        return f"spread: {count} {noun} already on node"
+        return fit.spread(req.max_per_node, node.workload_counts.get(req.workload, 0))
