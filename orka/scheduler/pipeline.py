@@ -203,7 +203,6 @@ class Pipeline:
             self.indexed = IndexedStage(self._scorers[0][0], self._filters)
         else:
             log.info("placement ranks every node", why=self.fallback)
-        self._memo = _IndexMemo()
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -217,7 +216,7 @@ class Pipeline:
             req, snapshot, limit, [f.check for f in self._filters if f.applies(req)]
         )
         if limit is not None and self.indexed is not None:
-            decision.index = self._memo.index(snapshot)
+            decision.index = _MEMO.index(snapshot)
             ranking = self.indexed.rank(decision)
             if ranking is not None:
                 return ranking
@@ -226,8 +225,9 @@ class Pipeline:
 
 class _IndexMemo:
     """The index of the last snapshot that came without one, built on its second decision (one
-    decision is cheaper without). The pipeline's cache, kept apart from the snapshot, which a
-    decision never changes."""
+    decision is cheaper without). A cache of derived data kept apart from the snapshot, which a
+    decision never changes, and shared by every pipeline of the process (several policies may
+    rank on one snapshot)."""
 
     __slots__ = ("_index", "_seen")
 
@@ -245,6 +245,9 @@ class _IndexMemo:
         if self._index is None:
             self._index = SnapshotIndex.build(snapshot.nodes)
         return self._index
+
+
+_MEMO = _IndexMemo()
 
 
 def filter_nodes(

@@ -244,9 +244,9 @@ def _by_registry(req: Any, view: Any) -> fit.Reason | None:
     return reg.try_reserve(rec, req, 30.0)
 
 
-def _by_index(req: Any, view: Any) -> bool:
-    """Whether the indexed stage finds the node: with a limit of 1 on a one-node snapshot it
-    decides only when the node fits, for either scorer's walk."""
+def _by_index(req: Any, view: Any) -> bool | None:
+    """Whether the indexed stage finds the node, with a limit of 1 on a one-node snapshot, for
+    either scorer's walk; None when it leaves the decision to the exhaustive stage."""
     verdicts = set()
     for policy in ("spread", "binpack"):
         pipeline = Pipeline(PipelineConfig(policy=policy))
@@ -255,7 +255,7 @@ def _by_index(req: Any, view: Any) -> bool:
         checks = [f.check for f in FILTERS if f.applies(req)]
         d = Decision(req, snap, 1, checks, SnapshotIndex.build(snap.nodes))
         ranking = pipeline.indexed.rank(d)
-        verdicts.add(ranking is not None and ranking.candidates == (view.name,))
+        verdicts.add(None if ranking is None else ranking.candidates == (view.name,))
     assert len(verdicts) == 1, "the two walks disagree"
     return verdicts.pop()
 
@@ -297,8 +297,15 @@ def test_filters_index_registry_and_agent_agree(case: tuple[Any, Any], tmp_path:
     # The filters, in their order, and the registry's reservation name the same reason.
     assert _by_filters(req, view) == rule
     assert _by_registry(req, view) == rule
-    # The index finds exactly the nodes that fit.
-    assert _by_index(req, view) is (rule is None)
+    # The index finds every node that fits and no other; a node it cannot order (it offers
+    # no cpu or no memory at all) it may leave to the exhaustive stage.
+    found = _by_index(req, view)
+    if rule is not None:
+        assert found is not True
+    elif view.cpu_allocatable > 0 and view.mem_allocatable > 0:
+        assert found is True
+    else:
+        assert found is not False
     # The agent asks the same rule of what it knows: drivers and resources.
     agent_rule = fit.driver(req.kind, view.drivers) or fit.resources(
         req.cpu_millis,
