@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orka import fit
@@ -207,20 +207,31 @@ def _cases(draw: st.DrawFn) -> tuple[Any, Any]:
     mem_alloc = draw(st.sampled_from([0, 1, 256, 1024, 4096]))
     view = node(
         name="n1",
-        state=draw(st.sampled_from(list(NodeState))),
-        schedulable=draw(st.booleans()),
-        drivers=draw(st.sampled_from(_DRIVER_SETS)),
+        # Mostly nodes that take instances, so the resource checks get asked.
+        state=draw(st.one_of(st.just(NodeState.READY), st.sampled_from(list(NodeState)))),
+        schedulable=draw(st.one_of(st.just(True), st.booleans())),
+        drivers=draw(st.just(frozenset({"process", "containerd"})) | st.sampled_from(_DRIVER_SETS)),
         labels=draw(st.sampled_from([{}, {"zone": "eu"}, {"zone": "us"}])),
         cpu_allocatable=cpu_alloc,
         mem_allocatable=mem_alloc,
-        cpu_used=draw(st.integers(0, cpu_alloc + 10)),
-        mem_used=draw(st.integers(0, mem_alloc + 10)),
+        cpu_used=draw(st.integers(0, cpu_alloc) | st.integers(0, cpu_alloc + 10)),
+        mem_used=draw(st.integers(0, mem_alloc) | st.integers(0, mem_alloc + 10)),
     )
+    # Boundaries are where wordings of the rule used to differ: exactly the free amount, one
+    # more, exactly the capacity, one more; plus anything.
+    free_cpu = max(0, cpu_alloc - view.cpu_used)
+    free_mem = max(0, mem_alloc - view.mem_used)
+    cpu_edges = [0, free_cpu, free_cpu + 1, cpu_alloc, cpu_alloc + 1]
+    mem_edges = [0, free_mem, free_mem + 1, mem_alloc, mem_alloc + 1]
     req = request(
         kind=draw(st.sampled_from([WorkloadKind.PROCESS, WorkloadKind.CONTAINER])),
-        cpu_millis=draw(st.integers(0, 4100)),
-        memory_bytes=draw(st.integers(0, 4200)),
-        node_selector=draw(st.sampled_from([{}, {"zone": "eu"}])),
+        cpu_millis=draw(
+            st.sampled_from(cpu_edges) | st.integers(0, free_cpu) | st.integers(0, 4100)
+        ),
+        memory_bytes=draw(
+            st.sampled_from(mem_edges) | st.integers(0, free_mem) | st.integers(0, 4200)
+        ),
+        node_selector=draw(st.sampled_from([{}, {}, {"zone": "eu"}])),
     )
     return view, req
 
@@ -288,9 +299,17 @@ def _by_agent(req: Any, view: Any, tmp: Path) -> str | None:
 
 
 @settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(case=_cases())
+# The boundaries, always: an exact fit of a half-used node, one millicore more, a request of
+# the whole capacity of an empty node, and of one byte more.
+@example(
+    case=(node(cpu_used=2000, mem_used=4 * GIB), request(cpu_millis=2000, memory_bytes=4 * GIB))
+)
+@example(case=(node(cpu_used=2000, mem_used=4 * GIB), request(cpu_millis=2001, memory_bytes=GIB)))
+@example(case=(node(), request(cpu_millis=4000, memory_bytes=8 * GIB)))
+@example(case=(node(), request(cpu_millis=1, memory_bytes=8 * GIB + 1)))
 def test_filters_index_registry_and_agent_agree(case: tuple[Any, Any], tmp_path: Path) -> None:
     view, req = case
     rule = fit.fit(req, view)
