@@ -66,38 +66,54 @@ RESOLVABLE: Mapping[Code, bool] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Reason:
-    """Why one node cannot take one instance."""
+    """Why one node cannot take one instance.
+
+    Interned: `reason()` (which every constant and factory here goes through) gives one object
+    per code and message, so reasons compare and hash by identity, at C speed. A decision that
+    rejects 5,000 nodes counts each under its reason in a dict.
+    """
 
     code: Code
     message: str
     resolvable: bool = field(init=False)
-    # Reasons are dict keys for every rejected node of a decision: hash once, not per lookup.
-    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "resolvable", RESOLVABLE[self.code])
-        object.__setattr__(self, "_hash", hash((self.code, self.message)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
     def __str__(self) -> str:
         return self.message
 
 
-NOT_READY = Reason(Code.NODE_NOT_READY, "not ready")
-LOST = Reason(Code.NODE_LOST, "lost")
-LEFT = Reason(Code.NODE_LEFT, "left")
-GONE = Reason(Code.NODE_GONE, "gone")
-CORDONED = Reason(Code.NODE_CORDONED, "cordoned")
-SHUTTING_DOWN = Reason(Code.NODE_SHUTTING_DOWN, "node is shutting down")
-CPU_ABOVE_CAPACITY = Reason(Code.CPU_ABOVE_CAPACITY, "cpu request exceeds node capacity")
-MEMORY_ABOVE_CAPACITY = Reason(Code.MEMORY_ABOVE_CAPACITY, "memory request exceeds node capacity")
-INSUFFICIENT_CPU = Reason(Code.INSUFFICIENT_CPU, "insufficient cpu")
-INSUFFICIENT_MEMORY = Reason(Code.INSUFFICIENT_MEMORY, "insufficient memory")
-OFFER_TIMED_OUT = Reason(Code.OFFER_TIMED_OUT, "offer timed out")
+_INTERNED: dict[tuple[Code, str], Reason] = {}
+# Messages can carry label values and agents' words; past this many, start over (a reason
+# made twice then counts the same anyway: count_reasons merges by code and message).
+_MAX_INTERNED = 4096
+
+
+def reason(code: Code, message: str) -> Reason:
+    """The one Reason for this code and message."""
+    key = (code, message)
+    found = _INTERNED.get(key)
+    if found is None:
+        if len(_INTERNED) >= _MAX_INTERNED:
+            _INTERNED.clear()
+        found = _INTERNED[key] = Reason(code, message)
+    return found
+
+
+NOT_READY = reason(Code.NODE_NOT_READY, "not ready")
+LOST = reason(Code.NODE_LOST, "lost")
+LEFT = reason(Code.NODE_LEFT, "left")
+GONE = reason(Code.NODE_GONE, "gone")
+CORDONED = reason(Code.NODE_CORDONED, "cordoned")
+SHUTTING_DOWN = reason(Code.NODE_SHUTTING_DOWN, "node is shutting down")
+CPU_ABOVE_CAPACITY = reason(Code.CPU_ABOVE_CAPACITY, "cpu request exceeds node capacity")
+MEMORY_ABOVE_CAPACITY = reason(Code.MEMORY_ABOVE_CAPACITY, "memory request exceeds node capacity")
+INSUFFICIENT_CPU = reason(Code.INSUFFICIENT_CPU, "insufficient cpu")
+INSUFFICIENT_MEMORY = reason(Code.INSUFFICIENT_MEMORY, "insufficient memory")
+OFFER_TIMED_OUT = reason(Code.OFFER_TIMED_OUT, "offer timed out")
 
 _STATES: Mapping[NodeState, Reason] = {
     NodeState.NOT_READY: NOT_READY,
@@ -106,96 +122,44 @@ _STATES: Mapping[NodeState, Reason] = {
 }
 
 
-# The parametrised reasons are interned: a decision that rejects 5,000 nodes for "no libvirt
-# driver" builds the reason once, and equal reasons are the same dict key.
+# The parametrised reasons are cached too: a decision that rejects 5,000 nodes for "no libvirt
+# driver" formats the message once.
 @functools.lru_cache(maxsize=64)
 def no_driver(driver: str) -> Reason:
-    return Reason(Code.NO_DRIVER, f"no {driver} driver")
+    return reason(Code.NO_DRIVER, f"no {driver} driver")
 
 
 @functools.lru_cache(maxsize=1024)
 def selector_mismatch(key: str, want: str) -> Reason:
     # Naming the first key that differs tells the user which label to fix; nodes that miss the
     # same key aggregate into one line of the unschedulable reason.
-    return Reason(Code.NODE_SELECTOR_MISMATCH, f"label {key} != {want}")
+    return reason(Code.NODE_SELECTOR_MISMATCH, f"label {key} != {want}")
 
 
 @functools.lru_cache(maxsize=256)
 def spread_limit(count: int) -> Reason:
     noun = "replica" if count == 1 else "replicas"
-    return Reason(Code.SPREAD_LIMIT, f"spread: {count} {noun} already on node")
+    return reason(Code.SPREAD_LIMIT, f"spread: {count} {noun} already on node")
 
 
 def refused(why: str) -> Reason:
     """An agent said no to an offer; `why` is its own words."""
-    return Reason(Code.OFFER_REFUSED, f"refused: {why}")
+    return reason(Code.OFFER_REFUSED, f"refused: {why}")
 
 
-# ---- the rule, one aspect at a time, in the order reasons take precedence ----
+# ---- the rule ----
 
 
-def availability(state: NodeState, schedulable: bool) -> Reason | None:
-    """Only READY, schedulable (not cordoned, not draining) nodes take new instances."""
-    if state is not NodeState.READY:
-        # A state added later must still reject, with a reason that names it.
-        return _STATES.get(state) or Reason(Code.NODE_NOT_READY, state.value.lower())
-    return None if schedulable else CORDONED
+class Amount(Protocol):
+    """Resources asked for (a spec's Resources)."""
+
+    @property
+    def cpu_millis(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
 
 
-def driver(kind: WorkloadKind, drivers: Collection[str]) -> Reason | None:
-    """The node has the runtime driver the kind needs (`fake` stands in for any)."""
-    wanted = KIND_DRIVER[kind]
-    if wanted in drivers or FAKE_DRIVER in drivers:
-        return None
-    return no_driver(wanted)
-
-
-def resources(
-    cpu: int, mem: int, cpu_alloc: int, mem_alloc: int, cpu_used: int, mem_used: int
-) -> Reason | None:
-    """The request fits in what the node has left (allocatable minus used and reserved).
-
-    A request bigger than the whole allocatable is named as such: no amount of waiting makes it
-    fit. CPU is named before memory so the same shortage always yields the same reason. Even a
-    zero request is checked: a node whose allocatable shrank below its usage is full.
-    """
-    if cpu > cpu_alloc:
-        return CPU_ABOVE_CAPACITY
-    if mem > mem_alloc:
-        return MEMORY_ABOVE_CAPACITY
-    if cpu > cpu_alloc - cpu_used:
-        return INSUFFICIENT_CPU
-    if mem > mem_alloc - mem_used:
-        return INSUFFICIENT_MEMORY
-    return None
-
-
-def most_used_that_fits(cpu_share: float) -> float:
-    """The largest cpu_used/cpu_alloc + mem_used/mem_alloc a node may have and still take a
-    request whose shares of the node are cpu/cpu_alloc + mem/mem_alloc = `cpu_share` summed.
-
-    A corollary of `resources`: fitting needs each used share plus the request's share to be at
-    most 1, so their sum is at most 2. The index skips every node above this bound unchecked.
-    """
-    return 2.0 - cpu_share
-
-
-def selector(wanted: Mapping[str, str], labels: Mapping[str, str]) -> Reason | None:
-    """Every label of the node selector is on the node with exactly that value."""
-    for key, want in wanted.items():
-        if labels.get(key) != want:
-            return selector_mismatch(key, want)
-    return None
-
-
-def spread(max_per_node: int, count: int) -> Reason | None:
-    """At most `max_per_node` instances of the workload per node; 0 means no limit."""
-    if max_per_node <= 0 or count < max_per_node:
-        return None
-    return spread_limit(count)
-
-
-class Need(Protocol):
+class Need(Amount, Protocol):
     """What an instance asks of a node (the scheduler's PlacementRequest)."""
 
     @property
@@ -203,16 +167,25 @@ class Need(Protocol):
     @property
     def kind(self) -> WorkloadKind: ...
     @property
-    def cpu_millis(self) -> int: ...
-    @property
-    def memory_bytes(self) -> int: ...
-    @property
     def node_selector(self) -> Mapping[str, str]: ...
     @property
     def max_per_node(self) -> int: ...
 
 
-class Offer(Protocol):
+class Capacity(Protocol):
+    """A node's resources: what it offers and what is used or reserved of it (`Room`)."""
+
+    @property
+    def cpu_allocatable(self) -> int: ...
+    @property
+    def mem_allocatable(self) -> int: ...
+    @property
+    def cpu_used(self) -> int: ...
+    @property
+    def mem_used(self) -> int: ...
+
+
+class Offer(Capacity, Protocol):
     """What a node offers (the scheduler's NodeView)."""
 
     @property
@@ -224,52 +197,126 @@ class Offer(Protocol):
     @property
     def labels(self) -> Mapping[str, str]: ...
     @property
-    def cpu_allocatable(self) -> int: ...
-    @property
-    def mem_allocatable(self) -> int: ...
-    @property
-    def cpu_used(self) -> int: ...
-    @property
-    def mem_used(self) -> int: ...
-    @property
     def workload_counts(self) -> Mapping[str, int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A node's resources as its agent counts them, for `resources` and `explain_resources`."""
+
+    cpu_allocatable: int
+    mem_allocatable: int
+    cpu_used: int
+    mem_used: int
 
 
 def fit(need: Need, node: Offer) -> Reason | None:
     """The whole rule: None when the node can take the instance, else the first reason not.
 
     The order is the precedence of reasons users see: a lost node reports "lost", not
-    "insufficient cpu".
+    "insufficient cpu". The scheduler's filters are these aspects one by one, in this order.
     """
     return (
-        availability(node.state, node.schedulable)
-        or driver(need.kind, node.drivers)
-        or resources(
-            need.cpu_millis,
-            need.memory_bytes,
-            node.cpu_allocatable,
-            node.mem_allocatable,
-            node.cpu_used,
-            node.mem_used,
-        )
-        or selector(need.node_selector, node.labels)
-        or spread(need.max_per_node, node.workload_counts.get(need.workload, 0))
+        ready(need, node)
+        or schedulable(need, node)
+        or driver(need, node)
+        or resources(need, node)
+        or selector(need, node)
+        or spread(need, node)
     )
 
 
-def explain_resources(
-    reason: Reason, cpu: int, mem: int, cpu_alloc: int, mem_alloc: int, cpu_used: int, mem_used: int
-) -> str:
+def availability(node: Offer) -> Reason | None:
+    """What is asked of a node whatever the request: READY and schedulable."""
+    state = node.state
+    if state is not NodeState.READY:
+        # A state added later must still reject, with a reason that names it.
+        return _STATES.get(state) or reason(Code.NODE_NOT_READY, state.value.lower())
+    return None if node.schedulable else CORDONED
+
+
+def ready(need: Need, node: Offer) -> Reason | None:
+    """Only READY nodes take new instances; the reason names the state."""
+    state = node.state
+    if state is NodeState.READY:
+        return None
+    return _STATES.get(state) or reason(Code.NODE_NOT_READY, state.value.lower())
+
+
+def schedulable(need: Need, node: Offer) -> Reason | None:
+    """Cordoned and draining nodes keep their instances but take no new ones."""
+    return None if node.schedulable else CORDONED
+
+
+def driver(need: Need, node: Offer) -> Reason | None:
+    """The node has the runtime driver the kind needs (`fake` stands in for any)."""
+    wanted = KIND_DRIVER[need.kind]
+    drivers = node.drivers
+    if wanted in drivers or FAKE_DRIVER in drivers:
+        return None
+    return no_driver(wanted)
+
+
+def resources(need: Amount, node: Capacity) -> Reason | None:
+    """The request fits in what the node has left (allocatable minus used and reserved).
+
+    A request bigger than the whole allocatable is named as such: no amount of waiting makes it
+    fit. CPU is named before memory so the same shortage always yields the same reason. Even a
+    zero request is checked: a node whose allocatable shrank below its usage is full.
+    """
+    cpu, mem = need.cpu_millis, need.memory_bytes
+    cpu_alloc, mem_alloc = node.cpu_allocatable, node.mem_allocatable
+    if cpu > cpu_alloc:
+        return CPU_ABOVE_CAPACITY
+    if mem > mem_alloc:
+        return MEMORY_ABOVE_CAPACITY
+    if cpu > cpu_alloc - node.cpu_used:
+        return INSUFFICIENT_CPU
+    if mem > mem_alloc - node.mem_used:
+        return INSUFFICIENT_MEMORY
+    return None
+
+
+def most_used_that_fits(share: float) -> float:
+    """The largest cpu_used/cpu_alloc + mem_used/mem_alloc a node may have and still take a
+    request whose shares of the node, cpu/cpu_alloc + mem/mem_alloc, sum to `share`.
+
+    A corollary of `resources`: fitting needs each used share plus the request's share to be at
+    most 1, so their sum is at most 2. The index skips every node above this bound unchecked.
+    """
+    return 2.0 - share
+
+
+def selector(need: Need, node: Offer) -> Reason | None:
+    """Every label of the node selector is on the node with exactly that value."""
+    labels = node.labels
+    for key, want in need.node_selector.items():
+        if labels.get(key) != want:
+            return selector_mismatch(key, want)
+    return None
+
+
+def spread(need: Need, node: Offer) -> Reason | None:
+    """At most `max_per_node` instances of the workload per node; 0 means no limit."""
+    limit = need.max_per_node
+    if limit <= 0:
+        return None
+    count = node.workload_counts.get(need.workload, 0)
+    return None if count < limit else spread_limit(count)
+
+
+def explain_resources(r: Reason, need: Amount, node: Capacity) -> str:
     """A resource reason with the figures behind it, for a node's own refusal."""
-    if reason.code is Code.CPU_ABOVE_CAPACITY:
-        return f"{reason}: {cpu}m requested, {cpu_alloc}m capacity"
-    if reason.code is Code.MEMORY_ABOVE_CAPACITY:
-        return f"{reason}: {_mib(mem)} requested, {_mib(mem_alloc)} capacity"
-    if reason.code is Code.INSUFFICIENT_CPU:
-        return f"{reason}: {cpu}m requested, {cpu_alloc - cpu_used}m free"
-    if reason.code is Code.INSUFFICIENT_MEMORY:
-        return f"{reason}: {_mib(mem)} requested, {_mib(mem_alloc - mem_used)} free"
-    return reason.message
+    cpu, mem = need.cpu_millis, need.memory_bytes
+    if r is CPU_ABOVE_CAPACITY:
+        return f"{r}: {cpu}m requested, {node.cpu_allocatable}m capacity"
+    if r is MEMORY_ABOVE_CAPACITY:
+        return f"{r}: {_mib(mem)} requested, {_mib(node.mem_allocatable)} capacity"
+    if r is INSUFFICIENT_CPU:
+        return f"{r}: {cpu}m requested, {node.cpu_allocatable - node.cpu_used}m free"
+    if r is INSUFFICIENT_MEMORY:
+        return f"{r}: {_mib(mem)} requested, {_mib(node.mem_allocatable - node.mem_used)} free"
+    return r.message
 
 
 def _mib(n: int) -> str:
@@ -290,9 +337,14 @@ class ReasonCount:
 
 
 def count_reasons(rejections: Mapping[Reason, int]) -> list[ReasonCount]:
-    """Most common first, then by message, so the same refusals always read the same."""
-    parts = sorted(rejections.items(), key=lambda item: (-item[1], item[0].message))
-    return [ReasonCount(r.code.value, r.message, n, r.resolvable) for r, n in parts]
+    """One line per code and message, most common first, then by message, so the same
+    refusals always read the same."""
+    merged: dict[tuple[Code, str], int] = {}
+    for r, n in rejections.items():
+        key = (r.code, r.message)
+        merged[key] = merged.get(key, 0) + n
+    parts = sorted(merged.items(), key=lambda item: (-item[1], item[0][1]))
+    return [ReasonCount(code.value, message, n, RESOLVABLE[code]) for (code, message), n in parts]
 
 
 def format_reasons(counts: Iterable[ReasonCount]) -> str:

@@ -566,12 +566,10 @@ class Agent:
         outside = self._outside_allowed(spec)
         if outside is not None:
             return outside
-        need, cap = spec.resources, self.capacity
-        amounts = (need.cpu_millis, need.memory_bytes, cap.cpu_millis, cap.memory_bytes)
-        reason = fit.resources(*amounts, used.cpu_millis, used.memory_bytes)
-        if reason is None:
-            return None
-        return fit.explain_resources(reason, *amounts, used.cpu_millis, used.memory_bytes)
+        cap = self.capacity
+        room = fit.Room(cap.cpu_millis, cap.memory_bytes, used.cpu_millis, used.memory_bytes)
+        reason = fit.resources(spec.resources, room)
+        return None if reason is None else fit.explain_resources(reason, spec.resources, room)
 
     def _outside_allowed(self, spec: WorkloadSpec) -> str | None:
         """Files a driver opens on this node (VM disks, kernels, initrds, OCI archives) must

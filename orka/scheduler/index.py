@@ -76,7 +76,7 @@ class SnapshotIndex:
         odd: list[NodeView] = []
         for node in nodes:
             # Only what the rule rejects whatever the request: not READY, cordoned or draining.
-            if fit.availability(node.state, node.schedulable) is not None:
+            if fit.availability(node) is not None:
                 continue
             ca, ma = node.cpu_allocatable, node.mem_allocatable
             if ca <= 0 or ma <= 0:
@@ -168,7 +168,7 @@ def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> S
         return buckets[i]
 
     def eligible(node: NodeView) -> bool:
-        return fit.availability(node.state, node.schedulable) is None
+        return fit.availability(node) is None
 
     for node in old:
         if not eligible(node):

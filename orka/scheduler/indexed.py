@@ -13,7 +13,6 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator
 
-from orka import fit
 from orka.scheduler.filters import Filter
 from orka.scheduler.index import EPSILON, Group, IndexedWalk
 from orka.scheduler.pipeline import Check, Decision, Ranking
@@ -39,9 +38,10 @@ class IndexedStage:
         assert isinstance(walk, IndexedWalk), "IndexedStage.refuses() vets the scorer"
         self._score = scorer.score
         self._walk = walk
-        # Asked once per bucket: every node of a bucket gives the same verdict.
-        self._per_bucket = tuple(f.check for f in filters if f.per_bucket)
-        self._per_node = tuple(f for f in filters if not f.per_bucket)
+        # Asked once per bucket: every node of a bucket gives the same verdict. Filters the
+        # index holds only passing nodes of are not asked at all.
+        self._per_bucket = tuple(f.check for f in filters if f.index_scope == "bucket")
+        self._per_node = tuple(f for f in filters if f.index_scope == "node")
 
     def rank(self, d: Decision) -> Ranking | None:
         index, limit, req = d.index, d.limit, d.req
@@ -53,13 +53,14 @@ class IndexedStage:
             return Ranking((), lazy=lazy, stage=self.name)
         cpu, mem, workload = req.cpu_millis, req.memory_bytes, req.workload
         parts = []
+        per_bucket = self._per_bucket
         for b in index.buckets:
             first = b.groups[0].nodes[0]
-            if _rejects(self._per_bucket, req, first):
-                continue
-            if fit.resources(cpu, mem, b.cpu_alloc, b.mem_alloc, 0, 0) is not None:
-                continue  # more than the whole capacity of this shape
-            parts.append((b, cpu / b.cpu_alloc + mem / b.mem_alloc))
+            for check in per_bucket:
+                if check(req, first) is not None:
+                    break
+            else:
+                parts.append((b, cpu / b.cpu_alloc + mem / b.mem_alloc))
         walk = self._walk.walk
         skip_holders = self._walk.skips_holders
         stream: Iterator[tuple[float, Group]] = heapq.merge(

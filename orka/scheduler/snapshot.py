@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from orka.models import NodeState, WorkloadKind
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from orka.scheduler.index import SnapshotIndex
 
 V = TypeVar("V")
+
+# How much of a filter's work an index of the snapshot's nodes already did (see Filter).
+IndexScope = Literal["passed", "bucket", "node"]
 
 
 def _frozen_mapping(value: Mapping[str, V]) -> Mapping[str, V]:

@@ -111,11 +111,17 @@ def test_every_code_says_whether_waiting_helps() -> None:
     }
 
 
-def test_equal_reasons_are_one_key() -> None:
-    a = fit.Reason(fit.Code.NO_DRIVER, "no vm driver")
-    b = fit.Reason(fit.Code.NO_DRIVER, "no vm driver")
-    assert a == b and hash(a) == hash(b) and len({a: 1, b: 2}) == 1
-    assert a != fit.Reason(fit.Code.NO_DRIVER, "no process driver")
+def test_reasons_are_interned_and_counted_by_content() -> None:
+    a = fit.reason(fit.Code.NO_DRIVER, "no vm driver")
+    assert a is fit.reason(fit.Code.NO_DRIVER, "no vm driver")
+    assert fit.no_driver("libvirt") is fit.reason(fit.Code.NO_DRIVER, "no libvirt driver")
+    assert a != fit.reason(fit.Code.NO_DRIVER, "no process driver")
+    # Two objects with one content (made apart from the intern table) still make one line.
+    twin = fit.Reason(fit.Code.NO_DRIVER, "no vm driver")
+    assert twin is not a
+    assert fit.count_reasons({a: 2, twin: 1}) == [
+        fit.ReasonCount("NO_DRIVER", "no vm driver", 3, False)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -132,10 +138,11 @@ def test_equal_reasons_are_one_key() -> None:
     ],
 )
 def test_explain_resources(used: tuple[int, int], req: tuple[int, int], text: str) -> None:
-    amounts = (req[0], req[1], 4000, 8 * GIB, used[0], used[1])
-    reason = fit.resources(*amounts)
+    need = Resources(cpu_millis=req[0], memory_bytes=req[1])
+    room = fit.Room(4000, 8 * GIB, used[0], used[1])
+    reason = fit.resources(need, room)
     assert reason is not None
-    assert fit.explain_resources(reason, *amounts) == text
+    assert fit.explain_resources(reason, need, room) == text
 
 
 def test_reasons_count_and_format_most_common_first() -> None:
@@ -326,14 +333,7 @@ def test_filters_index_registry_and_agent_agree(case: tuple[Any, Any], tmp_path:
     else:
         assert found is not False
     # The agent asks the same rule of what it knows: drivers and resources.
-    agent_rule = fit.driver(req.kind, view.drivers) or fit.resources(
-        req.cpu_millis,
-        req.memory_bytes,
-        view.cpu_allocatable,
-        view.mem_allocatable,
-        view.cpu_used,
-        view.mem_used,
-    )
+    agent_rule = fit.driver(req, view) or fit.resources(req, view)
     said = _by_agent(req, view, tmp_path)
     if agent_rule is None:
         assert said is None

@@ -17,15 +17,16 @@ from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
 from orka.scheduler.filters.spread import SpreadFilter
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, NodeView, PlacementRequest
 
 
 class Filter(Protocol):
     name: str
-    # True when the verdict depends only on what all nodes of one index bucket share (READY,
-    # schedulable, the same drivers and allocatable): the indexed stage then asks it once per
-    # bucket instead of once per node (orka.scheduler.indexed).
-    per_bucket: bool
+    # What the indexed stage (orka.scheduler.indexed) must still ask of this filter: nothing
+    # ("passed": the index holds only nodes it passes), once per bucket ("bucket": its verdict
+    # depends only on what a bucket's nodes share, their drivers and allocatable), or of every
+    # node it looks at ("node").
+    index_scope: IndexScope
 
     def applies(self, req: PlacementRequest) -> bool:
         """False when the request cannot be rejected by this filter, so it is skipped."""

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from orka import fit
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class DriverFilter:
     __slots__ = ()
     name: str = "driver"
-    per_bucket: bool = True
+    index_scope: IndexScope = "bucket"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.driver)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
-        return fit.driver(req.kind, node.drivers)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from orka import fit
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class NodeSelectorFilter:
     __slots__ = ()
     name: str = "node_selector"
-    per_bucket: bool = False
+    index_scope: IndexScope = "node"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.selector)
 
     def applies(self, req: PlacementRequest) -> bool:
         return bool(req.node_selector)
-
-    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
-        return fit.selector(req.node_selector, node.labels)

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from orka import fit
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class ReadyFilter:
     __slots__ = ()
     name: str = "ready"
-    per_bucket: bool = True
+    index_scope: IndexScope = "passed"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.ready)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
-        # The schedulable half of the rule is SchedulableFilter's, so cordoned reads apart.
-        return fit.availability(node.state, True)

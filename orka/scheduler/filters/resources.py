@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 from orka import fit
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class ResourcesFilter:
     __slots__ = ()
     name: str = "resources"
-    per_bucket: bool = False
+    index_scope: IndexScope = "node"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.resources)
 
     def applies(self, req: PlacementRequest) -> bool:
         # Even a zero request is checked: a node whose allocatable shrank below its usage is full.
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
-        return fit.resources(
-            req.cpu_millis,
-            req.memory_bytes,
-            node.cpu_allocatable,
-            node.mem_allocatable,
-            node.cpu_used,
-            node.mem_used,
-        )

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from orka import fit
-from orka.models import NodeState
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class SchedulableFilter:
     __slots__ = ()
     name: str = "schedulable"
-    per_bucket: bool = True
+    index_scope: IndexScope = "passed"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.schedulable)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> fit.Reason | None:
-        # Asked as a READY node: the state half of the rule is ReadyFilter's.
-        return fit.availability(NodeState.READY, node.schedulable)
