@@ -13,9 +13,9 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator
 
+from orka.scheduler.decision import Check, Decision, Ranking
 from orka.scheduler.filters import Filter
 from orka.scheduler.index import EPSILON, Group, IndexedWalk
-from orka.scheduler.pipeline import Check, Decision, Ranking
 from orka.scheduler.scorers import Scorer
 from orka.scheduler.snapshot import NodeView, PlacementRequest
 

@@ -116,6 +116,56 @@ class NodeRecord:
         )
 
 
+class _Live:
+    """A node record as the fit rule reads it, straight from the live fields: what its view
+    would say, without building one for every reservation."""
+
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec: NodeRecord) -> None:
+        self._rec = rec
+
+    @property
+    def state(self) -> NodeState:
+        return self._rec.state
+
+    @property
+    def schedulable(self) -> bool:
+        return self._rec.schedulable and not self._rec.draining
+
+    @property
+    def drivers(self) -> frozenset[str]:
+        return self._rec.drivers
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self._rec.labels
+
+    @property
+    def cpu_allocatable(self) -> int:
+        return self._rec.allocatable.cpu_millis
+
+    @property
+    def mem_allocatable(self) -> int:
+        return self._rec.allocatable.memory_bytes
+
+    @property
+    def cpu_used(self) -> int:
+        return self._rec.cpu_used
+
+    @property
+    def mem_used(self) -> int:
+        return self._rec.mem_used
+
+    @property
+    def workload_counts(self) -> dict[str, int]:
+        # Read only when the request has a spread limit.
+        counts: dict[str, int] = {}
+        for h in self._rec.holds.values():
+            counts[h.workload] = counts.get(h.workload, 0) + 1
+        return counts
+
+
 class Registry:
     """Nodes by name, with a cached snapshot rebuilt only after something changed."""
 
@@ -195,7 +245,7 @@ class Registry:
         """
         if node.session is None:
             return fit.NOT_READY  # no stream to offer it on
-        reason = fit.fit(req, node.view())
+        reason = fit.fit(req, _Live(node))
         if reason is not None:
             return reason
         node.add_hold(
