@@ -16,6 +16,7 @@ import grpc
 import psutil
 import structlog
 
+from orka import fit
 from orka.agent.secret_files import SecretFiles
 from orka.agent.state import StateFile
 from orka.agent.supervisor import Supervised
@@ -154,10 +155,6 @@ _spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
 
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.0f}Mi"
 
 
 class Agent:
@@ -556,29 +553,23 @@ class Agent:
     def _admit(self, name: str, spec: WorkloadSpec) -> str | None:
         """Our own check of an offer; returns why not, or None to accept."""
         if self._leaving or self._stopping.is_set():
-            return "node is shutting down"
+            return fit.SHUTTING_DOWN.message
         driver_name = self._driver_name(spec.kind)
         if driver_name is None:
-            return f"no healthy {KIND_DRIVER[spec.kind]} driver"
+            return fit.no_driver(KIND_DRIVER[spec.kind]).message
         refusal = self.healthy[driver_name].admit(spec)
         if refusal is not None:
             return refusal
         used = self._allocated()
         if name in self.reservations:
             used = used - self.reservations[name][0]
-        free = self.capacity - used
         outside = self._outside_allowed(spec)
         if outside is not None:
             return outside
-        need = spec.resources
-        if need.cpu_millis > free.cpu_millis:
-            return f"insufficient cpu: {need.cpu_millis}m requested, {free.cpu_millis}m free"
-        if need.memory_bytes > free.memory_bytes:
-            return (
-                f"insufficient memory: {_mib(need.memory_bytes)} requested,"
-                f" {_mib(free.memory_bytes)} free"
-            )
-        return None
+        cap = self.capacity
+        room = fit.Room(cap.cpu_millis, cap.memory_bytes, used.cpu_millis, used.memory_bytes)
+        reason = fit.resources(spec.resources, room)
+        return None if reason is None else fit.explain_resources(reason, spec.resources, room)
 
     def _outside_allowed(self, spec: WorkloadSpec) -> str | None:
         """Files a driver opens on this node (VM disks, kernels, initrds, OCI archives) must

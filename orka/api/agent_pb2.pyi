@@ -209,6 +209,18 @@ class PlaceRequest(_message.Message):
     items: _containers.RepeatedCompositeFieldContainer[Assignment]
     def __init__(self, items: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
 
+class PlaceReason(_message.Message):
+    __slots__ = ("code", "message", "node_count", "resolvable")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RESOLVABLE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    node_count: int
+    resolvable: bool
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., node_count: _Optional[int] = ..., resolvable: _Optional[bool] = ...) -> None: ...
+
 class PlaceResult(_message.Message):
     __slots__ = ("instance", "node", "reasons", "refusals")
     class RefusalsEntry(_message.Message):
@@ -224,9 +236,9 @@ class PlaceResult(_message.Message):
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
     instance: str
     node: str
-    reasons: str
+    reasons: _containers.RepeatedCompositeFieldContainer[PlaceReason]
     refusals: _containers.ScalarMap[str, str]
-    def __init__(self, instance: _Optional[str] = ..., node: _Optional[str] = ..., reasons: _Optional[str] = ..., refusals: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, instance: _Optional[str] = ..., node: _Optional[str] = ..., reasons: _Optional[_Iterable[_Union[PlaceReason, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("results",)

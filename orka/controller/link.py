@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
@@ -35,6 +36,7 @@ from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
+from orka.rpc.place_reasons import reasons_from_pb
 from orka.security.tls import TlsFiles
 
 log = structlog.get_logger("orka.controller.link")
@@ -49,7 +51,7 @@ class PlaceResult:
 
     instance: str
     node: str = ""
-    reasons: str = ""
+    reasons: list[fit.ReasonCount] = field(default_factory=list)
     refusals: dict[str, str] = field(default_factory=dict)
     raw: apb.PlaceResult | None = field(default=None, compare=False, repr=False)
 
@@ -226,7 +228,11 @@ def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
 
 def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
     return PlaceResult(
-        instance=r.instance, node=r.node, reasons=r.reasons, refusals=dict(r.refusals), raw=r
+        instance=r.instance,
+        node=r.node,
+        reasons=reasons_from_pb(r),
+        refusals=dict(r.refusals),
+        raw=r,
     )
 
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from orka import fit
 from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
 from orka.controller.link import SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.models import Instance, InstancePhase, InstanceReason, NodeState
+from orka.models import Instance, InstancePhase, InstanceReason, NodeState, WorkloadSpec
 
 log = structlog.get_logger("orka.controller.placement")
 
@@ -59,6 +60,12 @@ class PlacementQueue:
     pending: dict[str, None] = field(default_factory=dict)  # insertion-ordered set
     inflight: set[str] = field(default_factory=set)
     backoff: dict[str, _Backoff] = field(default_factory=dict)
+    # Instances every node refused for reasons waiting cannot fix (no such driver, no node with
+    # the selected labels, more than any node's capacity): the cluster shape and the spec they
+    # were refused on. Node events do not cut their backoff short until one of those changes.
+    parked: dict[str, tuple[int, WorkloadSpec]] = field(default_factory=dict)
+    # cluster_changed() calls so far: a batch that saw one while it was out parks nothing.
+    _changes: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _batches: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -68,9 +75,36 @@ class PlacementQueue:
             self._wake.set()
 
     def cluster_changed(self) -> None:
-        """A node joined or resources were freed: retry everything now, not after backoff."""
-        self.backoff.clear()
+        """A node joined or resources were freed: retry everything now, not after backoff; but
+        not what only a new node, new drivers, labels or capacity can place, unless they came."""
+        self._changes += 1
+        kept: dict[str, _Backoff] = {}
+        if self.parked:
+            shape = self._shape()
+            for name, (parked_on, _) in list(self.parked.items()):
+                b = self.backoff.get(name)
+                if parked_on == shape and b is not None:
+                    kept[name] = b
+                else:
+                    del self.parked[name]
+        self.backoff = kept
         self._wake.set()
+
+    def _shape(self) -> int:
+        """What an unresolvable refusal depends on: which nodes exist, with which drivers,
+        labels and allocatable (not their usage, state or cordon, which waiting changes)."""
+        return hash(
+            frozenset(
+                (
+                    n.name,
+                    frozenset(n.drivers),
+                    frozenset(n.labels.items()),
+                    n.allocatable.cpu_millis,
+                    n.allocatable.memory_bytes,
+                )
+                for n in self.repo.nodes.values()
+            )
+        )
 
     async def close(self) -> None:
         for task in list(self._batches):
@@ -124,7 +158,7 @@ class PlacementQueue:
             if len(batch) >= limit or size >= self.config.batch_bytes:
                 break
             b = self.backoff.get(name)
-            if b is not None and b.until > now:
+            if b is not None and b.until > now and not self._spec_changed(name):
                 continue
             inst = self.repo.instances.get(name)
             if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
@@ -143,6 +177,18 @@ class PlacementQueue:
             batch.append(inst)
         return batch
 
+    def _spec_changed(self, name: str) -> bool:
+        """A parked instance whose workload's spec is no longer the one that was refused."""
+        parked = self.parked.get(name)
+        if parked is None:
+            return False
+        inst = self.repo.instances.get(name)
+        w = self.repo.workloads.get(inst.workload) if inst is not None else None
+        if w is not None and w.spec is parked[1]:
+            return False
+        del self.parked[name]
+        return True
+
     def _retry_later(self, name: str) -> None:
         b = self.backoff.setdefault(name, _Backoff())
         b.delay = min(max(b.delay * 2, self.config.backoff_start), self.config.backoff_max)
@@ -154,6 +200,7 @@ class PlacementQueue:
         for inst in batch:
             w = self.repo.workloads[inst.workload]
             assignments.append(Assignment.of(inst, w))
+        changes = self._changes
         try:
             try:
                 results = await self.link.place(assignments)
@@ -163,10 +210,12 @@ class PlacementQueue:
                 )
                 return
             bound = {r.instance: r.node for r in results if r.node}
-            unplaced = {r.instance: r.reasons for r in results if not r.node}
+            why = {r.instance: r.reasons for r in results if not r.node}
+            unplaced = {name: fit.format_reasons(counts) for name, counts in why.items()}
             committed = await self._bind(bound)
             if unplaced:
                 await self._mark_unplaced(unplaced)
+                self._park(why, changed=self._changes != changes)
             await self._start(committed)
         finally:
             for inst in batch:
@@ -240,6 +289,17 @@ class PlacementQueue:
         await self.repo.mutate(plan)
         for name in failed:
             self._retry_later(name)
+
+    def _park(self, why: dict[str, list[fit.ReasonCount]], changed: bool) -> None:
+        """Park what only a change of shape can place, unless one came while it was out."""
+        shape: int | None = None
+        for name, counts in why.items():
+            self.parked.pop(name, None)
+            inst = self.repo.instances.get(name)
+            w = self.repo.workloads.get(inst.workload) if inst is not None else None
+            if w is not None and name in self.backoff and fit.unresolvable(counts) and not changed:
+                shape = self._shape() if shape is None else shape
+                self.parked[name] = (shape, w.spec)
 
     async def _mark_unplaced(self, reasons: dict[str, str]) -> None:
         def plan() -> list[Change]:

@@ -11,21 +11,22 @@ are a monotone function of u for a node holding no instance of the request's wor
     binpack =     (u + cpu/cpu_alloc + mem/mem_alloc) / 2       (best: largest u that fits)
 
 so the best groups of all buckets come out of a k-way merge, and within a group (equal scores)
-the first nodes by name are the best. Every node the merge yields is still
-checked by the real filters and scored by the real scorer; the index only decides which nodes
-are worth that. Whenever it cannot prove it found the true best (too few feasible nodes, a
-spread request whose workload already sits on the candidates, unusual capacities), the caller
-falls back to the exhaustive pipeline, so rankings are the same either way.
+the first nodes by name are the best. A scorer opts into this by carrying an `IndexedWalk`: its
+walk of one bucket, best first. Every node the merge yields is still checked by the real filters
+and scored by the real scorer; the index only decides which nodes are worth that. Whenever it
+cannot prove it found the true best (too few feasible nodes, a spread request whose workload
+already sits on the candidates, unusual capacities), the indexed stage (orka.scheduler.indexed)
+leaves the decision to the exhaustive one, so rankings are the same either way.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from orka.models import NodeState
-from orka.scheduler.snapshot import NodeView, Snapshot
+from orka import fit
+from orka.scheduler.snapshot import NodeView
 
 # Approximate keys are exact up to float rounding (~1e-16); anything within this of the k-th
 # best is collected too and ordered by its exact score, so rounding can never change a ranking.
@@ -70,12 +71,12 @@ class SnapshotIndex:
     odd: list[NodeView]
 
     @classmethod
-    def build(cls, snapshot: Snapshot) -> SnapshotIndex:
+    def build(cls, nodes: Iterable[NodeView]) -> SnapshotIndex:
         groups: dict[tuple[frozenset[str], int, int], dict[tuple[int, int], list[NodeView]]] = {}
         odd: list[NodeView] = []
-        for node in snapshot.nodes:
-            # Conservative: only what ReadyFilter and SchedulableFilter reject for any request.
-            if node.state is not NodeState.READY or not node.schedulable:
+        for node in nodes:
+            # Only what the rule rejects whatever the request: not READY, cordoned or draining.
+            if fit.availability(node) is not None:
                 continue
             ca, ma = node.cpu_allocatable, node.mem_allocatable
             if ca <= 0 or ma <= 0:
@@ -96,6 +97,21 @@ class SnapshotIndex:
         return cls(buckets, odd)
 
 
+@dataclass(frozen=True, slots=True)
+class IndexedWalk:
+    """A scorer's opt-in to the indexed stage: how to walk one bucket best first.
+
+    `walk(bucket, extra)` (extra: the request's cpu/cpu_alloc + mem/mem_alloc for the bucket)
+    yields (key, group) by ascending key, where key is minus the scorer's score, up to float
+    rounding, of every node of the group (except, with `skips_holders`, nodes that hold the
+    request's workload: those score below every node that holds none, by more than the
+    scorer's whole range, so the stage leaves them out and defers when too few others fit).
+    """
+
+    walk: Callable[[Bucket, float], Iterator[tuple[float, Group]]]
+    skips_holders: bool = False
+
+
 def _u(cpu_used: int, mem_used: int, cpu_alloc: int, mem_alloc: int) -> float:
     return cpu_used / cpu_alloc + mem_used / mem_alloc
 
@@ -114,10 +130,10 @@ def walk_spread(bucket: Bucket, extra: float) -> Iterator[tuple[float, Group]]:
 def walk_binpack(bucket: Bucket, extra: float) -> Iterator[tuple[float, Group]]:
     """Groups of one bucket that may fit, best approximate binpack score first: (-score, group).
 
-    A node with u above 2 - extra cannot fit (one of its two fractions would exceed 1), so the
+    A node with u above `fit.most_used_that_fits(extra)` fails the rule's resource check, so the
     walk starts below that and goes down.
     """
-    start = bisect.bisect_right(bucket.used, 2.0 - extra + EPSILON)
+    start = bisect.bisect_right(bucket.used, fit.most_used_that_fits(extra) + EPSILON)
     used, groups = bucket.used, bucket.groups
     for i in range(start - 1, -1, -1):
         yield (-0.5 * (used[i] + extra), groups[i])
@@ -152,7 +168,7 @@ def updated(index: SnapshotIndex, old: list[NodeView], new: list[NodeView]) -> S
         return buckets[i]
 
     def eligible(node: NodeView) -> bool:
-        return node.state is NodeState.READY and node.schedulable
+        return fit.availability(node) is None
 
     for node in old:
         if not eligible(node):

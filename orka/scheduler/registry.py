@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orka import fit
 from orka.models import (
     TERMINAL_PHASES,
     InstanceReport,
@@ -79,9 +80,6 @@ class NodeRecord:
         self.mem_used -= old.memory_bytes
         return True
 
-    def workload_count(self, workload: str) -> int:
-        return sum(1 for h in self.holds.values() if h.workload == workload)
-
     def view(self) -> NodeView:
         counts: dict[str, int] = {}
         for h in self.holds.values():
@@ -116,6 +114,56 @@ class NodeRecord:
             last_heartbeat=self.last_heartbeat_wall,
             message=self.message,
         )
+
+
+class _Live:
+    """A node record as the fit rule reads it, straight from the live fields: what its view
+    would say, without building one for every reservation."""
+
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec: NodeRecord) -> None:
+        self._rec = rec
+
+    @property
+    def state(self) -> NodeState:
+        return self._rec.state
+
+    @property
+    def schedulable(self) -> bool:
+        return self._rec.schedulable and not self._rec.draining
+
+    @property
+    def drivers(self) -> frozenset[str]:
+        return self._rec.drivers
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self._rec.labels
+
+    @property
+    def cpu_allocatable(self) -> int:
+        return self._rec.allocatable.cpu_millis
+
+    @property
+    def mem_allocatable(self) -> int:
+        return self._rec.allocatable.memory_bytes
+
+    @property
+    def cpu_used(self) -> int:
+        return self._rec.cpu_used
+
+    @property
+    def mem_used(self) -> int:
+        return self._rec.mem_used
+
+    @property
+    def workload_counts(self) -> dict[str, int]:
+        # Read only when the request has a spread limit.
+        counts: dict[str, int] = {}
+        for h in self._rec.holds.values():
+            counts[h.workload] = counts.get(h.workload, 0) + 1
+        return counts
 
 
 class Registry:
@@ -163,15 +211,17 @@ class Registry:
             if added:
                 # Snapshot order is registration order, whatever order the dirty set has.
                 self._views = {name: self._views[name] for name in self.nodes}
-        snap = Snapshot.from_views(dict(self._views))
-        # Carry the pipeline's index over when only a few nodes changed (copy-on-write).
-        if dirty is not None and previous is not None and isinstance(previous.index, SnapshotIndex):
+        # Carry the index over when only a few nodes changed (copy-on-write), else index anew:
+        # from the second snapshot on, so a registry built for one decision never pays for it.
+        views = dict(self._views)
+        index: SnapshotIndex | None = None
+        if previous is not None and previous.index is not None and dirty is not None:
             old = [previous.by_name[n] for n in dirty if n in previous.by_name]
-            new = [self._views[n] for n in dirty if n in self._views]
-            object.__setattr__(snap, "index", updated(previous.index, old, new))
-        elif previous is not None and previous.uses > 0:
-            # Decisions are being made: index once, then carry it over change by change.
-            object.__setattr__(snap, "index", SnapshotIndex.build(snap))
+            new = [views[n] for n in dirty if n in views]
+            index = updated(previous.index, old, new)
+        elif previous is not None:
+            index = SnapshotIndex.build(views.values())
+        snap = Snapshot.from_views(views, index)
         self._dirty = set()
         self._snapshot = self._last = snap
         return snap
@@ -186,23 +236,18 @@ class Registry:
 
     def try_reserve(
         self, node: NodeRecord, req: PlacementRequest, hold_seconds: float
-    ) -> str | None:
+    ) -> fit.Reason | None:
         """Check the live record (not the snapshot) and reserve; returns a reason on failure.
 
         The snapshot a ranking used may be stale by now; this check is the one that prevents
-        overbooking, and it runs without an await, so no other placement can interleave.
+        overbooking, and it runs without an await, so no other placement can interleave. It is
+        the same rule the filters ranked by, asked of a view of the record as it is now.
         """
-        if node.state is not NodeState.READY or node.session is None:
-            return "not ready"
-        if not node.schedulable or node.draining:
-            return "cordoned"
-        cpu_free, mem_free = node.free()
-        if req.cpu_millis > cpu_free:
-            return "insufficient cpu"
-        if req.memory_bytes > mem_free:
-            return "insufficient memory"
-        if req.max_per_node and node.workload_count(req.workload) >= req.max_per_node:
-            return f"spread: {req.max_per_node} replicas already on node"
+        if node.session is None:
+            return fit.NOT_READY  # no stream to offer it on
+        reason = fit.fit(req, _Live(node))
+        if reason is not None:
+            return reason
         node.add_hold(
             req.instance,
             Hold(

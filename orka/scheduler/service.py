@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import structlog
 
+from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
@@ -27,8 +28,9 @@ from orka.models import (
 )
 from orka.rpc import convert
 from orka.rpc.frames import drain
+from orka.rpc.place_reasons import place_result_to_pb
 from orka.rpc.server import boundaries, start_server, stream, unary
-from orka.scheduler.pipeline import Pipeline, PipelineConfig, format_reasons
+from orka.scheduler.pipeline import Pipeline, PipelineConfig
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession, Expected, Reply, next_id, replies
 from orka.scheduler.snapshot import PlacementRequest
@@ -514,9 +516,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         answers = await replies([e for _, (_, e) in sent], self.config.offer_timeout)
         for (at, (node, e)), reply in zip(sent, answers, strict=True):
             if self._settle_offer(at, node, e.session, reply):
-                at.result = apb.PlaceResult(
-                    instance=at.req.instance, node=node.name, refusals=at.refusals
-                )
+                at.result = place_result_to_pb(at.req.instance, node.name, at.refusals)
         # The rest (refused, timed out, nothing reservable) go on one by one.
         rest = [at for at in attempts if at.result is None]
         if rest:
@@ -543,7 +543,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         at.tried.add(name)
         node = self.registry.get(name)
         if node is None:
-            at.refusals[name] = "gone"
+            at.refusals[name] = fit.GONE
             return None
         reason = self.registry.try_reserve(node, at.req, self.config.hold_seconds)
         if reason is not None:
@@ -569,11 +569,11 @@ class Scheduler(apb_grpc.SchedulerServicer):
         if reply.ok:
             return True
         self.registry.release(node, at.req.instance)
-        why = reply.reason
-        if why == "timed out":
-            why = "offer timed out"
+        if reply.reason == "timed out":
             session.send(_release_message(at.req.instance))
-        at.refusals[node.name] = f"refused: {why}" if not why.startswith("offer") else why
+            at.refusals[node.name] = fit.OFFER_TIMED_OUT
+        else:
+            at.refusals[node.name] = fit.refused(reply.reason)
         return False
 
     async def _place_rest(self, at: _Attempt) -> None:
@@ -591,9 +591,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 node, e = offer
                 (reply,) = await replies([e], self.config.offer_timeout)
                 if self._settle_offer(at, node, e.session, reply):
-                    at.result = apb.PlaceResult(
-                        instance=at.req.instance, node=name, refusals=at.refusals
-                    )
+                    at.result = place_result_to_pb(at.req.instance, name, at.refusals)
                     return
             if limit is None or len(ranking.candidates) < limit:
                 break
@@ -602,9 +600,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         rejections = dict(ranking.rejections)
         for reason in at.refusals.values():
             rejections[reason] = rejections.get(reason, 0) + 1
-        at.result = apb.PlaceResult(
-            instance=at.req.instance, reasons=format_reasons(rejections), refusals=at.refusals
-        )
+        at.result = place_result_to_pb(at.req.instance, "", at.refusals, rejections)
 
     # ---- commands ----
 
@@ -709,7 +705,7 @@ class _Attempt:
     assignment: apb.Assignment
     req: PlacementRequest
     tried: set[str] = field(default_factory=set)
-    refusals: dict[str, str] = field(default_factory=dict)
+    refusals: dict[str, fit.Reason] = field(default_factory=dict)
     result: apb.PlaceResult | None = None
 
 

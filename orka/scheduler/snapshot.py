@@ -1,7 +1,9 @@
 """The immutable picture of the cluster that one placement decision works on.
 
 The node registry builds a new `Snapshot` whenever the cluster changes; the pipeline only ever
-reads it, so a decision can never see a half-applied heartbeat or reservation. Everything here is
+reads it, so a decision can never see a half-applied heartbeat or reservation. Nothing in here
+changes after construction, not even a cache: what one decision works out lives in that
+decision's own context (orka.scheduler.pipeline.Decision). Everything here is
 a slots dataclass with plain attributes because the filters read them once per node per request.
 """
 
@@ -10,11 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from orka.models import NodeState, WorkloadKind
 
+if TYPE_CHECKING:
+    from orka.scheduler.index import SnapshotIndex
+
 V = TypeVar("V")
+
+# How much of a filter's work an index of the snapshot's nodes already did (see Filter).
+IndexScope = Literal["passed", "bucket", "node"]
 
 
 def _frozen_mapping(value: Mapping[str, V]) -> Mapping[str, V]:
@@ -59,14 +67,14 @@ class NodeView:
         return self.mem_allocatable - self.mem_used
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Snapshot:
     nodes: tuple[NodeView, ...]
+    # The index of these nodes (orka.scheduler.index) when whoever built the snapshot had one:
+    # the registry carries it over from the previous snapshot change by change. Derived from
+    # `nodes`, so it is left out of comparisons.
+    index: SnapshotIndex | None = field(default=None, repr=False, compare=False)
     by_name: Mapping[str, NodeView] = field(init=False, repr=False, compare=False)
-    # Derived data the pipeline builds or the registry carries over from the previous
-    # snapshot (orka.scheduler.index); a cache, never part of what the snapshot says.
-    index: object = field(default=None, init=False, repr=False, compare=False)
-    uses: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
@@ -78,11 +86,13 @@ class Snapshot:
         object.__setattr__(self, "by_name", MappingProxyType(by_name))
 
     @classmethod
-    def of(cls, nodes: Iterable[NodeView]) -> Snapshot:
-        return cls(tuple(nodes))
+    def of(cls, nodes: Iterable[NodeView], index: SnapshotIndex | None = None) -> Snapshot:
+        return cls(tuple(nodes), index)
 
     @classmethod
-    def from_views(cls, by_name: dict[str, NodeView]) -> Snapshot:
+    def from_views(
+        cls, by_name: dict[str, NodeView], index: SnapshotIndex | None = None
+    ) -> Snapshot:
         """A snapshot of `by_name`'s views in its order, taking ownership of the dict.
 
         The caller hands over a dict nobody else will change (names are unique by construction),
@@ -93,8 +103,7 @@ class Snapshot:
         set_ = object.__setattr__
         set_(snap, "nodes", tuple(by_name.values()))
         set_(snap, "by_name", MappingProxyType(by_name))
-        set_(snap, "index", None)
-        set_(snap, "uses", 0)
+        set_(snap, "index", index)
         return snap
 
     def __len__(self) -> int:

@@ -368,7 +368,7 @@ async def test_orka_up_tour(tour: Tour) -> None:
     async def unschedulable() -> str | None:
         text = await tour.orka("describe", "workload", "too-big")
         section = text.split("Unschedulable:", 1)
-        if len(section) == 2 and re.search(r"^\s+2 nodes: insufficient cpu", section[1], re.M):
+        if len(section) == 2 and re.search(r"^\s+2 nodes: cpu request exceeds", section[1], re.M):
             return text
         return None
 

@@ -84,7 +84,9 @@ async def test_all_refuse_gives_reasons_per_node(cluster: Cluster) -> None:
     assert cluster.api is not None
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web")))
     reasons = await eventually(lambda: unschedulable(cluster, "web"))
-    assert reasons == ["2 nodes: refused: disk image missing; 1 node: insufficient cpu"]
+    assert reasons == [
+        "2 nodes: refused: disk image missing; 1 node: cpu request exceeds node capacity"
+    ]
     insts = await cluster.instances("web")
     assert [i.phase for i in insts] == [pb.Instance.PENDING]
     assert insts[0].reason == "Unschedulable"

@@ -19,12 +19,14 @@ import pytest
 import structlog
 import structlog.testing
 
+from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.models import NodeState
 from orka.rpc import convert
 from orka.rpc.client import secure_channel
+from orka.rpc.place_reasons import reasons_from_pb
 from orka.scheduler.registry import NodeRecord
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
@@ -33,6 +35,11 @@ MIB = 1 << 20
 # Agents here send no heartbeats: intervals long enough that none goes NOT_READY mid-test.
 # The offer timeout is what a silent agent costs; a loaded machine still answers within it.
 QUIET = {"heartbeat_interval": 5.0, "node_lost_after": 60.0, "offer_timeout": 1.0}
+
+
+def reasons_text(result: apb.PlaceResult) -> str:
+    """The reasons as the controller shows them; "" when the instance was placed."""
+    return fit.format_reasons(reasons_from_pb(result)) if result.reasons else ""
 
 
 async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
@@ -221,7 +228,7 @@ async def test_refused_and_timed_out_offers_leave_nothing_reserved(
     assert [r.node for r in results] == ["", "", ""]
     for r in results:
         assert dict(r.refusals) == {"node-1": "refused: disk full", "node-2": "offer timed out"}
-        assert r.reasons == "1 node: offer timed out; 1 node: refused: disk full"
+        assert reasons_text(r) == "1 node: offer timed out; 1 node: refused: disk full"
     for name in ("node-1", "node-2"):
         node = scheduler.registry.get(name)
         assert node is not None
@@ -486,7 +493,10 @@ async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     await until(lambda: node.draining)
     assert node.state is NodeState.READY and node.schedulable
     (result,) = await place(scheduler, certs_dir, 1)
-    assert (result.node, result.reasons) == ("", "1 node: cordoned")
+    assert (result.node, reasons_text(result)) == ("", "1 node: cordoned")
+    assert [(r.code, r.node_count, r.resolvable) for r in result.reasons] == [
+        ("NODE_CORDONED", 1, True)
+    ]
     # Filtered out by the ranking (its snapshot saw the change), not refused on reserving.
     assert dict(result.refusals) == {}
     await agents[0].call.done_writing()
@@ -510,7 +520,11 @@ async def test_set_node_cordons_for_the_next_ranking_and_changes_only_what_it_na
         node = await api.SetNode(apb.SetNodeRequest(name="node-1", draining=False))
         assert (node.schedulable, node.draining) == (False, False)
     (result,) = await place(scheduler, certs_dir, 1)
-    assert (result.node, result.reasons, dict(result.refusals)) == ("", "1 node: cordoned", {})
+    assert (result.node, reasons_text(result), dict(result.refusals)) == (
+        "",
+        "1 node: cordoned",
+        {},
+    )
 
 
 async def test_heartbeat_usage_reaches_the_controller_feed_at_the_report_interval(
@@ -756,7 +770,7 @@ async def test_max_per_node_counts_the_instances_of_the_same_workload(
     async with controller_channel(scheduler, certs_dir) as channel:
         req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
         (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
-    assert (result.node, result.reasons, dict(result.refusals)) == (
+    assert (result.node, reasons_text(result), dict(result.refusals)) == (
         "",
         "1 node: spread: 1 replica already on node",
         {},
@@ -813,7 +827,7 @@ async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over
     await agents[0].call.done_writing()
     await until(lambda: dropped.session is None)
     (result,) = await place(scheduler, certs_dir, 1)
-    assert (result.node, result.reasons, dict(result.refusals)) == (
+    assert (result.node, reasons_text(result), dict(result.refusals)) == (
         "node-2",
         "",
         {"node-1": "not ready"},

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from orka.models import FAKE_DRIVER, KIND_DRIVER
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka import fit
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class DriverFilter:
     __slots__ = ()
     name: str = "driver"
+    index_scope: IndexScope = "bucket"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.driver)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        driver = KIND_DRIVER[req.kind]
-        drivers = node.drivers
-        if driver in drivers or FAKE_DRIVER in drivers:
-            return None
-        return f"no {driver} driver"

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka import fit
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class NodeSelectorFilter:
     __slots__ = ()
     name: str = "node_selector"
+    index_scope: IndexScope = "node"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.selector)
 
     def applies(self, req: PlacementRequest) -> bool:
         return bool(req.node_selector)
-
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        labels = node.labels
-        for key, want in req.node_selector.items():
-            if labels.get(key) != want:
-                # Naming the first key that differs tells the user which label to fix; nodes
-                # that miss the same key aggregate into one line of the unschedulable reason.
-                return f"label {key} != {want}"
-        return None

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-from orka.models import NodeState
-from orka.scheduler.snapshot import NodeView, PlacementRequest
-
-_REASONS: dict[NodeState, str] = {
-    NodeState.NOT_READY: "not ready",
-    NodeState.LOST: "lost",
-    NodeState.LEFT: "left",
-}
+from orka import fit
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class ReadyFilter:
     __slots__ = ()
     name: str = "ready"
+    index_scope: IndexScope = "passed"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.ready)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        state = node.state
-        if state is NodeState.READY:
-            return None
-        # A state added later must still reject, with a reason that names it.
-        return _REASONS.get(state) or state.value.lower().replace("_", " ")

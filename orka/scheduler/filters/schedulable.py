@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka import fit
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class SchedulableFilter:
     __slots__ = ()
     name: str = "schedulable"
+    index_scope: IndexScope = "passed"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.schedulable)
 
     def applies(self, req: PlacementRequest) -> bool:
         return True
-
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        return None if node.schedulable else "cordoned"

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from orka.scheduler.snapshot import NodeView, PlacementRequest
+from orka import fit
+from orka.scheduler.snapshot import IndexScope, PlacementRequest
 
 
 class SpreadFilter:
     __slots__ = ()
     name: str = "spread"
+    index_scope: IndexScope = "node"
+    # The rule's own aspect, not a wrapper around it: one call per node checked.
+    check = staticmethod(fit.spread)
 
     def applies(self, req: PlacementRequest) -> bool:
         return req.max_per_node > 0
-
-    def check(self, req: PlacementRequest, node: NodeView) -> str | None:
-        # check() stays correct on its own; applies() only lets the pipeline skip the call.
-        limit = req.max_per_node
-        if limit <= 0:
-            return None
-        count = node.workload_counts.get(req.workload, 0)
-        if count < limit:
-            return None
-        noun = "replica" if count == 1 else "replicas"
-        return f"spread: {count} {noun} already on node"

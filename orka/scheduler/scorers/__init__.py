@@ -10,6 +10,10 @@ from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 
 class Scorer(Protocol):
+    """`name` and `score`; a scorer may also carry `indexed: IndexedWalk` to opt into the
+    indexed stage (orka.scheduler.index). One without it ranks through the exhaustive stage,
+    and the pipeline says so (`Pipeline.fallback`, and a log line when it is built)."""
+
     name: str
 
     def score(self, req: PlacementRequest, node: NodeView) -> float:

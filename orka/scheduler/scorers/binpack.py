@@ -5,12 +5,15 @@ Raw value, higher is better: the mean allocated fraction of cpu and memory after
 
 from __future__ import annotations
 
+from orka.scheduler.index import IndexedWalk, walk_binpack
 from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 
 class BinpackScorer:
     __slots__ = ()
     name: str = "binpack"
+    # Most used (that may still fit) first within a bucket.
+    indexed: IndexedWalk | None = IndexedWalk(walk_binpack)
 
     def score(self, req: PlacementRequest, node: NodeView) -> float:
         cpu_alloc = node.cpu_allocatable

@@ -8,6 +8,7 @@ then towards emptier nodes.
 
 from __future__ import annotations
 
+from orka.scheduler.index import IndexedWalk, walk_spread
 from orka.scheduler.snapshot import NodeView, PlacementRequest
 
 # Must exceed the width of the free-fraction range (1.0) for replica count to dominate.
@@ -17,6 +18,8 @@ _PER_INSTANCE = 2.0
 class SpreadScorer:
     __slots__ = ()
     name: str = "spread"
+    # Least used first within a bucket; a node holding the workload is 2 (per instance) below.
+    indexed: IndexedWalk | None = IndexedWalk(walk_spread, skips_holders=True)
 
     def score(self, req: PlacementRequest, node: NodeView) -> float:
         cpu_alloc = node.cpu_allocatable

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import structlog
 
+from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.controller.commands import (
@@ -72,10 +73,17 @@ def test_assignment_bytes_is_about_the_size_on_the_wire() -> None:
 
 
 def test_results_from_messages_keep_the_raw_message() -> None:
-    msg = apb.PlaceResult(instance="web-0", reasons="1 node: cordoned", refusals={"n1": "busy"})
+    msg = apb.PlaceResult(
+        instance="web-0",
+        reasons=[apb.PlaceReason(code="Cordoned", message="cordoned", node_count=1)],
+        refusals={"n1": "busy"},
+    )
     placed = place_result_from_pb(msg)
     assert placed == PlaceResult(
-        instance="web-0", node="", reasons="1 node: cordoned", refusals={"n1": "busy"}
+        instance="web-0",
+        node="",
+        reasons=[fit.ReasonCount("Cordoned", "cordoned", 1, False)],
+        refusals={"n1": "busy"},
     )
     assert placed.raw is msg
     assert place_result_from_pb(apb.PlaceResult(instance="web-1", node="n2")) == PlaceResult(

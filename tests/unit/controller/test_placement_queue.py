@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import pytest
 import structlog
 
+from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.controller import commands
 from orka.controller.commands import Assignment, NodeCommand, stop_command
@@ -34,6 +35,7 @@ from orka.models import (
     WorkloadSpec,
 )
 from orka.rpc import convert
+from orka.rpc.place_reasons import place_result_to_pb
 from orka.store.memory import MemoryStore
 
 
@@ -536,7 +538,7 @@ async def test_place_binds_what_was_placed_marks_the_rest_and_starts_the_bound(
         return apb.PlaceResponse(
             results=[
                 apb.PlaceResult(instance=names[0], node="n1"),
-                apb.PlaceResult(instance=names[1], reasons="2 nodes: insufficient memory"),
+                place_result_to_pb(names[1], rejections={fit.INSUFFICIENT_MEMORY: 2}),
                 apb.PlaceResult(instance=names[2], node="n2"),
             ]
         )
@@ -589,7 +591,7 @@ async def test_run_retries_an_unplaced_instance_on_one_timer_when_its_backoff_is
 ) -> None:
     [name] = await add(repo, spec("web"), 1)
     answers = [
-        apb.PlaceResult(instance=name, reasons="1 node: cordoned"),
+        place_result_to_pb(name, rejections={fit.CORDONED: 1}),
         apb.PlaceResult(instance=name, node="n1"),
     ]
 

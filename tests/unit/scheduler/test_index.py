@@ -8,16 +8,18 @@ import pytest
 
 from bench.bench_decisions import build_requests, build_snapshot
 from orka.models import NodeState, Resources, WorkloadKind
+from orka.scheduler.filters import FILTERS
 from orka.scheduler.index import SnapshotIndex, updated
-from orka.scheduler.pipeline import POLICIES, Pipeline, PipelineConfig
+from orka.scheduler.indexed import IndexedStage
+from orka.scheduler.pipeline import POLICIES, Decision, Pipeline, PipelineConfig
 from orka.scheduler.registry import Registry
 from orka.scheduler.snapshot import NodeView, Snapshot
 from tests.unit.scheduler.builders import request
 
 
 def _exhaustive(pipeline: Pipeline, req, snap: Snapshot, limit: int):  # type: ignore[no-untyped-def]
-    checks = [f.check for f in pipeline._filters if f.applies(req)]
-    return pipeline._rank_full(req, snap, limit, checks)
+    checks = [f.check for f in FILTERS if f.applies(req)]
+    return pipeline.exhaustive.rank(Decision(req, snap, limit, checks))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -37,7 +39,7 @@ def test_fast_ranking_equals_exhaustive(policy: str, seed: int, nodes: int) -> N
 def test_updated_index_equals_rebuilt() -> None:
     rng = random.Random(4)
     snap = build_snapshot(300, rng)
-    index = SnapshotIndex.build(snap)
+    index = SnapshotIndex.build(snap.nodes)
     changed = [snap.nodes[i] for i in (0, 5, 99, 200)]
     replaced: list[NodeView] = []
     for v in changed:
@@ -59,7 +61,7 @@ def test_updated_index_equals_rebuilt() -> None:
     by = {v.name: v for v in replaced}
     new_snap = Snapshot(tuple(by.get(n.name, n) for n in snap.nodes))
     inc = updated(index, changed, replaced)
-    fresh = SnapshotIndex.build(new_snap)
+    fresh = SnapshotIndex.build(new_snap.nodes)
 
     def shape(ix: SnapshotIndex) -> dict[object, list[str]]:
         return {
@@ -127,7 +129,7 @@ def test_updated_index_keeps_groups_equal_to_rebuilt() -> None:
     rng = random.Random(8)
     views = _uniform_fleet(200, rng)
     snap = Snapshot(tuple(views))
-    index = SnapshotIndex.build(snap)
+    index = SnapshotIndex.build(snap.nodes)
     before = _group_shape(index)
     current = {v.name: v for v in views}
     for step in range(300):
@@ -148,11 +150,9 @@ def test_updated_index_keeps_groups_equal_to_rebuilt() -> None:
         )
         current[v.name] = replaced
         index = updated(index, [v], [replaced])
-        assert _group_shape(index) == _group_shape(
-            SnapshotIndex.build(Snapshot(tuple(current.values())))
-        )
+        assert _group_shape(index) == _group_shape(SnapshotIndex.build(current.values()))
     # Copy-on-write: the first index is untouched by all of that.
-    assert _group_shape(SnapshotIndex.build(snap)) == before
+    assert _group_shape(SnapshotIndex.build(snap.nodes)) == before
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -207,6 +207,7 @@ class _CountingScorer:
     def __init__(self, inner: object) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[attr-defined]
+        self.indexed = inner.indexed  # type: ignore[attr-defined]
         self.calls = 0
 
     def score(self, req, node):  # type: ignore[no-untyped-def]
@@ -221,12 +222,13 @@ def test_tied_nodes_are_not_all_scored(policy: str) -> None:
 
     snap = Snapshot(tuple(node(name=f"n{i:04d}") for i in range(1000)))
     pipeline = Pipeline(PipelineConfig(policy=policy))
-    scorer, weight = pipeline._scorers[0]
+    scorer, _ = pipeline._scorers[0]
     counting = _CountingScorer(scorer)
-    pipeline._scorers = ((counting, weight),)  # type: ignore[assignment]
+    pipeline.indexed = IndexedStage(counting, FILTERS)  # type: ignore[arg-type]
     req = request()
     pipeline.rank(req, snap, limit=5)
     counting.calls = 0
     fast = pipeline.rank(req, snap, limit=5)
     assert fast.candidates == ("n0000", "n0001", "n0002", "n0003", "n0004")
+    assert fast.stage == "indexed"
     assert counting.calls <= 10

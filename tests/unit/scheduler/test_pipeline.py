@@ -4,6 +4,7 @@ from typing import Any
 
 import pytest
 
+from orka import fit
 from orka.errors import Invalid
 from orka.models import NodeState
 from orka.scheduler.pipeline import (
@@ -11,7 +12,6 @@ from orka.scheduler.pipeline import (
     Pipeline,
     PipelineConfig,
     Ranking,
-    format_reasons,
 )
 from orka.scheduler.snapshot import Snapshot
 from tests.unit.scheduler.builders import GIB, node, request, snapshot
@@ -40,14 +40,14 @@ def _mixed() -> Snapshot:
 def test_policy_orders_feasible_nodes(policy: str, expected: tuple[str, ...]) -> None:
     ranking = Pipeline(PipelineConfig(policy=policy)).rank(request(), _mixed())
     assert ranking.candidates == expected
-    assert ranking.rejections == {"insufficient memory": 3, "cordoned": 1, "lost": 1}
+    assert ranking.rejections == {fit.INSUFFICIENT_MEMORY: 3, fit.CORDONED: 1, fit.LOST: 1}
     assert ranking.reasons_text() == "3 nodes: insufficient memory; 1 node: cordoned; 1 node: lost"
 
 
 def test_first_failing_filter_names_the_reason() -> None:
     # Lost and out of memory: the cheaper, more fundamental reason wins.
     snap = snapshot(node(state=NodeState.LOST, mem_used=8 * GIB))
-    assert Pipeline().rank(request(), snap).rejections == {"lost": 1}
+    assert Pipeline().rank(request(), snap).rejections == {fit.LOST: 1}
 
 
 def test_ties_are_broken_by_name() -> None:
@@ -107,7 +107,7 @@ def test_normalised_totals_are_weighted_sums() -> None:
     pipeline = Pipeline(PipelineConfig(weights={"spread": 3.0}))
     req = request()
     feasible = list(snap.nodes)
-    assert pipeline._totals(req, feasible) == pytest.approx([300.0, 150.0, 0.0])
+    assert pipeline.exhaustive._totals(req, feasible) == pytest.approx([300.0, 150.0, 0.0])
 
 
 def test_single_feasible_node_and_constant_scores() -> None:
@@ -147,18 +147,21 @@ def test_selector_and_spread_reasons_aggregate() -> None:
     ("rejections", "expected"),
     [
         ({}, "no nodes"),
-        ({"cordoned": 1}, "1 node: cordoned"),
-        ({"cordoned": 2}, "2 nodes: cordoned"),
+        ({fit.CORDONED: 1}, "1 node: cordoned"),
+        ({fit.CORDONED: 2}, "2 nodes: cordoned"),
         (
-            {"cordoned": 1, "insufficient memory": 3},
+            {fit.CORDONED: 1, fit.INSUFFICIENT_MEMORY: 3},
             "3 nodes: insufficient memory; 1 node: cordoned",
         ),
         # Equal counts: alphabetical, so the text is stable.
-        ({"lost": 2, "cordoned": 2, "left": 5}, "5 nodes: left; 2 nodes: cordoned; 2 nodes: lost"),
+        (
+            {fit.LOST: 2, fit.CORDONED: 2, fit.LEFT: 5},
+            "5 nodes: left; 2 nodes: cordoned; 2 nodes: lost",
+        ),
     ],
 )
-def test_format_reasons(rejections: dict[str, int], expected: str) -> None:
-    assert format_reasons(rejections) == expected
+def test_format_reasons(rejections: dict[fit.Reason, int], expected: str) -> None:
+    assert fit.format_reasons(fit.count_reasons(rejections)) == expected
     assert Ranking((), rejections).reasons_text() == expected
 
 

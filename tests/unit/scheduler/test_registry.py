@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from orka import fit
 from orka.models import InstancePhase, InstanceReport, NodeState, Resources
 from orka.scheduler.registry import Hold, NodeRecord, Registry
 from tests.unit.scheduler.builders import GIB, request
@@ -20,6 +21,7 @@ def registry_with(**overrides: Any) -> tuple[Registry, NodeRecord]:
     rec.allocatable = Resources(cpu_millis=4000, memory_bytes=8 * GIB)
     rec.capacity = rec.allocatable
     rec.session = SESSION  # type: ignore[assignment]
+    rec.drivers = frozenset({"process"})
     for key, value in overrides.items():
         setattr(rec, key, value)
     return reg, rec
@@ -91,12 +93,16 @@ def test_used_always_equals_sum_of_holds_after_mixed_operations() -> None:
     [
         ({"session": None}, {}, "not ready"),
         ({"state": NodeState.NOT_READY}, {}, "not ready"),
-        ({"state": NodeState.LOST}, {}, "not ready"),
-        ({"state": NodeState.LEFT}, {}, "not ready"),
+        ({"state": NodeState.LOST}, {}, "lost"),
+        ({"state": NodeState.LEFT}, {}, "left"),
         ({"schedulable": False}, {}, "cordoned"),
         ({"draining": True}, {}, "cordoned"),
-        ({}, {"cpu_millis": 4001}, "insufficient cpu"),
-        ({}, {"memory_bytes": 8 * GIB + 1}, "insufficient memory"),
+        ({"drivers": frozenset({"containerd"})}, {}, "no process driver"),
+        ({"labels": {"zone": "us"}}, {"node_selector": {"zone": "eu"}}, "label zone != eu"),
+        ({}, {"cpu_millis": 4001}, "cpu request exceeds node capacity"),
+        ({}, {"memory_bytes": 8 * GIB + 1}, "memory request exceeds node capacity"),
+        ({"cpu_used": 3501}, {}, "insufficient cpu"),
+        ({"mem_used": 7 * GIB + 1}, {}, "insufficient memory"),
         ({}, {"cpu_millis": 4000, "memory_bytes": 8 * GIB}, None),
         ({}, {"max_per_node": 1}, None),
     ],
@@ -104,14 +110,15 @@ def test_used_always_equals_sum_of_holds_after_mixed_operations() -> None:
 def test_try_reserve_reasons(node: dict[str, Any], req: dict[str, Any], reason: str | None) -> None:
     reg, rec = registry_with(**node)
     r = request(**req)
-    assert reg.try_reserve(rec, r, hold_seconds=5) == reason
+    refused = reg.try_reserve(rec, r, hold_seconds=5)
+    assert (refused and refused.message) == reason
     if reason is None:
         assert set(rec.holds) == {r.instance}
         assert rec.holds[r.instance].expires_at is not None
         assert (rec.cpu_used, rec.mem_used) == (r.cpu_millis, r.memory_bytes)
     else:
         assert rec.holds == {}
-        assert (rec.cpu_used, rec.mem_used) == (0, 0)
+        assert (rec.cpu_used, rec.mem_used) == (node.get("cpu_used", 0), node.get("mem_used", 0))
 
 
 def test_try_reserve_spread_counts_reservations_of_same_workload() -> None:
@@ -119,7 +126,8 @@ def test_try_reserve_spread_counts_reservations_of_same_workload() -> None:
     assert reg.try_reserve(rec, request(instance="web-0", max_per_node=2), 5) is None
     assert reg.try_reserve(rec, request(instance="web-1", max_per_node=2), 5) is None
     refused = reg.try_reserve(rec, request(instance="web-2", max_per_node=2), 5)
-    assert refused == "spread: 2 replicas already on node"
+    assert refused is fit.spread_limit(2)
+    assert refused.message == "spread: 2 replicas already on node"
     # Another workload is not limited by web's replicas.
     assert reg.try_reserve(rec, request(instance="db-0", workload="db", max_per_node=2), 5) is None
     assert set(rec.holds) == {"web-0", "web-1", "db-0"}
@@ -128,7 +136,7 @@ def test_try_reserve_spread_counts_reservations_of_same_workload() -> None:
 def test_try_reserve_counts_existing_usage() -> None:
     reg, rec = registry_with()
     rec.add_hold("other", Hold("x", 3800, 0))
-    assert reg.try_reserve(rec, request(cpu_millis=201), 5) == "insufficient cpu"
+    assert reg.try_reserve(rec, request(cpu_millis=201), 5) is fit.INSUFFICIENT_CPU
     assert reg.try_reserve(rec, request(cpu_millis=200), 5) is None
     assert rec.free() == (0, 8 * GIB - GIB)
 
@@ -145,7 +153,11 @@ def test_reserve_until_refused_never_exceeds_allocatable(cpu: int, mem: int, exp
             rec, request(instance=f"i-{i}", cpu_millis=cpu, memory_bytes=mem), 5
         )
         if reason is not None:
-            assert reason in ("insufficient cpu", "insufficient memory")
+            # The last one that fits an empty node is refused for want of room, not capacity.
+            expected_reasons = (fit.INSUFFICIENT_CPU, fit.INSUFFICIENT_MEMORY)
+            if cpu > rec.allocatable.cpu_millis:
+                expected_reasons = (fit.CPU_ABOVE_CAPACITY,)
+            assert reason in expected_reasons
             break
         accepted += 1
     assert accepted == expected
@@ -337,7 +349,7 @@ async def test_try_reserve_with_real_agent_session() -> None:
     reg, rec = registry_with(session=AgentSession("n1"))
     assert reg.try_reserve(rec, request(), 5) is None
     rec.session = None
-    assert reg.try_reserve(rec, request(instance="web-1"), 5) == "not ready"
+    assert reg.try_reserve(rec, request(instance="web-1"), 5) is fit.NOT_READY
 
 
 def test_report_binding_an_identical_reservation_keeps_the_snapshot() -> None:

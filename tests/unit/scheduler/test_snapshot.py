@@ -65,6 +65,6 @@ def test_from_views_equals_constructed_snapshot() -> None:
     assert snap == Snapshot((b, a))
     assert snap.nodes == (b, a)
     assert dict(snap.by_name) == {"a": a, "b": b}
-    assert snap.index is None and snap.uses == 0
+    assert snap.index is None
     with pytest.raises(TypeError):
         snap.by_name["c"] = a  # type: ignore[index]

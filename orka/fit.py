@@ -1,0 +1,360 @@
+"""Does this instance fit this node: the one rule, and the reasons it gives when it does not.
+
+Every place that decides whether a node can take an instance asks this module: the scheduler's
+filters (ranking), its index (which nodes are worth checking at all), the registry's reservation
+(the check that prevents overbooking) and the agent's own admission. It lives outside
+`orka.scheduler` so the agent can use it without importing the scheduler.
+
+Each reason is a named constant with a stable `code` for programs and a `message` for people, and
+says whether waiting can help (Kubernetes' Unschedulable vs UnschedulableAndUnresolvable): a full
+node may free room and a cordoned one may be uncordoned, but a node without the driver never grows
+one by itself, and a request bigger than a node's whole capacity never fits it. An instance every
+node refused for unresolvable reasons waits for the cluster's shape (or its spec) to change
+instead of being offered again on every heartbeat.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from orka.models import FAKE_DRIVER, KIND_DRIVER, NodeState, WorkloadKind
+
+
+class Code(StrEnum):
+    """Stable reason names; the wire and the CLI carry these, so they are never renamed."""
+
+    NODE_NOT_READY = "NODE_NOT_READY"
+    NODE_LOST = "NODE_LOST"
+    NODE_LEFT = "NODE_LEFT"
+    NODE_GONE = "NODE_GONE"
+    NODE_CORDONED = "NODE_CORDONED"
+    NODE_SHUTTING_DOWN = "NODE_SHUTTING_DOWN"
+    NO_DRIVER = "NO_DRIVER"
+    CPU_ABOVE_CAPACITY = "CPU_ABOVE_CAPACITY"
+    MEMORY_ABOVE_CAPACITY = "MEMORY_ABOVE_CAPACITY"
+    INSUFFICIENT_CPU = "INSUFFICIENT_CPU"
+    INSUFFICIENT_MEMORY = "INSUFFICIENT_MEMORY"
+    NODE_SELECTOR_MISMATCH = "NODE_SELECTOR_MISMATCH"
+    SPREAD_LIMIT = "SPREAD_LIMIT"
+    OFFER_REFUSED = "OFFER_REFUSED"
+    OFFER_TIMED_OUT = "OFFER_TIMED_OUT"
+
+
+# Whether waiting can help, per code. Only a change to the cluster's shape (a node joining, a
+# node's drivers, labels or capacity changing) or to the workload's spec fixes the others.
+RESOLVABLE: Mapping[Code, bool] = {
+    Code.NODE_NOT_READY: True,  # heartbeats may resume
+    Code.NODE_LOST: True,  # the agent may come back
+    Code.NODE_LEFT: True,  # ... or rejoin
+    Code.NODE_GONE: True,
+    Code.NODE_CORDONED: True,  # uncordon
+    Code.NODE_SHUTTING_DOWN: True,
+    Code.NO_DRIVER: False,
+    Code.CPU_ABOVE_CAPACITY: False,
+    Code.MEMORY_ABOVE_CAPACITY: False,
+    Code.INSUFFICIENT_CPU: True,  # instances end and free room
+    Code.INSUFFICIENT_MEMORY: True,
+    Code.NODE_SELECTOR_MISMATCH: False,
+    Code.SPREAD_LIMIT: True,  # a replica on that node may end
+    # An agent's own check (image present, disk free, driver healthy) may pass later.
+    Code.OFFER_REFUSED: True,
+    Code.OFFER_TIMED_OUT: True,
+}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Reason:
+    """Why one node cannot take one instance.
+
+    Interned: `reason()` (which every constant and factory here goes through) gives one object
+    per code and message, so reasons compare and hash by identity, at C speed. A decision that
+    rejects 5,000 nodes counts each under its reason in a dict.
+    """
+
+    code: Code
+    message: str
+    resolvable: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "resolvable", RESOLVABLE[self.code])
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_INTERNED: dict[tuple[Code, str], Reason] = {}
+# Messages can carry label values and agents' words; past this many, start over (a reason
+# made twice then counts the same anyway: count_reasons merges by code and message).
+_MAX_INTERNED = 4096
+
+
+def reason(code: Code, message: str) -> Reason:
+    """The one Reason for this code and message."""
+    key = (code, message)
+    found = _INTERNED.get(key)
+    if found is None:
+        if len(_INTERNED) >= _MAX_INTERNED:
+            _INTERNED.clear()
+        found = _INTERNED[key] = Reason(code, message)
+    return found
+
+
+NOT_READY = reason(Code.NODE_NOT_READY, "not ready")
+LOST = reason(Code.NODE_LOST, "lost")
+LEFT = reason(Code.NODE_LEFT, "left")
+GONE = reason(Code.NODE_GONE, "gone")
+CORDONED = reason(Code.NODE_CORDONED, "cordoned")
+SHUTTING_DOWN = reason(Code.NODE_SHUTTING_DOWN, "node is shutting down")
+CPU_ABOVE_CAPACITY = reason(Code.CPU_ABOVE_CAPACITY, "cpu request exceeds node capacity")
+MEMORY_ABOVE_CAPACITY = reason(Code.MEMORY_ABOVE_CAPACITY, "memory request exceeds node capacity")
+INSUFFICIENT_CPU = reason(Code.INSUFFICIENT_CPU, "insufficient cpu")
+INSUFFICIENT_MEMORY = reason(Code.INSUFFICIENT_MEMORY, "insufficient memory")
+OFFER_TIMED_OUT = reason(Code.OFFER_TIMED_OUT, "offer timed out")
+
+_STATES: Mapping[NodeState, Reason] = {
+    NodeState.NOT_READY: NOT_READY,
+    NodeState.LOST: LOST,
+    NodeState.LEFT: LEFT,
+}
+
+
+# The parametrised reasons are cached too: a decision that rejects 5,000 nodes for "no libvirt
+# driver" formats the message once.
+@functools.lru_cache(maxsize=64)
+def no_driver(driver: str) -> Reason:
+    return reason(Code.NO_DRIVER, f"no {driver} driver")
+
+
+@functools.lru_cache(maxsize=1024)
+def selector_mismatch(key: str, want: str) -> Reason:
+    # Naming the first key that differs tells the user which label to fix; nodes that miss the
+    # same key aggregate into one line of the unschedulable reason.
+    return reason(Code.NODE_SELECTOR_MISMATCH, f"label {key} != {want}")
+
+
+@functools.lru_cache(maxsize=256)
+def spread_limit(count: int) -> Reason:
+    noun = "replica" if count == 1 else "replicas"
+    return reason(Code.SPREAD_LIMIT, f"spread: {count} {noun} already on node")
+
+
+def refused(why: str) -> Reason:
+    """An agent said no to an offer; `why` is its own words."""
+    return reason(Code.OFFER_REFUSED, f"refused: {why}")
+
+
+# ---- the rule ----
+
+
+class Amount(Protocol):
+    """Resources asked for (a spec's Resources)."""
+
+    @property
+    def cpu_millis(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
+
+
+class Need(Amount, Protocol):
+    """What an instance asks of a node (the scheduler's PlacementRequest)."""
+
+    @property
+    def workload(self) -> str: ...
+    @property
+    def kind(self) -> WorkloadKind: ...
+    @property
+    def node_selector(self) -> Mapping[str, str]: ...
+    @property
+    def max_per_node(self) -> int: ...
+
+
+class Capacity(Protocol):
+    """A node's resources: what it offers and what is used or reserved of it (`Room`)."""
+
+    @property
+    def cpu_allocatable(self) -> int: ...
+    @property
+    def mem_allocatable(self) -> int: ...
+    @property
+    def cpu_used(self) -> int: ...
+    @property
+    def mem_used(self) -> int: ...
+
+
+class Offer(Capacity, Protocol):
+    """What a node offers (the scheduler's NodeView)."""
+
+    @property
+    def state(self) -> NodeState: ...
+    @property
+    def schedulable(self) -> bool: ...
+    @property
+    def drivers(self) -> Collection[str]: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def workload_counts(self) -> Mapping[str, int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A node's resources as its agent counts them, for `resources` and `explain_resources`."""
+
+    cpu_allocatable: int
+    mem_allocatable: int
+    cpu_used: int
+    mem_used: int
+
+
+def fit(need: Need, node: Offer) -> Reason | None:
+    """The whole rule: None when the node can take the instance, else the first reason not.
+
+    The order is the precedence of reasons users see: a lost node reports "lost", not
+    "insufficient cpu". The scheduler's filters are these aspects one by one, in this order.
+    """
+    return (
+        ready(need, node)
+        or schedulable(need, node)
+        or driver(need, node)
+        or resources(need, node)
+        or selector(need, node)
+        or spread(need, node)
+    )
+
+
+def availability(node: Offer) -> Reason | None:
+    """What is asked of a node whatever the request: READY and schedulable."""
+    state = node.state
+    if state is not NodeState.READY:
+        # A state added later must still reject, with a reason that names it.
+        return _STATES.get(state) or reason(Code.NODE_NOT_READY, state.value.lower())
+    return None if node.schedulable else CORDONED
+
+
+def ready(need: Need, node: Offer) -> Reason | None:
+    """Only READY nodes take new instances; the reason names the state."""
+    state = node.state
+    if state is NodeState.READY:
+        return None
+    return _STATES.get(state) or reason(Code.NODE_NOT_READY, state.value.lower())
+
+
+def schedulable(need: Need, node: Offer) -> Reason | None:
+    """Cordoned and draining nodes keep their instances but take no new ones."""
+    return None if node.schedulable else CORDONED
+
+
+def driver(need: Need, node: Offer) -> Reason | None:
+    """The node has the runtime driver the kind needs (`fake` stands in for any)."""
+    wanted = KIND_DRIVER[need.kind]
+    drivers = node.drivers
+    if wanted in drivers or FAKE_DRIVER in drivers:
+        return None
+    return no_driver(wanted)
+
+
+def resources(need: Amount, node: Capacity) -> Reason | None:
+    """The request fits in what the node has left (allocatable minus used and reserved).
+
+    A request bigger than the whole allocatable is named as such: no amount of waiting makes it
+    fit. CPU is named before memory so the same shortage always yields the same reason. Even a
+    zero request is checked: a node whose allocatable shrank below its usage is full.
+    """
+    cpu, mem = need.cpu_millis, need.memory_bytes
+    cpu_alloc, mem_alloc = node.cpu_allocatable, node.mem_allocatable
+    if cpu > cpu_alloc:
+        return CPU_ABOVE_CAPACITY
+    if mem > mem_alloc:
+        return MEMORY_ABOVE_CAPACITY
+    if cpu > cpu_alloc - node.cpu_used:
+        return INSUFFICIENT_CPU
+    if mem > mem_alloc - node.mem_used:
+        return INSUFFICIENT_MEMORY
+    return None
+
+
+def most_used_that_fits(share: float) -> float:
+    """The largest cpu_used/cpu_alloc + mem_used/mem_alloc a node may have and still take a
+    request whose shares of the node, cpu/cpu_alloc + mem/mem_alloc, sum to `share`.
+
+    A corollary of `resources`: fitting needs each used share plus the request's share to be at
+    most 1, so their sum is at most 2. The index skips every node above this bound unchecked.
+    """
+    return 2.0 - share
+
+
+def selector(need: Need, node: Offer) -> Reason | None:
+    """Every label of the node selector is on the node with exactly that value."""
+    labels = node.labels
+    for key, want in need.node_selector.items():
+        if labels.get(key) != want:
+            return selector_mismatch(key, want)
+    return None
+
+
+def spread(need: Need, node: Offer) -> Reason | None:
+    """At most `max_per_node` instances of the workload per node; 0 means no limit."""
+    limit = need.max_per_node
+    if limit <= 0:
+        return None
+    count = node.workload_counts.get(need.workload, 0)
+    return None if count < limit else spread_limit(count)
+
+
+def explain_resources(r: Reason, need: Amount, node: Capacity) -> str:
+    """A resource reason with the figures behind it, for a node's own refusal."""
+    cpu, mem = need.cpu_millis, need.memory_bytes
+    if r is CPU_ABOVE_CAPACITY:
+        return f"{r}: {cpu}m requested, {node.cpu_allocatable}m capacity"
+    if r is MEMORY_ABOVE_CAPACITY:
+        return f"{r}: {_mib(mem)} requested, {_mib(node.mem_allocatable)} capacity"
+    if r is INSUFFICIENT_CPU:
+        return f"{r}: {cpu}m requested, {node.cpu_allocatable - node.cpu_used}m free"
+    if r is INSUFFICIENT_MEMORY:
+        return f"{r}: {_mib(mem)} requested, {_mib(node.mem_allocatable - node.mem_used)} free"
+    return r.message
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f}Mi"
+
+
+# ---- what the users see: reasons counted over the nodes of one decision ----
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonCount:
+    """One line of an unschedulable instance's explanation: a reason and how many nodes gave it."""
+
+    code: str
+    message: str
+    node_count: int
+    resolvable: bool
+
+
+def count_reasons(rejections: Mapping[Reason, int]) -> list[ReasonCount]:
+    """One line per code and message, most common first, then by message, so the same
+    refusals always read the same."""
+    merged: dict[tuple[Code, str], int] = {}
+    for r, n in rejections.items():
+        key = (r.code, r.message)
+        merged[key] = merged.get(key, 0) + n
+    parts = sorted(merged.items(), key=lambda item: (-item[1], item[0][1]))
+    return [ReasonCount(code.value, message, n, RESOLVABLE[code]) for (code, message), n in parts]
+
+
+def format_reasons(counts: Iterable[ReasonCount]) -> str:
+    """'3 nodes: insufficient memory; 1 node: cordoned'; "no nodes" when there were none."""
+    text = "; ".join(
+        f"{c.node_count} {'node' if c.node_count == 1 else 'nodes'}: {c.message}" for c in counts
+    )
+    return text or "no nodes"
+
+
+def unresolvable(counts: Collection[ReasonCount]) -> bool:
+    """Every node refused for a reason waiting cannot fix (and there was at least one node)."""
+    return bool(counts) and not any(c.resolvable for c in counts)

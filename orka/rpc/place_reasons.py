@@ -1,0 +1,45 @@
+"""PlaceResult and its structured reasons, to and from the wire: the one converter each way."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from orka import fit
+from orka.api import agent_pb2 as apb
+
+# An instance's reasons come from at most one line per distinct reason; more than this many
+# from a scheduler would be a fault, and the controller stores what it keeps in messages.
+MAX_REASONS = 64
+_MAX_TEXT = 512
+
+
+def place_result_to_pb(
+    instance: str,
+    node: str = "",
+    refusals: Mapping[str, fit.Reason] | None = None,
+    rejections: Mapping[fit.Reason, int] | None = None,
+) -> apb.PlaceResult:
+    """The outcome of placing one instance: the node that took it, or why none did."""
+    msg = apb.PlaceResult(
+        instance=instance,
+        node=node,
+        refusals={name: r.message for name, r in (refusals or {}).items()},
+    )
+    for c in fit.count_reasons(rejections or {}):
+        msg.reasons.add(
+            code=c.code, message=c.message, node_count=c.node_count, resolvable=c.resolvable
+        )
+    return msg
+
+
+def reasons_from_pb(msg: apb.PlaceResult) -> list[fit.ReasonCount]:
+    """Why nowhere took the instance, as the scheduler counted it (bounded, order kept)."""
+    return [
+        fit.ReasonCount(
+            code=r.code[:_MAX_TEXT],
+            message=r.message[:_MAX_TEXT],
+            node_count=max(0, r.node_count),
+            resolvable=r.resolvable,
+        )
+        for r in msg.reasons[:MAX_REASONS]
+    ]
