@@ -559,7 +559,7 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
 ) -> None:
     """Offers go to the best RANK_FIRST nodes first, then to all the rest: with the best two
     of four refusing (and the third), the least preferred node still gets the instance."""
-    monkeypatch.setattr("orka.scheduler.service.RANK_FIRST", 2)
+    monkeypatch.setattr("orka.scheduler.placer.RANK_FIRST", 2)
     for name in ("node-1", "node-2", "node-3"):
         agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
         await agents[-1].register()
@@ -700,7 +700,7 @@ async def test_a_dropped_stream_is_logged_and_leaves_the_node_as_it_was(
 async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
     certs_dir: Path,
 ) -> None:
-    """_set_state itself (reached when a heartbeat already read races the stream being cut):
+    """Liveness.set_state itself (reached when a heartbeat already read races the stream being cut):
     a LOST node that becomes READY again is published, then synced in full, since the
     controller may have replaced what it runs meanwhile."""
     s = Scheduler(
@@ -711,7 +711,7 @@ async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
     node.state = NodeState.LOST
     node.message = "no heartbeat for 9.0s"
     feed = feed_of(s)
-    s._set_state(node, NodeState.READY)
+    s.liveness.set_state(node, NodeState.READY)
     assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
     assert (node.state, node.message) == (NodeState.READY, "")
 

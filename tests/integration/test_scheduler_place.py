@@ -16,7 +16,8 @@ from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import MAX_FRAME
-from orka.scheduler.service import PLACE_CHUNK, RANK_FIRST, Scheduler, SchedulerConfig
+from orka.scheduler.placer import PLACE_CHUNK, RANK_FIRST
+from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 
 
@@ -125,7 +126,7 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
     """With PLACE_CHUNK 2, four instances are ranked two by two: the event loop runs once
     between the second and the third ranking, and at no other point of the round; each is
     reserved and offered in that round, so none is ranked again."""
-    monkeypatch.setattr("orka.scheduler.service.PLACE_CHUNK", 2)
+    monkeypatch.setattr("orka.scheduler.placer.PLACE_CHUNK", 2)
     ticks = 0
 
     async def ticker() -> None:
@@ -135,13 +136,13 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
             await asyncio.sleep(0)
 
     seen: list[int] = []  # the ticker's count at each ranking
-    first_offer = scheduler._first_offer
+    first_offer = scheduler.placer._first_offer
 
     def counted(*args: Any) -> Any:
         seen.append(ticks)
         return first_offer(*args)
 
-    monkeypatch.setattr(scheduler, "_first_offer", counted)
+    monkeypatch.setattr(scheduler.placer, "_first_offer", counted)
     limits: list[int | None] = []
     rank = scheduler.pipeline.rank
 
