@@ -63,7 +63,7 @@ class Parts:
         failure = PartFailed(self.service, part, error)
         log.error(
             "service part failed; stopping the service",
-            service=self.service,
+            # No `service` key here: the process's logger names it (orka.log), more exactly.
             part=part,
             error=describe(error),
             exc_info=error,

@@ -347,7 +347,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         await serve(agent.run, handlers)
 
     gctune.tune()
-    asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
+    try:
+        asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
+    except PartFailed as e:
+        return _failed(e)
     return 0
 
 

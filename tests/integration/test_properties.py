@@ -365,14 +365,14 @@ async def test_agent_messages_never_fail_the_scheduler(
     # Registrations the scheduler accepted, seen there too: after such a client-side
     # failure the client may not even read the reply that was sent before.
     accepted: list[str] = []
-    register = cluster.scheduler._register
+    register = cluster.scheduler.gateway._register
 
     def register_recorded(session: Any, reg: apb.Register) -> Any:
         node = register(session, reg)
         accepted.append(session.node)
         return node
 
-    monkeypatch.setattr(cluster.scheduler, "_register", register_recorded)
+    monkeypatch.setattr(cluster.scheduler.gateway, "_register", register_recorded)
 
     # node-2's certificate: a node of its own, apart from the agent that keeps running.
     channel = secure_channel(

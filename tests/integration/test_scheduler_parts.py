@@ -66,10 +66,9 @@ async def test_a_failing_part_stops_the_scheduler_with_one_log_line(certs_dir: P
         str(failed.value) == "scheduler: its liveness failed (RuntimeError: clock stopped); stopped"
     )
     errors = [e for e in logs if e["log_level"] == "error"]
-    assert [(e["event"], e["service"], e["part"], e["error"]) for e in errors] == [
+    assert [(e["event"], e["part"], e["error"]) for e in errors] == [
         (
             "service part failed; stopping the service",
-            "scheduler",
             "liveness",
             "RuntimeError: clock stopped",
         )
