@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from google.rpc import code_pb2
+
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.errors import OrkaError
@@ -146,15 +148,14 @@ class Admission:
         try:
             spec = convert.spec_from_pb(offer.assignment.spec)
             reason = None if name in self.instances else self.admit(name, spec)
+            code = code_pb2.FAILED_PRECONDITION
         except OrkaError as err:
             spec, reason = None, f"invalid assignment: {err.message}"
+            code = code_pb2.INVALID_ARGUMENT
         if reason is None and spec is not None and name not in self.instances:
             hold = offer.hold_seconds or DEFAULT_HOLD_SECONDS
             self.reservations[name] = (spec.resources, time.monotonic() + hold)
+        status = convert.ok_status() if reason is None else convert.error_status(code, reason)
         self.send(
-            apb.AgentMessage(
-                offer_reply=apb.OfferReply(
-                    offer_id=offer.offer_id, accepted=reason is None, reason=reason or ""
-                )
-            )
+            apb.AgentMessage(offer_reply=apb.OfferReply(offer_id=offer.offer_id, status=status))
         )

@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import structlog
+from google.rpc import code_pb2, status_pb2
 
 from orka.agent.admission import Admission, driver_name
 from orka.agent.secret_files import SecretFiles
@@ -28,8 +29,8 @@ _spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
     lambda spec: spec.model_dump_json(), weigh=len, max_weight=32 << 20
 )
 
-# Answers a command: (command id, ok, error).
-Ack = Callable[[str, bool, str], None]
+# Answers a command: (command id, its status).
+Ack = Callable[[str, status_pb2.Status], None]
 
 
 class Runner:
@@ -141,17 +142,22 @@ class Runner:
     def on_start(self, start: apb.StartInstance) -> None:
         a = start.assignment
         if a.instance in self.instances:
-            self.ack(start.command_id, True, "")
+            self.ack(start.command_id, convert.ok_status())
             return
         try:
             spec = convert.spec_from_pb(a.spec)
         except OrkaError as err:
-            self.ack(start.command_id, False, f"invalid assignment: {err.message}")
+            self.ack(
+                start.command_id,
+                convert.error_status(
+                    code_pb2.INVALID_ARGUMENT, f"invalid assignment: {err.message}"
+                ),
+            )
             return
         reason = self.admission.admit(a.instance, spec)
         self.admission.release(a.instance)
         if reason is not None:
-            self.ack(start.command_id, False, reason)
+            self.ack(start.command_id, convert.error_status(code_pb2.FAILED_PRECONDITION, reason))
             return
         name = driver_name(self.healthy, spec.kind)
         assert name is not None  # admit checked
@@ -175,18 +181,19 @@ class Runner:
             if self.instances.get(inst.name) is inst:
                 del self.instances[inst.name]
                 self.save()
-            self.ack(command_id, False, f"cannot record the instance in the state file: {err}")
+            why = f"cannot record the instance in the state file: {err}"
+            self.ack(command_id, convert.error_status(code_pb2.UNAVAILABLE, why))
             return
         if not inst.stopping and self.instances.get(inst.name) is inst:
             inst.start()
-        self.ack(command_id, True, "")
+        self.ack(command_id, convert.ok_status())
 
     def on_stop(self, stop: apb.StopInstance) -> None:
         self._spawn(self._stop(stop))
 
     async def _stop(self, stop: apb.StopInstance) -> None:
         inst = self.instances.get(stop.instance)
-        self.ack(stop.command_id, True, "")
+        self.ack(stop.command_id, convert.ok_status())
         if inst is None:
             return
         await inst.stop(remove=stop.remove, reason=stop.reason)

@@ -31,6 +31,7 @@ from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid
 from orka.models import Resources
+from orka.rpc import convert
 from orka.runtime.base import Driver
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
 from orka.runtime.registry import make_driver
@@ -261,4 +262,4 @@ class Agent:
             self.runner.on_stop(msg.stop)
         elif kind == "release":
             self.admission.release(msg.release.instance)
-            self.stream.ack(msg.release.command_id, True, "")
+            self.stream.ack(msg.release.command_id, convert.ok_status())

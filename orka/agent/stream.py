@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 import structlog
+from google.rpc import status_pb2
 
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
@@ -34,24 +35,7 @@ EARLY_BEAT = 0.5
 
 
 def _status_of(inst: Supervised) -> apb.InstanceStatus:
-    """What `convert.report_to_pb(inst.report(), inst.resources)` gives, without the model."""
-    msg = apb.InstanceStatus(
-        name=inst.name,
-        workload=inst.workload,
-        phase=convert.phase_to_pb(inst.phase),
-        reason=inst.reason,
-        message=inst.message,
-        restarts=inst.restarts,
-        started_at=inst.started_at or 0.0,
-        finished_at=inst.finished_at or 0.0,
-        generation=inst.generation,
-    )
-    if inst.exit_code is not None:
-        msg.exit_code = inst.exit_code
-    res = inst.resources
-    msg.resources.cpu_millis = res.cpu_millis
-    msg.resources.memory_bytes = res.memory_bytes
-    return msg
+    return convert.instance_status_to_pb(inst, inst.resources, inst.generation)
 
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
@@ -105,8 +89,8 @@ class Stream:
         if self.outbox is not None:
             self.outbox.put_nowait(msg)
 
-    def ack(self, command_id: str, ok: bool, error: str) -> None:
-        self.send(apb.AgentMessage(ack=apb.CommandAck(command_id=command_id, ok=ok, error=error)))
+    def ack(self, command_id: str, status: status_pb2.Status) -> None:
+        self.send(apb.AgentMessage(ack=apb.CommandAck(command_id=command_id, status=status)))
 
     def leave(self) -> None:
         self.send(apb.AgentMessage(leave=apb.Leave(reason="agent shutting down")))
@@ -115,13 +99,13 @@ class Stream:
         if self.outbox is None:
             return  # registering sends every status
         unsent = self._unsent_events.get(inst.name)
-        if unsent is not None and unsent.event.phase not in _TERMINAL_PB:
+        if unsent is not None and unsent.instance_status.phase not in _TERMINAL_PB:
             # Its previous state has not left yet (STARTING, when a driver reports RUNNING
             # at once): send the newest in its place. Terminal states are never replaced, so
             # an exit code or failure reason always reaches the scheduler.
-            unsent.event.CopyFrom(_status_of(inst))
+            unsent.instance_status.CopyFrom(_status_of(inst))
             return
-        msg = apb.AgentMessage(event=_status_of(inst))
+        msg = apb.AgentMessage(instance_status=_status_of(inst))
         self._unsent_events[inst.name] = msg
         self.send(msg)
 
@@ -236,8 +220,9 @@ class Stream:
             has_beat = False
             for item in items:
                 body = item.WhichOneof("body")
-                if body == "event" and unsent.get(item.event.name) is item:
-                    del unsent[item.event.name]  # leaving now: later changes need a new event
+                if body == "instance_status" and unsent.get(item.instance_status.name) is item:
+                    # Leaving now: later changes need a new message.
+                    del unsent[item.instance_status.name]
                 has_beat = has_beat or body == "heartbeat"
             now = loop.time()
             if not has_beat and now >= self._next_beat - self.interval * EARLY_BEAT:

@@ -267,8 +267,8 @@ class PlacementQueue:
             log.warning("start not confirmed; will retry", count=len(cmds), error=err.message)
             return
         for cmd, result in zip(cmds, resp.results, strict=True):
-            if not result.ok and not result.unconfirmed:
-                failed[cmd.start.assignment.instance] = result.error
+            if not convert.status_ok(result.status) and not result.unconfirmed:
+                failed[cmd.start.assignment.instance] = result.status.message
         if failed:
             await self._unbind(failed)
 

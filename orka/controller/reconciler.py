@@ -578,8 +578,8 @@ class Reconciler:
             log.warning("commands not delivered", count=len(cmds), error=err.message)
             return
         for cmd, result in zip(cmds, resp.results, strict=True):
-            if not result.ok:
-                log.warning("command refused", node=cmd.node, error=result.error)
+            if not convert.status_ok(result.status):
+                log.warning("command refused", node=cmd.node, error=result.status.message)
 
     def cleanup(self, node: str, instance: str, why: str) -> apb.NodeCommand | None:
         """A node runs something the controller did not bind there: tell it to stop."""

@@ -30,15 +30,13 @@ class WatchHub:
             q.put_nowait(None)
 
 
-_NODE_STATES = {state: pb.Node.State.Value(state.value) for state in NodeState}
-
-
 class NodeMessages:
     """`pb.Node` of a node record, the same as `convert.node_to_pb(node.to_model())`.
 
     Every node is published every `usage_report_interval`, so this skips the model and keeps
     what only registering changes (name, labels, drivers, capacity, allocatable) as one message
-    per node, copied into each new one.
+    per node, copied into each new one; the rest is written by the same converter as the
+    model's (convert.fill_node_status).
     """
 
     def __init__(self) -> None:
@@ -62,36 +60,32 @@ class NodeMessages:
             or cached[3] is not node.allocatable
             or cached[0] != node.labels
         ):
-            static = pb.Node(
-                name=node.name,
-                capacity=convert.resources_to_pb(node.capacity),
-                allocatable=convert.resources_to_pb(node.allocatable),
-                labels=node.labels,
-                drivers=sorted(node.drivers),
+            static = convert.node_static_to_pb(
+                node.name, node.capacity, node.allocatable, node.labels, node.drivers
             )
             cached = (dict(node.labels), node.drivers, node.capacity, node.allocatable, static)
             self._static[node.name] = cached
         msg.CopyFrom(cached[4])
-        msg.state = _NODE_STATES[node.state]
-        msg.schedulable = node.schedulable
-        msg.draining = node.draining
-        # Set even when zero: the sub-messages are present, as in convert.node_to_pb.
-        allocated = msg.allocated
-        allocated.cpu_millis = node.cpu_used
-        allocated.memory_bytes = node.mem_used
-        usage = msg.usage
-        usage.cpu_millis = node.usage.cpu_millis
-        usage.memory_bytes = node.usage.memory_bytes
-        msg.instances = len(node.holds)
-        msg.last_heartbeat = node.last_heartbeat_wall
-        msg.message = node.message
+        convert.fill_node_status(
+            msg,
+            state=node.state,
+            schedulable=node.schedulable,
+            draining=node.draining,
+            allocated=Resources.model_construct(
+                cpu_millis=node.cpu_used, memory_bytes=node.mem_used
+            ),
+            usage=node.usage,
+            instance_count=len(node.holds),
+            last_heartbeat=node.last_heartbeat_wall,
+            message=node.message,
+        )
 
 
 def sync_update(node: NodeRecord) -> apb.ClusterUpdate:
     """Everything the node reports holding, for the controller to reconcile against."""
     sync = apb.NodeSync(node=node.name)
     for report in node.reports.values():
-        sync.instances.append(convert.report_to_pb(report))
+        sync.instances.append(convert.instance_status_to_pb(report))
     return apb.ClusterUpdate(sync=sync)
 
 

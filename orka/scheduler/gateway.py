@@ -195,14 +195,14 @@ class Gateway:
                 self._on_status(node, status)
             if node.state is not NodeState.READY:
                 self.liveness.set_state(node, NodeState.READY)
-        elif kind == "event":
-            self._on_status(node, msg.event)
+        elif kind == "instance_status":
+            self._on_status(node, msg.instance_status)
         elif kind == "offer_reply":
             r = msg.offer_reply
-            session.resolve(r.offer_id, r.accepted, r.reason)
+            session.resolve(r.offer_id, r.status)
         elif kind == "ack":
             a = msg.ack
-            session.resolve(a.command_id, a.ok, a.error)
+            session.resolve(a.command_id, a.status)
         elif kind == "leave":
             log.info("agent leaving", node=node.name, reason=msg.leave.reason)
             session.left = True

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.rpc import code_pb2
+
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import NotFound
+from orka.rpc import convert
 from orka.scheduler.feed import Feed
 from orka.scheduler.registry import Registry
 from orka.scheduler.session import Expected, Reply, next_id, replies
@@ -38,7 +41,10 @@ class Relay:
         node = self.registry.get(cmd.node)
         if node is None or node.session is None:
             return apb.CommandResult(
-                ok=False, error=f"node {cmd.node} is not connected", unconfirmed=True
+                status=convert.error_status(
+                    code_pb2.UNAVAILABLE, f"node {cmd.node} is not connected"
+                ),
+                unconfirmed=True,
             )
         which = cmd.WhichOneof("command")
         msg: Any
@@ -56,7 +62,9 @@ class Relay:
             key = cmd.release.command_id or next_id("c")
             msg.release.command_id = key
         else:
-            return apb.CommandResult(ok=False, error="empty command")
+            return apb.CommandResult(
+                status=convert.error_status(code_pb2.INVALID_ARGUMENT, "empty command")
+            )
         return cmd, node.session.expect(msg, key)
 
     def _command_done(
@@ -71,7 +79,7 @@ class Relay:
                 hold.expires_at = None  # bound now: the hold lasts until the instance ends
             elif not reply.ok and node is not None:
                 self.registry.release(node, instance)
-        return apb.CommandResult(ok=reply.ok, error=reply.reason, unconfirmed=not reply.answered)
+        return apb.CommandResult(status=reply.status, unconfirmed=not reply.answered)
 
     def set_node(self, request: apb.SetNodeRequest) -> pb.Node:
         node = self.registry.get(request.name)

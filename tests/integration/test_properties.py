@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -306,6 +307,12 @@ def registers(draw: st.DrawFn) -> apb.Register:
     return apb.Register(node=node, instances=draw(st.lists(statuses(), max_size=2)))
 
 
+# A google.rpc.Status as an agent might send one: any code (unknown ones too), any message.
+rpc_statuses = st.builds(
+    status_pb2.Status, code=st.one_of(st.integers(-1, 20), ints), message=hostile
+)
+
+
 leaf_messages = st.one_of(
     st.builds(apb.AgentMessage, register=registers()),
     st.builds(
@@ -317,16 +324,14 @@ leaf_messages = st.one_of(
             sent_at=floats,
         ),
     ),
-    st.builds(apb.AgentMessage, event=statuses()),
+    st.builds(apb.AgentMessage, instance_status=statuses()),
     st.builds(
         apb.AgentMessage,
-        offer_reply=st.builds(
-            apb.OfferReply, offer_id=hostile, accepted=st.booleans(), reason=hostile
-        ),
+        offer_reply=st.builds(apb.OfferReply, offer_id=hostile, status=rpc_statuses),
     ),
     st.builds(
         apb.AgentMessage,
-        ack=st.builds(apb.CommandAck, command_id=hostile, ok=st.booleans(), error=hostile),
+        ack=st.builds(apb.CommandAck, command_id=hostile, status=rpc_statuses),
     ),
     st.builds(apb.AgentMessage, leave=st.builds(apb.Leave, reason=hostile)),
     st.just(apb.AgentMessage()),

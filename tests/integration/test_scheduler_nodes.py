@@ -18,11 +18,13 @@ import grpc
 import pytest
 import structlog
 import structlog.testing
+from google.rpc import code_pb2
 
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.models import NodeState
+from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.scheduler.registry import NodeRecord
 from orka.scheduler.service import Scheduler, SchedulerConfig
@@ -112,13 +114,21 @@ class HandAgent:
                     error = ""
                     if kind == "start":
                         error = self.start_errors.get(cmd.assignment.instance, "")
-                    ack = apb.CommandAck(command_id=cmd.command_id, ok=not error, error=error)
+                    status = (
+                        convert.error_status(code_pb2.FAILED_PRECONDITION, error)
+                        if error
+                        else convert.ok_status()
+                    )
+                    ack = apb.CommandAck(command_id=cmd.command_id, status=status)
                     await self.call.write(apb.AgentMessage(ack=ack))
                 if kind != "offer" or self.answer is None:
                     continue
-                reply = apb.OfferReply(offer_id=m.offer.offer_id, accepted=self.answer is True)
-                if isinstance(self.answer, str):
-                    reply.reason = self.answer
+                if self.answer is True:
+                    status = convert.ok_status()
+                else:
+                    why = self.answer if isinstance(self.answer, str) else ""
+                    status = convert.error_status(code_pb2.FAILED_PRECONDITION, why)
+                reply = apb.OfferReply(offer_id=m.offer.offer_id, status=status)
                 await self.call.write(apb.AgentMessage(offer_reply=reply))
 
     async def close(self) -> None:
@@ -444,9 +454,9 @@ async def test_a_started_instance_is_bound_and_a_failed_start_frees_its_reservat
     results = await place(scheduler, certs_dir, 2)
     assert [r.node for r in results] == ["node-1", "node-1"]
     done = await command(scheduler, certs_dir, start("node-1", "web-0"), start("node-1", "web-1"))
-    assert [(r.ok, r.error, r.unconfirmed) for r in done] == [
-        (True, "", False),
-        (False, "image missing", False),
+    assert [(r.status.code, r.status.message, r.unconfirmed) for r in done] == [
+        (code_pb2.OK, "", False),
+        (code_pb2.FAILED_PRECONDITION, "image missing", False),
     ]
     node = scheduler.registry.get("node-1")
     assert node is not None
@@ -463,7 +473,7 @@ async def test_a_release_command_frees_the_reservation_at_once(
     assert result.node == "node-1"
     release = apb.NodeCommand(node="node-1", release=apb.ReleaseOffer(instance="web-0"))
     (done,) = await command(scheduler, certs_dir, release)
-    assert done.ok
+    assert done.status.code == code_pb2.OK
     node = scheduler.registry.get("node-1")
     assert node is not None
     assert held(node) == ({}, 0, 0)

@@ -14,6 +14,7 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
+from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import MAX_FRAME
 from orka.scheduler.placer import PLACE_CHUNK, RANK_FIRST
@@ -72,7 +73,9 @@ class Agent:
                 continue
             self.offer_frames.append(len(offers))
             replies = [
-                apb.AgentMessage(offer_reply=apb.OfferReply(offer_id=o.offer_id, accepted=True))
+                apb.AgentMessage(
+                    offer_reply=apb.OfferReply(offer_id=o.offer_id, status=convert.ok_status())
+                )
                 for o in offers
             ]
             await self.call.write(apb.AgentMessage(batch=apb.AgentBatch(messages=replies)))

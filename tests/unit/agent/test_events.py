@@ -8,12 +8,15 @@ import asyncio
 import json
 from pathlib import Path
 
+from google.rpc import code_pb2
+
 from orka.agent.service import Agent, AgentConfig
 from orka.agent.state import AgentState, InstanceRecord
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
+from orka.rpc import convert
 from orka.runtime.fake import FakeDriver
 from orka.security.tls import TlsFiles
 
@@ -67,8 +70,8 @@ async def test_an_unsent_state_is_replaced_by_the_newest(tmp_path: Path) -> None
     change(agent, inst, InstancePhase.STARTING)
     change(agent, inst, InstancePhase.RUNNING)
     msgs = queued(outbox)
-    assert [m.event.phase for m in msgs] == [pb.Instance.RUNNING]
-    assert msgs[0].event.name == "web-1"
+    assert [m.instance_status.phase for m in msgs] == [pb.Instance.RUNNING]
+    assert msgs[0].instance_status.name == "web-1"
 
 
 async def test_terminal_states_are_never_replaced(tmp_path: Path) -> None:
@@ -76,7 +79,7 @@ async def test_terminal_states_are_never_replaced(tmp_path: Path) -> None:
     change(agent, inst, InstancePhase.FAILED, "Error")
     change(agent, inst, InstancePhase.STARTING)
     msgs = queued(outbox)
-    assert [(m.event.phase, m.event.reason) for m in msgs] == [
+    assert [(m.instance_status.phase, m.instance_status.reason) for m in msgs] == [
         (pb.Instance.FAILED, "Error"),
         (pb.Instance.STARTING, ""),
     ]
@@ -86,7 +89,7 @@ async def test_queued_messages_leave_in_one_batch_and_later_changes_are_new(
     tmp_path: Path,
 ) -> None:
     agent, inst, outbox = make_agent(tmp_path)
-    agent.stream.ack("c1", True, "")
+    agent.stream.ack("c1", convert.ok_status())
     change(agent, inst, InstancePhase.STARTING)
     change(agent, inst, InstancePhase.RUNNING)
     call = RecordingCall()
@@ -95,15 +98,15 @@ async def test_queued_messages_leave_in_one_batch_and_later_changes_are_new(
         await asyncio.sleep(0)
     assert len(call.written) == 1
     batch = call.written[0].batch.messages
-    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
-    assert batch[1].event.phase == pb.Instance.RUNNING
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "instance_status"]
+    assert batch[1].instance_status.phase == pb.Instance.RUNNING
 
     # The event left: a later change goes out as a message of its own, alone.
     change(agent, inst, InstancePhase.FAILED, "Error")
     for _ in range(3):
         await asyncio.sleep(0)
     assert len(call.written) == 2
-    assert call.written[1].event.phase == pb.Instance.FAILED
+    assert call.written[1].instance_status.phase == pb.Instance.FAILED
     outbox.put_nowait(None)
     await writer
 
@@ -151,14 +154,14 @@ async def test_a_heartbeat_due_soon_rides_in_a_frame_being_sent(tmp_path: Path) 
 
     # Not due for most of an interval: the frame goes alone.
     agent.stream._next_beat = loop.time() + 0.9 * agent.stream.interval
-    agent.stream.ack("c1", True, "")
+    agent.stream.ack("c1", convert.ok_status())
     for _ in range(3):
         await asyncio.sleep(0)
     assert [m.WhichOneof("body") for m in call.written] == ["ack"]
 
     # Due within half an interval: it joins the frame, and the schedule restarts from it.
     agent.stream._next_beat = loop.time() + 0.3 * agent.stream.interval
-    agent.stream.ack("c2", True, "")
+    agent.stream.ack("c2", convert.ok_status())
     for _ in range(3):
         await asyncio.sleep(0)
     assert [m.WhichOneof("body") for m in call.written[1].batch.messages] == ["ack", "heartbeat"]
@@ -187,9 +190,12 @@ async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
     # One frame: the ack and the instance's first state (the fake driver runs it at once).
     assert len(call.written) == 1
     batch = call.written[0].batch.messages
-    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
-    assert (batch[0].ack.command_id, batch[0].ack.ok) == ("s1", True)
-    assert (batch[1].event.name, batch[1].event.phase) == ("db-1", pb.Instance.RUNNING)
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "instance_status"]
+    assert (batch[0].ack.command_id, batch[0].ack.status.code) == ("s1", code_pb2.OK)
+    assert (batch[1].instance_status.name, batch[1].instance_status.phase) == (
+        "db-1",
+        pb.Instance.RUNNING,
+    )
     outbox.put_nowait(None)
     await writer
     await agent.instances["db-1"].close()
@@ -210,8 +216,8 @@ async def test_a_start_the_state_file_cannot_record_is_refused(tmp_path: Path) -
         await asyncio.sleep(0.01)
     assert [m.WhichOneof("body") for m in call.written] == ["ack"]
     ack = call.written[0].ack
-    assert (ack.command_id, ack.ok) == ("s1", False)
-    assert "cannot record the instance in the state file" in ack.error
+    assert (ack.command_id, ack.status.code) == ("s1", code_pb2.UNAVAILABLE)
+    assert "cannot record the instance in the state file" in ack.status.message
     assert "db-1" not in agent.instances  # never started, not kept
     outbox.put_nowait(None)
     await writer

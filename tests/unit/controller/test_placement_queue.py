@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import structlog
+from google.rpc import code_pb2
 
 from orka.api import agent_pb2 as apb
 from orka.controller.placement import (
@@ -169,7 +170,9 @@ class _RecordingLink:
         self.commands.append(list(cmds))
         if self._command is not None:
             return await self._command(cmds)
-        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
+        return apb.CommandResponse(
+            results=[apb.CommandResult(status=convert.ok_status()) for _ in cmds]
+        )
 
 
 @pytest.mark.parametrize(
@@ -387,9 +390,13 @@ async def test_start_unbinds_only_what_a_node_refused(repo: Repo) -> None:
     async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
         return apb.CommandResponse(
             results=[
-                apb.CommandResult(ok=True),
-                apb.CommandResult(error="image missing"),
-                apb.CommandResult(error="no answer", unconfirmed=True),
+                apb.CommandResult(status=convert.ok_status()),
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.FAILED_PRECONDITION, "image missing")
+                ),
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.UNAVAILABLE, "no answer"), unconfirmed=True
+                ),
             ]
         )
 
@@ -469,7 +476,13 @@ async def test_a_short_answer_to_the_starts_fails_the_batch(repo: Repo) -> None:
     await put(repo, Workload(spec=spec("web")), *insts)
 
     async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
-        return apb.CommandResponse(results=[apb.CommandResult(error="image missing")])
+        return apb.CommandResponse(
+            results=[
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.FAILED_PRECONDITION, "image missing")
+                )
+            ]
+        )
 
     q = PlacementQueue(repo, link=_RecordingLink(command=command))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import structlog
+from google.rpc import code_pb2
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -43,6 +44,7 @@ from orka.models import (
     WorkloadKind,
     WorkloadSpec,
 )
+from orka.rpc import convert
 from orka.store.memory import MemoryStore
 
 P = InstancePhase
@@ -57,7 +59,9 @@ class DummyLink:
 
     async def command(self, cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
         self.commands.extend(cmds)
-        return apb.CommandResponse(results=[apb.CommandResult(ok=True) for _ in cmds])
+        return apb.CommandResponse(
+            results=[apb.CommandResult(status=convert.ok_status()) for _ in cmds]
+        )
 
     async def set_node(self, name: str, **kw: Any) -> None:
         self.set_nodes.append((name, kw))
@@ -1075,7 +1079,14 @@ class FailingLink(DummyLink):
         if self.error:
             raise Unavailable(self.error)
         return apb.CommandResponse(
-            results=[apb.CommandResult(ok=ok, error=e) for ok, e in self.answers]
+            results=[
+                apb.CommandResult(
+                    status=convert.ok_status()
+                    if ok
+                    else convert.error_status(code_pb2.FAILED_PRECONDITION, e)
+                )
+                for ok, e in self.answers
+            ]
         )
 
 
