@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -13,21 +12,15 @@ from google.rpc import code_pb2, status_pb2
 
 from orka.agent.admission import Admission, driver_name
 from orka.agent.secret_files import SecretFiles
-from orka.agent.state import StateFile
+from orka.agent.state import StateFile, encode_state
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.errors import OrkaError
-from orka.memo import ByIdentity
 from orka.models import Resources, WorkloadSpec
 from orka.rpc import convert
 from orka.runtime.base import Driver, TaskState
 
 log = structlog.get_logger("orka.agent")
-
-# A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
-_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
-    lambda spec: spec.model_dump_json(), weigh=len, max_weight=32 << 20
-)
 
 # Answers a command: (command id, its status).
 Ack = Callable[[str, status_pb2.Status], None]
@@ -112,30 +105,8 @@ class Runner:
         self.state_file.save(self.state)
 
     def state(self) -> str:
-        """The state file's content: AgentState's JSON layout, written here because this runs
-        for every write. Only each instance's few status fields are encoded each time; its
-        spec, most of the text, is spliced in from `_spec_json`."""
-        entries = []
-        for inst in self.instances.values():
-            status = json.dumps(
-                {
-                    "name": inst.name,
-                    "workload": inst.workload,
-                    "generation": inst.generation,
-                    "phase": inst.phase.value,
-                    "restarts": inst.restarts,
-                    "exit_code": inst.exit_code,
-                    "started_at": inst.started_at,
-                    "finished_at": inst.finished_at,
-                    "reason": inst.reason,
-                    "message": inst.message,
-                },
-                separators=(",", ":"),
-            )
-            entries.append(
-                f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}'
-            )
-        return f'{{"node":{json.dumps(self.node)},"instances":{{{",".join(entries)}}}}}'
+        """The state file's content (orka.agent.state's one layout)."""
+        return encode_state(self.node, self.instances.values())
 
     # ---- commands ----
 
