@@ -464,6 +464,31 @@ async def test_a_started_instance_is_bound_and_a_failed_start_frees_its_reservat
     assert held(node) == ({"web-0": None}, 100, 64 * MIB)
 
 
+async def test_commands_nobody_answered_say_why_in_their_status(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """The scheduler's own answers: UNAVAILABLE for a node not connected and DEADLINE_EXCEEDED
+    for an agent that did not answer in time (both unconfirmed: it may have acted), and
+    INVALID_ARGUMENT for a command with nothing in it."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    agents[0].task.cancel()  # type: ignore[union-attr]  # connected, but answers nothing now
+    scheduler.relay.command_timeout = 0.2
+    done = await command(
+        scheduler, certs_dir, start("node-9", "web-0"), apb.NodeCommand(node="node-1")
+    )
+    assert [(r.status.code, r.status.message, r.unconfirmed) for r in done] == [
+        (code_pb2.UNAVAILABLE, "node node-9 is not connected", True),
+        (code_pb2.INVALID_ARGUMENT, "empty command", False),
+    ]
+    (silent,) = await command(scheduler, certs_dir, start("node-1", "web-1"))
+    assert (silent.status.code, silent.status.message, silent.unconfirmed) == (
+        code_pb2.DEADLINE_EXCEEDED,
+        "timed out",
+        True,
+    )
+
+
 async def test_a_release_command_frees_the_reservation_at_once(
     scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
 ) -> None:
