@@ -46,13 +46,17 @@ class Parts:
         self._stopping = False
 
     def start(self, part: str, run: Callable[[], Awaitable[None]]) -> None:
-        if part in self.tasks:
-            raise ValueError(f"{self.service}: part {part!r} is already running")
+        """Run `run()` as the part's task."""
 
         async def main() -> None:
             await run()
 
-        task = asyncio.create_task(main(), name=part)
+        self.watch(part, asyncio.create_task(main(), name=part))
+
+    def watch(self, part: str, task: asyncio.Task[None]) -> None:
+        """Supervise a task a part runs itself (one it starts on demand)."""
+        if part in self.tasks:
+            raise ValueError(f"{self.service}: part {part!r} is already running")
         task.add_done_callback(functools.partial(self._ended, part))
         self.tasks[part] = task
 

@@ -4,9 +4,10 @@
 - admission (`admission.py`): the agent's own check of each offer, and reservations;
 - the runner (`runner.py`): the instances here, their state file, start and stop commands.
 
-`Agent` builds them, routes what the scheduler sends to the part it is for, and runs the
-stream as a supervised part: if it fails, the whole agent stops (orka.supervision) and
-`run()` raises why. On stop it leaves first when asked to (instances move elsewhere).
+`Agent` builds them, routes what the scheduler sends to the part it is for, and supervises
+the loops (the stream, the state file's writer): if one fails, the whole agent stops
+(orka.supervision) and `run()` raises why. On stop it leaves first when asked to
+(instances move elsewhere).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class Agent:
                 log.warning("driver unhealthy", driver=name, message=health.message)
         if not self.healthy:
             raise Invalid(f"--runtime: no healthy driver among {', '.join(self.config.runtimes)}")
+        self.parts.watch("state file", self.state_file.writer())
         await self.runner.adopt()
         self.parts.start("stream", self.stream.run)
 

@@ -140,8 +140,15 @@ class StateFile:
         self._pending = state
         self._requested += 1
         self._dirty.set()
+        self.writer()
+
+    def writer(self) -> asyncio.Task[None]:
+        """The task that writes (started now if it is not running): the agent supervises it,
+        since saves that silently stopped being written would leave a restarted agent
+        re-adopting an old picture."""
         if self._task is None:
             self._task = asyncio.create_task(self._writer(), name="state-writer")
+        return self._task
 
     async def persist(self) -> None:
         """Return once everything saved so far is on disk, written now rather than after the

@@ -78,3 +78,30 @@ async def test_a_stopped_agent_reports_no_failure(tmp_path: Path, certs_dir: Pat
         await asyncio.wait_for(runner, 10)
     assert [e for e in logs if e["log_level"] == "error"] == []
     assert all(t.done() for t in agent.parts.tasks.values())
+
+
+async def test_a_state_file_writer_that_dies_stops_the_agent(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """Saves that silently stopped being written would leave a restarted agent with an old
+    picture: the writer is a supervised part too."""
+    agent = Agent(config(tmp_path), TlsFiles.for_service(certs_dir, "agent", "node-1"))
+
+    def broken() -> str:
+        raise RuntimeError("cannot encode the state")
+
+    with structlog.testing.capture_logs() as logs:
+        runner = asyncio.create_task(agent.run())
+        await started(agent)
+        agent.state_file.save(broken)
+        with pytest.raises(PartFailed) as failed:
+            await asyncio.wait_for(runner, 10)
+    assert failed.value.part == "state file"
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert [(e["event"], e["part"], e["error"]) for e in errors] == [
+        (
+            "service part failed; stopping the service",
+            "state file",
+            "RuntimeError: cannot encode the state",
+        )
+    ]
