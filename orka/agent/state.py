@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import functools
 import json
+import operator
 import os
 from collections.abc import Callable, Iterable
-from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
@@ -42,8 +42,11 @@ class AgentState(BaseModel):
     instances: dict[str, InstanceRecord] = Field(default_factory=dict)
 
 
-# The fields of each instance's record besides its spec, in the model's order.
+# The fields of each instance's record besides its spec, in the model's order, and one call
+# that reads them all from an instance. (Their values are what json writes as is: the phase
+# is a StrEnum.)
 _STATUS_FIELDS = tuple(name for name in InstanceRecord.model_fields if name != "spec")
+_status_values = operator.attrgetter(*_STATUS_FIELDS)
 
 # A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
 _spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
@@ -67,14 +70,10 @@ def encode_state(node: str, instances: Iterable[RecordSource]) -> str:
     entries = []
     for inst in instances:
         status = json.dumps(
-            {f: _plain(getattr(inst, f)) for f in _STATUS_FIELDS}, separators=(",", ":")
+            dict(zip(_STATUS_FIELDS, _status_values(inst), strict=True)), separators=(",", ":")
         )
         entries.append(f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}')
     return f'{{"node":{json.dumps(node)},"instances":{{{",".join(entries)}}}}}'
-
-
-def _plain(value: object) -> object:
-    return value.value if isinstance(value, Enum) else value
 
 
 # What `StateFile.save` takes: the state (a model, or its JSON text already encoded, as the

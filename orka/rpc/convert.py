@@ -297,7 +297,8 @@ def node_to_pb(n: Node) -> pb.Node:
         state=n.state,
         schedulable=n.schedulable,
         draining=n.draining,
-        allocated=n.allocated,
+        allocated_cpu_millis=n.allocated.cpu_millis,
+        allocated_memory_bytes=n.allocated.memory_bytes,
         usage=n.usage,
         instance_count=n.instances,
         last_heartbeat=n.last_heartbeat,
@@ -337,7 +338,8 @@ def fill_node_status(
     state: NodeState,
     schedulable: bool,
     draining: bool,
-    allocated: Resources,
+    allocated_cpu_millis: int,
+    allocated_memory_bytes: int,
     usage: Resources,
     instance_count: int,
     last_heartbeat: float,
@@ -347,11 +349,14 @@ def fill_node_status(
     msg.state = _NODE_STATES[state]
     msg.schedulable = schedulable
     msg.draining = draining
-    # Set even when zero: the sub-messages are present.
-    msg.allocated.cpu_millis = allocated.cpu_millis
-    msg.allocated.memory_bytes = allocated.memory_bytes
-    msg.usage.cpu_millis = usage.cpu_millis
-    msg.usage.memory_bytes = usage.memory_bytes
+    # Set even when zero: the sub-messages are present. Allocation comes as two numbers: the
+    # scheduler keeps it so, and publishes every node at each usage report.
+    allocated = msg.allocated
+    allocated.cpu_millis = allocated_cpu_millis
+    allocated.memory_bytes = allocated_memory_bytes
+    msg_usage = msg.usage
+    msg_usage.cpu_millis = usage.cpu_millis
+    msg_usage.memory_bytes = usage.memory_bytes
     msg.instances = instance_count
     msg.last_heartbeat = last_heartbeat
     msg.message = message

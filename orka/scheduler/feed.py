@@ -71,9 +71,8 @@ class NodeMessages:
             state=node.state,
             schedulable=node.schedulable,
             draining=node.draining,
-            allocated=Resources.model_construct(
-                cpu_millis=node.cpu_used, memory_bytes=node.mem_used
-            ),
+            allocated_cpu_millis=node.cpu_used,
+            allocated_memory_bytes=node.mem_used,
             usage=node.usage,
             instance_count=len(node.holds),
             last_heartbeat=node.last_heartbeat_wall,
