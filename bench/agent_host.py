@@ -21,18 +21,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import node_name
 from orka import gctune, log
 from orka.agent.service import Agent, AgentConfig
+from orka.agent.stream import Stream
 from orka.api import agent_pb2 as apb
 from orka.security.tls import TlsFiles
 
 
-class CountingAgent(Agent):
-    """The real agent; only counts the heartbeats it builds (alone or in a frame)."""
+class CountingStream(Stream):
+    """The real agent stream; only counts the heartbeats it builds (alone or in a frame)."""
 
     heartbeats = 0
 
-    def _heartbeat_message(self) -> apb.AgentMessage:
-        CountingAgent.heartbeats += 1
-        return super()._heartbeat_message()
+    def heartbeat_message(self) -> apb.AgentMessage:
+        CountingStream.heartbeats += 1
+        return super().heartbeat_message()
+
+
+class CountingAgent(Agent):
+    stream_class = CountingStream
 
 
 def say(obj: dict[str, object]) -> None:
@@ -73,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
         if line == "stats":
             say(
                 {
-                    "heartbeats": CountingAgent.heartbeats,
+                    "heartbeats": CountingStream.heartbeats,
                     "connected": sum(a.connected.is_set() for a in agents),
                     "instances": sum(len(a.instances) for a in agents),
                 }

@@ -6,15 +6,18 @@ import asyncio
 import contextlib
 import functools
 import json
+import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 from pydantic import BaseModel, Field, ValidationError
 
 from orka.agent import offload
 from orka.filemodes import PRIVATE_DIR, PRIVATE_FILE, tighten_file
+from orka.memo import ByIdentity
 from orka.models import InstancePhase, WorkloadSpec
 
 log = structlog.get_logger("orka.agent.state")
@@ -39,8 +42,42 @@ class AgentState(BaseModel):
     instances: dict[str, InstanceRecord] = Field(default_factory=dict)
 
 
+# The fields of each instance's record besides its spec, in the model's order, and one call
+# that reads them all from an instance. (Their values are what json writes as is: the phase
+# is a StrEnum.)
+_STATUS_FIELDS = tuple(name for name in InstanceRecord.model_fields if name != "spec")
+_status_values = operator.attrgetter(*_STATUS_FIELDS)
+
+# A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
+_spec_json: ByIdentity[WorkloadSpec, str] = ByIdentity(
+    lambda spec: spec.model_dump_json(), weigh=len, max_weight=32 << 20
+)
+
+
+class RecordSource(Protocol):
+    """What an instance record is written from: the agent's own instance (every field of
+    InstanceRecord, read as attributes)."""
+
+    name: str
+    spec: WorkloadSpec
+
+
+def encode_state(node: str, instances: Iterable[RecordSource]) -> str:
+    """AgentState's JSON text, the same as `AgentState(...).model_dump_json()` gives, without
+    building the models: the agent writes it on every (coalesced) change. The layout is the
+    model's: each record's fields are InstanceRecord's, read from the instance; only the few
+    status fields are encoded each time, the spec (most of the text) is spliced in."""
+    entries = []
+    for inst in instances:
+        status = json.dumps(
+            dict(zip(_STATUS_FIELDS, _status_values(inst), strict=True)), separators=(",", ":")
+        )
+        entries.append(f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}')
+    return f'{{"node":{json.dumps(node)},"instances":{{{",".join(entries)}}}}}'
+
+
 # What `StateFile.save` takes: the state (a model, or its JSON text already encoded, as the
-# agent writes it), or a function that builds one of those at write time.
+# agent writes it with `encode_state`), or a function that builds one of those at write time.
 StateValue = AgentState | str
 StateSource = StateValue | Callable[[], StateValue]
 
@@ -102,8 +139,15 @@ class StateFile:
         self._pending = state
         self._requested += 1
         self._dirty.set()
+        self.writer()
+
+    def writer(self) -> asyncio.Task[None]:
+        """The task that writes (started now if it is not running): the agent supervises it,
+        since saves that silently stopped being written would leave a restarted agent
+        re-adopting an old picture."""
         if self._task is None:
             self._task = asyncio.create_task(self._writer(), name="state-writer")
+        return self._task
 
     async def persist(self) -> None:
         """Return once everything saved so far is on disk, written now rather than after the

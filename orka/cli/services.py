@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from orka.security import tls as tls_files
 from orka.security.ca import validate_name
 from orka.security.identity import check_serves_as
 from orka.security.tls import TlsFiles, load_and_check
+from orka.supervision import PartFailed
 from orka.validation import RESERVED_LABEL_PREFIX, check_label_key, check_label_value
 
 POLICIES = ("spread", "binpack")
@@ -270,8 +272,18 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         await GracefulStop(Scheduler(config, tls)).run()
 
     gctune.tune()
-    eventloop.run(main())
+    try:
+        eventloop.run(main())
+    except PartFailed as e:
+        return _failed(e)
     return 0
+
+
+def _failed(e: PartFailed) -> int:
+    """A part of the service failed and stopped it: logged already, with its traceback; the
+    last line says why the process exits 1 (like any failed command)."""
+    print(f"error: {e}", file=sys.stderr)
+    return 1
 
 
 # ---- agent ----
@@ -335,7 +347,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
         await serve(agent.run, handlers)
 
     gctune.tune()
-    asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
+    try:
+        asyncio.run(main())  # not uvloop: the agent starts children (see orka.eventloop)
+    except PartFailed as e:
+        return _failed(e)
     return 0
 
 

@@ -237,7 +237,10 @@ def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
 
 
 def command_result_from_pb(r: apb.CommandResult) -> CommandResult:
-    return CommandResult(ok=r.ok, error=r.error, unconfirmed=r.unconfirmed, raw=r)
+    ok = convert.status_ok(r.status)
+    return CommandResult(
+        ok=ok, error="" if ok else r.status.message, unconfirmed=r.unconfirmed, raw=r
+    )
 
 
 def update_from_pb(u: apb.ClusterUpdate) -> ClusterUpdate | None:

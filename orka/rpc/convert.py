@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import code_pb2, status_pb2
 from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
@@ -357,22 +360,78 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
 
 
 def node_to_pb(n: Node) -> pb.Node:
-    return pb.Node(
-        name=n.name,
-        state=pb.Node.State.Value(n.state.value),
+    msg = node_static_to_pb(n.name, n.capacity, n.allocatable, n.labels, n.drivers)
+    fill_node_status(
+        msg,
+        state=n.state,
         schedulable=n.schedulable,
         draining=n.draining,
-        capacity=resources_to_pb(n.capacity),
-        allocatable=resources_to_pb(n.allocatable),
-        allocated=resources_to_pb(n.allocated),
-        usage=resources_to_pb(n.usage),
-        labels=n.labels,
-        drivers=n.drivers,
+        allocated_cpu_millis=n.allocated.cpu_millis,
+        allocated_memory_bytes=n.allocated.memory_bytes,
+        usage=n.usage,
         instance_count=n.instance_count,
-        last_heartbeat_time=timestamp_fields(n.last_heartbeat),
+        last_heartbeat=n.last_heartbeat,
         message=n.message,
-        etag=node_etag(n),
     )
+    return msg
+
+
+# pb.Node is written by these two alone: node_to_pb for a Node model (the controller), and the
+# scheduler's feed for its live records, which keeps each node's static part (what only
+# registering changes) as one message and fills the rest in per update (feed.NodeMessages).
+
+
+def node_static_to_pb(
+    name: str,
+    capacity: Resources,
+    allocatable: Resources,
+    labels: Mapping[str, str],
+    drivers: Iterable[str],
+) -> pb.Node:
+    """A node's part that only registering changes."""
+    return pb.Node(
+        name=name,
+        capacity=resources_to_pb(capacity),
+        allocatable=resources_to_pb(allocatable),
+        labels=labels,
+        drivers=sorted(drivers),
+    )
+
+
+_NODE_STATES = {state: pb.Node.State.Value(state.value) for state in NodeState}
+
+
+def fill_node_status(
+    msg: pb.Node,
+    *,
+    state: NodeState,
+    schedulable: bool,
+    draining: bool,
+    allocated_cpu_millis: int,
+    allocated_memory_bytes: int,
+    usage: Resources,
+    instance_count: int,
+    last_heartbeat: float,
+    message: str,
+) -> None:
+    """Write what changes with every heartbeat into `msg` (a node's static part)."""
+    msg.state = _NODE_STATES[state]
+    msg.schedulable = schedulable
+    msg.draining = draining
+    # Set even when zero: the sub-messages are present. Allocation comes as two numbers: the
+    # scheduler keeps it so, and publishes every node at each usage report.
+    allocated = msg.allocated
+    allocated.cpu_millis = allocated_cpu_millis
+    allocated.memory_bytes = allocated_memory_bytes
+    msg_usage = msg.usage
+    msg_usage.cpu_millis = usage.cpu_millis
+    msg_usage.memory_bytes = usage.memory_bytes
+    msg.instance_count = instance_count
+    if last_heartbeat:
+        set_timestamp(msg.last_heartbeat_time, last_heartbeat)
+    msg.message = message
+    # Of the fields users write, just set: the message is its own node record here.
+    msg.etag = node_etag(msg)
 
 
 def node_from_pb(msg: pb.Node) -> Node:
@@ -396,21 +455,41 @@ def node_from_pb(msg: pb.Node) -> Node:
     )
 
 
-def report_to_pb(r: InstanceReport, resources: Resources | None = None) -> apb.InstanceStatus:
+class StatusSource(Protocol):
+    """What an instance status is made from: an InstanceReport (the scheduler's record of
+    what an agent said) or the agent's own Supervised instance, read directly rather than
+    through a model (an agent sends one per change)."""
+
+    name: str
+    workload: str
+    phase: InstancePhase
+    reason: str
+    message: str
+    exit_code: int | None
+    restarts: int
+    started_at: float | None
+    finished_at: float | None
+
+
+def instance_status_to_pb(
+    i: StatusSource, resources: Resources | None = None, generation: int = 0
+) -> apb.InstanceStatus:
     msg = apb.InstanceStatus(
-        name=r.name,
-        workload=r.workload,
-        phase=phase_to_pb(r.phase),
-        reason=r.reason,
-        message=r.message,
-        restarts=r.restarts,
-        started_at=r.started_at or 0.0,
-        finished_at=r.finished_at or 0.0,
+        name=i.name,
+        workload=i.workload,
+        phase=phase_to_pb(i.phase),
+        reason=i.reason,
+        message=i.message,
+        restarts=i.restarts,
+        started_at=i.started_at or 0.0,
+        finished_at=i.finished_at or 0.0,
+        generation=generation,
     )
-    if r.exit_code is not None:
-        msg.exit_code = r.exit_code
+    if i.exit_code is not None:
+        msg.exit_code = i.exit_code
     if resources is not None:
-        msg.resources.CopyFrom(resources_to_pb(resources))
+        msg.resources.cpu_millis = resources.cpu_millis
+        msg.resources.memory_bytes = resources.memory_bytes
     return msg
 
 
@@ -453,3 +532,19 @@ def _time(seconds: float, what: str) -> float | None:
     if not math.isfinite(seconds) or seconds < 0:
         raise Invalid(f"{what}: must be a time in seconds since 1970, got {seconds!r}")
     return seconds
+
+
+# ---- google.rpc.Status of the agent protocol (offer replies, acks, command results) ----
+
+
+def ok_status() -> status_pb2.Status:
+    return status_pb2.Status(code=code_pb2.OK)
+
+
+def error_status(code: int, message: str) -> status_pb2.Status:
+    """`code` is a google.rpc.Code (code_pb2.FAILED_PRECONDITION, ...), never OK."""
+    return status_pb2.Status(code=code, message=message)
+
+
+def status_ok(status: status_pb2.Status) -> bool:
+    return status.code == code_pb2.OK

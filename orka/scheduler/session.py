@@ -6,8 +6,11 @@ import asyncio
 import itertools
 from dataclasses import dataclass
 
+from google.rpc import code_pb2, status_pb2
+
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid, OrkaError
+from orka.rpc import convert
 
 _ids = itertools.count(1)
 
@@ -18,14 +21,25 @@ def next_id(prefix: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    ok: bool
-    reason: str
+    """The agent's answer (its google.rpc.Status), or what stood in for one."""
+
+    status: status_pb2.Status
     # False when no answer came: the agent may or may not have acted on the message.
     answered: bool = True
 
+    @property
+    def ok(self) -> bool:
+        return convert.status_ok(self.status)
 
-DISCONNECTED = Reply(False, "agent disconnected", answered=False)
-TIMED_OUT = Reply(False, "timed out", answered=False)
+    @property
+    def reason(self) -> str:
+        return self.status.message
+
+
+DISCONNECTED = Reply(
+    convert.error_status(code_pb2.UNAVAILABLE, "agent disconnected"), answered=False
+)
+TIMED_OUT = Reply(convert.error_status(code_pb2.DEADLINE_EXCEEDED, "timed out"), answered=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +96,10 @@ class AgentSession:
     def forget(self, key: str) -> None:
         self.waiting.pop(key, None)
 
-    def resolve(self, key: str, ok: bool, reason: str) -> None:
+    def resolve(self, key: str, status: status_pb2.Status) -> None:
         fut = self.waiting.get(key)
         if fut is not None and not fut.done():
-            fut.set_result(Reply(ok, reason))
+            fut.set_result(Reply(status))
 
     def close(self) -> None:
         if self.closed:

@@ -131,3 +131,14 @@ def process_spec(name: str = "web", replicas: int = 0, **fields: object) -> pb.W
     }
     data.update(fields)
     return pb.WorkloadSpec(**data)  # type: ignore[arg-type]
+
+
+async def crash(agent: Agent) -> None:
+    """The agent vanishes as if SIGKILLed, in-process: its stream is cut without a leave, its
+    instances' tasks are left running, the state file keeps what it last saved, and a later
+    stop() does nothing (a killed process stops nothing either)."""
+    agent._stopped = True
+    await agent.parts.stop()
+    for inst in agent.instances.values():
+        await inst.close()
+    await agent.state_file.flush()

@@ -21,7 +21,7 @@ from orka.models import Resources, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskState
 from orka.runtime.containerd import ContainerdDriver
 from tests.containerd_env import CGROUP_ROOT, Containerd, needs_containerd
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
 
 pytestmark = needs_containerd
 
@@ -267,7 +267,7 @@ async def test_container_workload_end_to_end(
         pid = (await driver.list())[0].pid
 
         # The agent dies without stopping anything; a new one re-adopts the container.
-        await agent.crash()
+        await crash(agent)
         await driver.close()
         del cluster.agents["node-1"]
         revived = await cluster.add_agent(

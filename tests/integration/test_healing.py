@@ -11,7 +11,7 @@ import pytest
 from orka.api import controller_pb2 as pb
 from orka.runtime.base import RunSpec, TaskInfo
 from orka.runtime.fake import FakeDriver
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
 
 FAST = {"heartbeat_interval": 0.2, "node_lost_after": 1.0, "offer_timeout": 0.5}
 LEAVE_TIMEOUT = 10.0
@@ -43,7 +43,7 @@ async def test_lost_node_instances_come_back_elsewhere(cluster: Cluster) -> None
     await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
     nodes = await eventually(lambda: running_on(cluster, "web", 2))
     victim = nodes[0]
-    await cluster.agents[victim].crash()
+    await crash(cluster.agents[victim])
     await eventually(lambda: running_on(cluster, "web", 2, exclude=victim))
     lost = [i for i in await cluster.instances("web") if i.phase == pb.Instance.LOST]
     assert [i.node for i in lost] == [victim]
@@ -57,7 +57,7 @@ async def test_returning_node_stops_what_was_replaced(cluster: Cluster) -> None:
     (victim,) = await eventually(lambda: running_on(cluster, "web", 1))
     agent = cluster.agents[victim]
     # Silence the agent without stopping its task: it comes back with the instance running.
-    await agent.crash()
+    await crash(agent)
     await eventually(lambda: running_on(cluster, "web", 1, exclude=victim))
     revived = await cluster.add_agent(victim, runtimes=["fake"])
     assert revived is not agent

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from orka.agent.admission import Admission
 from orka.agent.service import Agent
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -18,18 +19,26 @@ from tests.integration.cluster import Cluster, eventually
 MI = 1 << 20
 
 
-class RefusingAgent(Agent):
-    """An agent whose own admission check says no, whatever the scheduler believes."""
+class RefusingAdmission(Admission):
+    """An agent's own admission check that says no, whatever the scheduler believes."""
 
-    def _admit(self, name: str, spec: WorkloadSpec) -> str | None:
+    def admit(self, name: str, spec: WorkloadSpec) -> str | None:
         return "disk image missing"
 
 
-class SilentAgent(Agent):
-    """An agent that never answers offers, so every offer to it times out."""
+class RefusingAgent(Agent):
+    admission_class = RefusingAdmission
 
-    def _on_offer(self, offer: apb.Offer) -> None:
+
+class SilentAdmission(Admission):
+    """Never answers offers, so every offer to the agent times out."""
+
+    def on_offer(self, offer: apb.Offer) -> None:
         return None
+
+
+class SilentAgent(Agent):
+    admission_class = SilentAdmission
 
 
 def spec(name: str, replicas: int = 1, cpu: int = 100, **kw: object) -> pb.WorkloadSpec:
@@ -127,7 +136,7 @@ async def test_concurrent_placements_never_overbook(cluster: Cluster) -> None:
     per_node = Counter(i.node for i in running)
     assert per_node == {"node-1": 3, "node-2": 3, "node-3": 3}
     for name, agent in cluster.agents.items():
-        assert agent._allocated().cpu_millis <= 1000, name
+        assert agent.admission.allocated().cpu_millis <= 1000, name
 
 
 async def test_spread_rule_places_one_per_node(cluster: Cluster) -> None:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
+from google.rpc import status_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -311,6 +312,12 @@ def registers(draw: st.DrawFn) -> apb.Register:
     return apb.Register(node=node, instances=draw(st.lists(statuses(), max_size=2)))
 
 
+# A google.rpc.Status as an agent might send one: any code (unknown ones too), any message.
+rpc_statuses = st.builds(
+    status_pb2.Status, code=st.one_of(st.integers(-1, 20), ints), message=hostile
+)
+
+
 leaf_messages = st.one_of(
     st.builds(apb.AgentMessage, register=registers()),
     st.builds(
@@ -322,16 +329,14 @@ leaf_messages = st.one_of(
             sent_at=floats,
         ),
     ),
-    st.builds(apb.AgentMessage, event=statuses()),
+    st.builds(apb.AgentMessage, instance_status=statuses()),
     st.builds(
         apb.AgentMessage,
-        offer_reply=st.builds(
-            apb.OfferReply, offer_id=hostile, accepted=st.booleans(), reason=hostile
-        ),
+        offer_reply=st.builds(apb.OfferReply, offer_id=hostile, status=rpc_statuses),
     ),
     st.builds(
         apb.AgentMessage,
-        ack=st.builds(apb.CommandAck, command_id=hostile, ok=st.booleans(), error=hostile),
+        ack=st.builds(apb.CommandAck, command_id=hostile, status=rpc_statuses),
     ),
     st.builds(apb.AgentMessage, leave=st.builds(apb.Leave, reason=hostile)),
     st.just(apb.AgentMessage()),
@@ -370,14 +375,14 @@ async def test_agent_messages_never_fail_the_scheduler(
     # Registrations the scheduler accepted, seen there too: after such a client-side
     # failure the client may not even read the reply that was sent before.
     accepted: list[str] = []
-    register = cluster.scheduler._register
+    register = cluster.scheduler.gateway._register
 
     def register_recorded(session: Any, reg: apb.Register) -> Any:
         node = register(session, reg)
         accepted.append(session.node)
         return node
 
-    monkeypatch.setattr(cluster.scheduler, "_register", register_recorded)
+    monkeypatch.setattr(cluster.scheduler.gateway, "_register", register_recorded)
 
     # node-2's certificate: a node of its own, apart from the agent that keeps running.
     channel = secure_channel(

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from orka.agent.service import Agent, AgentConfig
+from orka.agent.stream import Stream
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
@@ -83,22 +84,27 @@ async def test_the_scheduler_sets_the_node_label_from_the_certificate(
         call.cancel()
 
 
-class RogueAgent(Agent):
-    """An agent whose code was changed to claim another node's label; counts its refusals."""
+class RogueStream(Stream):
+    """An agent stream whose code was changed to claim another node's label; counts its
+    refusals."""
 
     refusals: list[grpc.StatusCode]
 
-    def _register_message(self) -> apb.AgentMessage:
-        msg = super()._register_message()
+    def register_message(self) -> apb.AgentMessage:
+        msg = super().register_message()
         msg.register.node.labels["orka.io/node"] = "node-2"
         return msg
 
-    async def _session(self, target: str) -> None:
+    async def session(self, target: str) -> None:
         try:
-            await super()._session(target)
+            await super().session(target)
         except grpc.aio.AioRpcError as err:
             self.refusals.append(err.code())
             raise
+
+
+class RogueAgent(Agent):
+    stream_class = RogueStream
 
 
 async def test_a_rogue_agent_never_receives_replicas_pinned_to_another_node(
@@ -127,10 +133,10 @@ async def test_a_rogue_agent_never_receives_replicas_pinned_to_another_node(
             ),
             TlsFiles.for_service(certs_dir, "agent", "node-1"),
         )
-        rogue.refusals = []
+        rogue.stream.refusals = []
         await rogue.start()
-        await eventually(lambda: _value(len(rogue.refusals) >= 2))  # type: ignore[union-attr]
-        assert set(rogue.refusals) == {grpc.StatusCode.PERMISSION_DENIED}
+        await eventually(lambda: _value(len(rogue.stream.refusals) >= 2))  # type: ignore[union-attr]
+        assert set(rogue.stream.refusals) == {grpc.StatusCode.PERMISSION_DENIED}
         assert not rogue.connected.is_set()
         assert cluster.scheduler.registry.get("node-1") is None
         [inst] = await cluster.instances("pinned")

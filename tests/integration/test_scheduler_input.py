@@ -89,18 +89,21 @@ REFUSED_REGISTRATIONS = ("node.capacity must not be negative",)
         ),
         ([register(cpu=-5)], "node.capacity must not be negative"),
         (
-            [register(), apb.AgentMessage(event=apb.InstanceStatus(name="x"))],
+            [register(), apb.AgentMessage(instance_status=apb.InstanceStatus(name="x"))],
             "instance status x: phase: is required",
         ),
         (
-            [register(), apb.AgentMessage(event=apb.InstanceStatus(phase=pb.Instance.RUNNING))],
+            [
+                register(),
+                apb.AgentMessage(instance_status=apb.InstanceStatus(phase=pb.Instance.RUNNING)),
+            ],
             "name is required",
         ),
         (
             [
                 register(),
                 apb.AgentMessage(
-                    event=apb.InstanceStatus(
+                    instance_status=apb.InstanceStatus(
                         name="z", phase=pb.Instance.RUNNING, started_at=float("nan")
                     )
                 ),
@@ -124,7 +127,10 @@ REFUSED_REGISTRATIONS = ("node.capacity must not be negative",)
         ([register(), apb.AgentMessage()], "empty agent message"),
         ([register(), batch(batch(heartbeat()))], "a batch must not hold another batch"),
         (
-            [register(), batch(heartbeat(), apb.AgentMessage(event=apb.InstanceStatus(name="y")))],
+            [
+                register(),
+                batch(heartbeat(), apb.AgentMessage(instance_status=apb.InstanceStatus(name="y"))),
+            ],
             "instance status y: phase: is required",
         ),
     ],
@@ -186,7 +192,7 @@ async def test_a_batch_is_applied_message_by_message(scheduler: Scheduler, certs
         await call.write(register())
         await call.read()
         running = apb.InstanceStatus(name="web-1", workload="web", phase=pb.Instance.RUNNING)
-        await call.write(batch(heartbeat(), apb.AgentMessage(event=running)))
+        await call.write(batch(heartbeat(), apb.AgentMessage(instance_status=running)))
         node = scheduler.registry.get("node-3")
         assert node is not None
         for _ in range(200):

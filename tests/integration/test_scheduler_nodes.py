@@ -18,6 +18,7 @@ import grpc
 import pytest
 import structlog
 import structlog.testing
+from google.rpc import code_pb2
 
 from orka import fit
 from orka.api import agent_pb2 as apb
@@ -120,13 +121,21 @@ class HandAgent:
                     error = ""
                     if kind == "start":
                         error = self.start_errors.get(cmd.assignment.instance, "")
-                    ack = apb.CommandAck(command_id=cmd.command_id, ok=not error, error=error)
+                    status = (
+                        convert.error_status(code_pb2.FAILED_PRECONDITION, error)
+                        if error
+                        else convert.ok_status()
+                    )
+                    ack = apb.CommandAck(command_id=cmd.command_id, status=status)
                     await self.call.write(apb.AgentMessage(ack=ack))
                 if kind != "offer" or self.answer is None:
                     continue
-                reply = apb.OfferReply(offer_id=m.offer.offer_id, accepted=self.answer is True)
-                if isinstance(self.answer, str):
-                    reply.reason = self.answer
+                if self.answer is True:
+                    status = convert.ok_status()
+                else:
+                    why = self.answer if isinstance(self.answer, str) else ""
+                    status = convert.error_status(code_pb2.FAILED_PRECONDITION, why)
+                reply = apb.OfferReply(offer_id=m.offer.offer_id, status=status)
                 await self.call.write(apb.AgentMessage(offer_reply=reply))
 
     async def close(self) -> None:
@@ -452,14 +461,39 @@ async def test_a_started_instance_is_bound_and_a_failed_start_frees_its_reservat
     results = await place(scheduler, certs_dir, 2)
     assert [r.node for r in results] == ["node-1", "node-1"]
     done = await command(scheduler, certs_dir, start("node-1", "web-0"), start("node-1", "web-1"))
-    assert [(r.ok, r.error, r.unconfirmed) for r in done] == [
-        (True, "", False),
-        (False, "image missing", False),
+    assert [(r.status.code, r.status.message, r.unconfirmed) for r in done] == [
+        (code_pb2.OK, "", False),
+        (code_pb2.FAILED_PRECONDITION, "image missing", False),
     ]
     node = scheduler.registry.get("node-1")
     assert node is not None
     # web-0 is bound (no expiry: it holds until the instance ends), web-1 holds nothing.
     assert held(node) == ({"web-0": None}, 100, 64 * MIB)
+
+
+async def test_commands_nobody_answered_say_why_in_their_status(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """The scheduler's own answers: UNAVAILABLE for a node not connected and DEADLINE_EXCEEDED
+    for an agent that did not answer in time (both unconfirmed: it may have acted), and
+    INVALID_ARGUMENT for a command with nothing in it."""
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    await agents[0].register()
+    agents[0].task.cancel()  # type: ignore[union-attr]  # connected, but answers nothing now
+    scheduler.relay.command_timeout = 0.2
+    done = await command(
+        scheduler, certs_dir, start("node-9", "web-0"), apb.NodeCommand(node="node-1")
+    )
+    assert [(r.status.code, r.status.message, r.unconfirmed) for r in done] == [
+        (code_pb2.UNAVAILABLE, "node node-9 is not connected", True),
+        (code_pb2.INVALID_ARGUMENT, "empty command", False),
+    ]
+    (silent,) = await command(scheduler, certs_dir, start("node-1", "web-1"))
+    assert (silent.status.code, silent.status.message, silent.unconfirmed) == (
+        code_pb2.DEADLINE_EXCEEDED,
+        "timed out",
+        True,
+    )
 
 
 async def test_a_release_command_frees_the_reservation_at_once(
@@ -471,7 +505,7 @@ async def test_a_release_command_frees_the_reservation_at_once(
     assert result.node == "node-1"
     release = apb.NodeCommand(node="node-1", release=apb.ReleaseOffer(instance="web-0"))
     (done,) = await command(scheduler, certs_dir, release)
-    assert done.ok
+    assert done.status.code == code_pb2.OK
     node = scheduler.registry.get("node-1")
     assert node is not None
     assert held(node) == ({}, 0, 0)
@@ -575,7 +609,7 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
 ) -> None:
     """Offers go to the best RANK_FIRST nodes first, then to all the rest: with the best two
     of four refusing (and the third), the least preferred node still gets the instance."""
-    monkeypatch.setattr("orka.scheduler.service.RANK_FIRST", 2)
+    monkeypatch.setattr("orka.scheduler.placer.RANK_FIRST", 2)
     for name in ("node-1", "node-2", "node-3"):
         agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
         await agents[-1].register()
@@ -716,7 +750,7 @@ async def test_a_dropped_stream_is_logged_and_leaves_the_node_as_it_was(
 async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
     certs_dir: Path,
 ) -> None:
-    """_set_state itself (reached when a heartbeat already read races the stream being cut):
+    """Liveness.set_state itself (reached when a heartbeat already read races the stream being cut):
     a LOST node that becomes READY again is published, then synced in full, since the
     controller may have replaced what it runs meanwhile."""
     s = Scheduler(
@@ -727,7 +761,7 @@ async def test_a_lost_node_back_to_ready_publishes_the_node_then_a_sync(
     node.state = NodeState.LOST
     node.message = "no heartbeat for 9.0s"
     feed = feed_of(s)
-    s._set_state(node, NodeState.READY)
+    s.liveness.set_state(node, NodeState.READY)
     assert kinds(feed) == [("node", "READY", ""), ("sync", "node-1", "")]
     assert (node.state, node.message) == (NodeState.READY, "")
 

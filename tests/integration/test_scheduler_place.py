@@ -14,9 +14,11 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
+from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.rpc.frames import MAX_FRAME
-from orka.scheduler.service import PLACE_CHUNK, RANK_FIRST, Scheduler, SchedulerConfig
+from orka.scheduler.placer import PLACE_CHUNK, RANK_FIRST
+from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 
 
@@ -71,7 +73,9 @@ class Agent:
                 continue
             self.offer_frames.append(len(offers))
             replies = [
-                apb.AgentMessage(offer_reply=apb.OfferReply(offer_id=o.offer_id, accepted=True))
+                apb.AgentMessage(
+                    offer_reply=apb.OfferReply(offer_id=o.offer_id, status=convert.ok_status())
+                )
                 for o in offers
             ]
             await self.call.write(apb.AgentMessage(batch=apb.AgentBatch(messages=replies)))
@@ -125,7 +129,7 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
     """With PLACE_CHUNK 2, four instances are ranked two by two: the event loop runs once
     between the second and the third ranking, and at no other point of the round; each is
     reserved and offered in that round, so none is ranked again."""
-    monkeypatch.setattr("orka.scheduler.service.PLACE_CHUNK", 2)
+    monkeypatch.setattr("orka.scheduler.placer.PLACE_CHUNK", 2)
     ticks = 0
 
     async def ticker() -> None:
@@ -135,13 +139,13 @@ async def test_the_first_round_yields_between_chunks_and_not_after_the_last(
             await asyncio.sleep(0)
 
     seen: list[int] = []  # the ticker's count at each ranking
-    first_offer = scheduler._first_offer
+    first_offer = scheduler.placer._first_offer
 
     def counted(*args: Any) -> Any:
         seen.append(ticks)
         return first_offer(*args)
 
-    monkeypatch.setattr(scheduler, "_first_offer", counted)
+    monkeypatch.setattr(scheduler.placer, "_first_offer", counted)
     limits: list[int | None] = []
     rank = scheduler.pipeline.rank
 

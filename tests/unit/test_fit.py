@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orka import fit
-from orka.agent.service import Agent, AgentConfig
+from orka.agent.admission import Admission
 from orka.models import NodeState, Resources, WorkloadKind, WorkloadSpec
 from orka.rpc.place_reasons import place_result_to_pb, reasons_from_pb
 from orka.scheduler.filters import FILTERS
@@ -280,20 +280,16 @@ def _by_index(req: Any, view: Any) -> bool | None:
 
 def _by_agent(req: Any, view: Any, tmp: Path) -> str | None:
     """The agent's own admission on a node like `view` (it knows no cordon, labels or state)."""
-    agent = Agent(
-        AgentConfig(
-            name=view.name,
-            schedulers=["127.0.0.1:1"],
-            data_dir=tmp,
-            cpu_millis=view.cpu_allocatable or 1,
-            memory_bytes=view.mem_allocatable or 1,
-        ),
-        tls=None,  # type: ignore[arg-type]
+    admission = Admission(
+        capacity=Resources(cpu_millis=view.cpu_allocatable, memory_bytes=view.mem_allocatable),
+        allowed_paths=[tmp],
+        healthy={name: _Admits() for name in view.drivers},  # type: ignore[misc]
+        instances={},
+        shutting_down=lambda: False,
+        send=lambda msg: None,
     )
-    agent.capacity = Resources(cpu_millis=view.cpu_allocatable, memory_bytes=view.mem_allocatable)
-    agent.healthy = {name: _Admits() for name in view.drivers}  # type: ignore[misc]
     used = Resources(cpu_millis=view.cpu_used, memory_bytes=view.mem_used)
-    agent.reservations["other"] = (used, time.monotonic() + 60)
+    admission.reservations["other"] = (used, time.monotonic() + 60)
     kind = req.kind
     spec = WorkloadSpec(
         name="web",
@@ -302,7 +298,7 @@ def _by_agent(req: Any, view: Any, tmp: Path) -> str | None:
         image="busybox" if kind is WorkloadKind.CONTAINER else "",
         resources=Resources(cpu_millis=req.cpu_millis, memory_bytes=req.memory_bytes),
     )
-    return agent._admit("web-0", spec)
+    return admission.admit("web-0", spec)
 
 
 @settings(

@@ -8,12 +8,15 @@ import asyncio
 import json
 from pathlib import Path
 
+from google.rpc import code_pb2
+
 from orka.agent.service import Agent, AgentConfig
 from orka.agent.state import AgentState, InstanceRecord
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
+from orka.rpc import convert
 from orka.runtime.fake import FakeDriver
 from orka.security.tls import TlsFiles
 
@@ -34,9 +37,9 @@ def make_agent(tmp_path: Path) -> tuple[Agent, Supervised, asyncio.Queue[apb.Age
         TlsFiles(tmp_path / "ca.crt", tmp_path / "n1.crt", tmp_path / "n1.key"),  # never dialled
     )
     outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
-    agent._outbox = outbox
+    agent.stream.outbox = outbox
     spec = WorkloadSpec(name="web", kind=WorkloadKind.PROCESS, command=["x"])
-    inst = agent._new_instance("web-1", 1, spec, FakeDriver(tmp_path / "fake"))
+    inst = agent.runner.new_instance("web-1", 1, spec, FakeDriver(tmp_path / "fake"))
     return agent, inst, outbox
 
 
@@ -59,7 +62,7 @@ def send_start(agent: Agent, instance: str, command_id: str) -> None:
 
 def change(agent: Agent, inst: Supervised, phase: InstancePhase, reason: str = "") -> None:
     inst.phase, inst.reason = phase, reason
-    agent._changed(inst)
+    agent.runner.changed(inst)
 
 
 async def test_an_unsent_state_is_replaced_by_the_newest(tmp_path: Path) -> None:
@@ -67,8 +70,8 @@ async def test_an_unsent_state_is_replaced_by_the_newest(tmp_path: Path) -> None
     change(agent, inst, InstancePhase.STARTING)
     change(agent, inst, InstancePhase.RUNNING)
     msgs = queued(outbox)
-    assert [m.event.phase for m in msgs] == [pb.Instance.RUNNING]
-    assert msgs[0].event.name == "web-1"
+    assert [m.instance_status.phase for m in msgs] == [pb.Instance.RUNNING]
+    assert msgs[0].instance_status.name == "web-1"
 
 
 async def test_terminal_states_are_never_replaced(tmp_path: Path) -> None:
@@ -76,7 +79,7 @@ async def test_terminal_states_are_never_replaced(tmp_path: Path) -> None:
     change(agent, inst, InstancePhase.FAILED, "Error")
     change(agent, inst, InstancePhase.STARTING)
     msgs = queued(outbox)
-    assert [(m.event.phase, m.event.reason) for m in msgs] == [
+    assert [(m.instance_status.phase, m.instance_status.reason) for m in msgs] == [
         (pb.Instance.FAILED, "Error"),
         (pb.Instance.STARTING, ""),
     ]
@@ -86,24 +89,24 @@ async def test_queued_messages_leave_in_one_batch_and_later_changes_are_new(
     tmp_path: Path,
 ) -> None:
     agent, inst, outbox = make_agent(tmp_path)
-    agent._ack("c1", True, "")
+    agent.stream.ack("c1", convert.ok_status())
     change(agent, inst, InstancePhase.STARTING)
     change(agent, inst, InstancePhase.RUNNING)
     call = RecordingCall()
-    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
     for _ in range(3):
         await asyncio.sleep(0)
     assert len(call.written) == 1
     batch = call.written[0].batch.messages
-    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
-    assert batch[1].event.phase == pb.Instance.RUNNING
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "instance_status"]
+    assert batch[1].instance_status.phase == pb.Instance.RUNNING
 
     # The event left: a later change goes out as a message of its own, alone.
     change(agent, inst, InstancePhase.FAILED, "Error")
     for _ in range(3):
         await asyncio.sleep(0)
     assert len(call.written) == 2
-    assert call.written[1].event.phase == pb.Instance.FAILED
+    assert call.written[1].instance_status.phase == pb.Instance.FAILED
     outbox.put_nowait(None)
     await writer
 
@@ -126,7 +129,7 @@ async def test_a_batch_from_the_scheduler_is_handled_in_order(tmp_path: Path) ->
 async def test_state_file_content_reads_back_as_the_agent_state(tmp_path: Path) -> None:
     agent, inst, _ = make_agent(tmp_path)
     inst.phase, inst.restarts, inst.exit_code, inst.started_at = InstancePhase.FAILED, 2, 3, 5.0
-    data = json.loads(agent._state())
+    data = json.loads(agent.runner.state())
     state = AgentState.model_validate(data)
     assert state.node == "n1"
     assert state.instances == {
@@ -147,22 +150,22 @@ async def test_a_heartbeat_due_soon_rides_in_a_frame_being_sent(tmp_path: Path) 
     agent, _, outbox = make_agent(tmp_path)
     loop = asyncio.get_running_loop()
     call = RecordingCall()
-    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
 
     # Not due for most of an interval: the frame goes alone.
-    agent._next_beat = loop.time() + 0.9 * agent.interval
-    agent._ack("c1", True, "")
+    agent.stream._next_beat = loop.time() + 0.9 * agent.stream.interval
+    agent.stream.ack("c1", convert.ok_status())
     for _ in range(3):
         await asyncio.sleep(0)
     assert [m.WhichOneof("body") for m in call.written] == ["ack"]
 
     # Due within half an interval: it joins the frame, and the schedule restarts from it.
-    agent._next_beat = loop.time() + 0.3 * agent.interval
-    agent._ack("c2", True, "")
+    agent.stream._next_beat = loop.time() + 0.3 * agent.stream.interval
+    agent.stream.ack("c2", convert.ok_status())
     for _ in range(3):
         await asyncio.sleep(0)
     assert [m.WhichOneof("body") for m in call.written[1].batch.messages] == ["ack", "heartbeat"]
-    assert agent._next_beat >= loop.time() + 0.9 * agent.interval
+    assert agent.stream._next_beat >= loop.time() + 0.9 * agent.stream.interval
     outbox.put_nowait(None)
     await writer
 
@@ -173,7 +176,7 @@ async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
     agent, _, outbox = make_agent(tmp_path)
     agent.healthy["fake"] = FakeDriver(tmp_path / "fake")
     call = RecordingCall()
-    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
     send_start(agent, "db-1", "s1")
     # Nothing is acknowledged before the state file holds the instance.
     assert call.written == [] and outbox.empty()
@@ -187,9 +190,12 @@ async def test_a_start_is_acked_once_recorded_together_with_its_first_state(
     # One frame: the ack and the instance's first state (the fake driver runs it at once).
     assert len(call.written) == 1
     batch = call.written[0].batch.messages
-    assert [m.WhichOneof("body") for m in batch] == ["ack", "event"]
-    assert (batch[0].ack.command_id, batch[0].ack.ok) == ("s1", True)
-    assert (batch[1].event.name, batch[1].event.phase) == ("db-1", pb.Instance.RUNNING)
+    assert [m.WhichOneof("body") for m in batch] == ["ack", "instance_status"]
+    assert (batch[0].ack.command_id, batch[0].ack.status.code) == ("s1", code_pb2.OK)
+    assert (batch[1].instance_status.name, batch[1].instance_status.phase) == (
+        "db-1",
+        pb.Instance.RUNNING,
+    )
     outbox.put_nowait(None)
     await writer
     await agent.instances["db-1"].close()
@@ -202,7 +208,7 @@ async def test_a_start_the_state_file_cannot_record_is_refused(tmp_path: Path) -
     blocker.write_text("a file where the directory should be")
     agent.state_file.path = blocker / "agent-state.json"
     call = RecordingCall()
-    writer = asyncio.create_task(agent._writer(call, outbox))  # type: ignore[arg-type]
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
     send_start(agent, "db-1", "s1")
     for _ in range(100):
         if call.written:
@@ -210,8 +216,8 @@ async def test_a_start_the_state_file_cannot_record_is_refused(tmp_path: Path) -
         await asyncio.sleep(0.01)
     assert [m.WhichOneof("body") for m in call.written] == ["ack"]
     ack = call.written[0].ack
-    assert (ack.command_id, ack.ok) == ("s1", False)
-    assert "cannot record the instance in the state file" in ack.error
+    assert (ack.command_id, ack.status.code) == ("s1", code_pb2.UNAVAILABLE)
+    assert "cannot record the instance in the state file" in ack.status.message
     assert "db-1" not in agent.instances  # never started, not kept
     outbox.put_nowait(None)
     await writer

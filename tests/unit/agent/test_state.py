@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orka.agent.state import AgentState, InstanceRecord, StateFile
+from orka.agent.state import AgentState, InstanceRecord, StateFile, encode_state
 from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
 
 
@@ -188,3 +188,21 @@ def test_an_invalid_state_file_is_reported_without_its_content(
     assert logs[0]["event"] == "ignoring unreadable state file"
     assert logs[0]["error"] == "1 invalid field(s): instances.web-1.spec"
     assert "hunter2-secret" not in repr(logs)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"phase": InstancePhase.FAILED, "exit_code": 3, "finished_at": 12.5, "reason": "Error"},
+        {"message": 'quotes " and \\ and \u00e9', "started_at": None},
+    ],
+)
+def test_encode_state_writes_the_models_layout(changes: dict[str, object]) -> None:
+    """The agent's fast writer and the model write the same JSON: every field of the record,
+    none more (a field added to InstanceRecord is written without touching the writer)."""
+    records = [record("web-1").model_copy(update=changes), record("web-2")]
+    fast = json.loads(encode_state("n1", records))
+    model = AgentState(node="n1", instances={r.name: r for r in records})
+    assert fast == json.loads(model.model_dump_json())
+    assert AgentState.model_validate(fast) == model

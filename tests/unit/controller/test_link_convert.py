@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import structlog
+from google.rpc import code_pb2
 
 from orka import fit
 from orka.api import agent_pb2 as apb
@@ -89,11 +90,13 @@ def test_results_from_messages_keep_the_raw_message() -> None:
     assert place_result_from_pb(apb.PlaceResult(instance="web-1", node="n2")) == PlaceResult(
         instance="web-1", node="n2"
     )
-    msg2 = apb.CommandResult(error="no answer", unconfirmed=True)
+    msg2 = apb.CommandResult(
+        status=convert.error_status(code_pb2.DEADLINE_EXCEEDED, "no answer"), unconfirmed=True
+    )
     result = command_result_from_pb(msg2)
     assert result == CommandResult(ok=False, error="no answer", unconfirmed=True)
     assert result.raw is msg2
-    assert command_result_from_pb(apb.CommandResult(ok=True)) == CommandResult(ok=True)
+    assert command_result_from_pb(apb.CommandResult()) == CommandResult(ok=True)
 
 
 def status(name: str, phase: int = pb.Instance.RUNNING) -> apb.InstanceStatus:

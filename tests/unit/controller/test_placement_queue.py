@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
 import structlog
+from google.rpc import code_pb2
 
 from orka import fit
 from orka.api import agent_pb2 as apb
@@ -176,7 +177,8 @@ class _RecordingLink:
         msgs = [command_to_pb(c) for c in cmds]
         self.commands.append(msgs)
         if self._command is None:
-            return [command_result_from_pb(apb.CommandResult(ok=True)) for _ in cmds]
+            ok = apb.CommandResult(status=convert.ok_status())
+            return [command_result_from_pb(ok) for _ in cmds]
         return [command_result_from_pb(r) for r in (await self._command(msgs)).results]
 
 
@@ -405,9 +407,13 @@ async def test_start_unbinds_only_what_a_node_refused(repo: Repo) -> None:
     async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
         return apb.CommandResponse(
             results=[
-                apb.CommandResult(ok=True),
-                apb.CommandResult(error="image missing"),
-                apb.CommandResult(error="no answer", unconfirmed=True),
+                apb.CommandResult(status=convert.ok_status()),
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.FAILED_PRECONDITION, "image missing")
+                ),
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.UNAVAILABLE, "no answer"), unconfirmed=True
+                ),
             ]
         )
 
@@ -487,7 +493,13 @@ async def test_a_short_answer_to_the_starts_fails_the_batch(repo: Repo) -> None:
     await put(repo, Workload(spec=spec("web")), *insts)
 
     async def command(cmds: list[apb.NodeCommand]) -> apb.CommandResponse:
-        return apb.CommandResponse(results=[apb.CommandResult(error="image missing")])
+        return apb.CommandResponse(
+            results=[
+                apb.CommandResult(
+                    status=convert.error_status(code_pb2.FAILED_PRECONDITION, "image missing")
+                )
+            ]
+        )
 
     q = PlacementQueue(repo, link=_RecordingLink(command=command))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^zip\(\) argument 2 is shorter than argument 1$"):

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import structlog
 from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import code_pb2
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
@@ -49,6 +50,7 @@ from orka.models import (
     WorkloadKind,
     WorkloadSpec,
 )
+from orka.rpc import convert
 from orka.store.memory import MemoryStore
 
 P = InstancePhase
@@ -64,7 +66,7 @@ class DummyLink:
 
     async def command(self, cmds: Sequence[NodeCommand]) -> list[CommandResult]:
         self.commands.extend(command_to_pb(c) for c in cmds)
-        return [command_result_from_pb(apb.CommandResult(ok=True)) for _ in cmds]
+        return [command_result_from_pb(apb.CommandResult(status=convert.ok_status())) for _ in cmds]
 
     async def set_node(self, name: str, **kw: Any) -> None:
         self.set_nodes.append((name, kw))
@@ -1031,7 +1033,16 @@ class FailingLink(DummyLink):
         self.commands.extend(command_to_pb(c) for c in cmds)
         if self.error:
             raise Unavailable(self.error)
-        return [command_result_from_pb(apb.CommandResult(ok=ok, error=e)) for ok, e in self.answers]
+        return [
+            command_result_from_pb(
+                apb.CommandResult(
+                    status=convert.ok_status()
+                    if ok
+                    else convert.error_status(code_pb2.FAILED_PRECONDITION, e)
+                )
+            )
+            for ok, e in self.answers
+        ]
 
 
 async def test_commands_not_delivered_or_refused_are_logged(env: Env) -> None:

@@ -319,7 +319,7 @@ def test_node_state_unspecified_means_ready() -> None:
     ],
 )
 def test_report_round_trip(report: InstanceReport) -> None:
-    msg = convert.report_to_pb(report, Resources(cpu_millis=5, memory_bytes=6))
+    msg = convert.instance_status_to_pb(report, Resources(cpu_millis=5, memory_bytes=6))
     assert msg.resources.cpu_millis == 5
     assert convert.report_from_pb(msg, "n1") == report
 

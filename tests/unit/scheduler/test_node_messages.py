@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from orka.models import NodeState, Resources
 from orka.rpc import convert
+from orka.scheduler.feed import NodeMessages
 from orka.scheduler.registry import Hold, NodeRecord
-from orka.scheduler.service import NodeMessages
 
 
 def _same(messages: NodeMessages, rec: NodeRecord) -> None:

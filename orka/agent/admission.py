@@ -1,0 +1,152 @@
+"""Admission: the agent's own check of an offer, and the room it reserves for accepted ones."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from google.rpc import code_pb2
+
+from orka import fit
+from orka.agent.supervisor import Supervised
+from orka.api import agent_pb2 as apb
+from orka.errors import OrkaError
+from orka.models import (
+    FAKE_DRIVER,
+    KIND_DRIVER,
+    OCI_ARCHIVE_PREFIX,
+    Resources,
+    WorkloadKind,
+    WorkloadSpec,
+)
+from orka.rpc import convert
+from orka.runtime.base import Driver
+from orka.validation import path_within, quote
+
+# How long an offer is held when the scheduler names no time.
+DEFAULT_HOLD_SECONDS = 30.0
+
+
+def node_files(spec: WorkloadSpec) -> list[tuple[str, str]]:
+    """(field, path) of each file on the node that running `spec` opens."""
+    files: list[tuple[str, str]] = []
+    if spec.kind is WorkloadKind.VM and spec.image:
+        files.append(("spec.image", spec.image))
+    if spec.kind is WorkloadKind.CONTAINER and spec.image.startswith(OCI_ARCHIVE_PREFIX):
+        files.append(("spec.image", spec.image.removeprefix(OCI_ARCHIVE_PREFIX)))
+    if spec.kind is WorkloadKind.VM and spec.vm is not None:
+        files += [
+            (f"spec.vm.{k}", p)
+            for k, p in (("kernel", spec.vm.kernel), ("initrd", spec.vm.initrd))
+            if p
+        ]
+    return files
+
+
+def driver_name(healthy: Mapping[str, Driver], kind: WorkloadKind) -> str | None:
+    """The healthy driver that runs `kind` here (the fake one runs every kind)."""
+    wanted = KIND_DRIVER[kind]
+    if wanted in healthy:
+        return wanted
+    if FAKE_DRIVER in healthy:
+        return FAKE_DRIVER
+    return None
+
+
+class Admission:
+    """Answers offers: accepted only when a healthy driver runs the kind, its files are under
+    the allowed paths, and the node has room beside what runs and what is reserved; an
+    accepted offer reserves its room until the start comes or the hold runs out."""
+
+    def __init__(
+        self,
+        capacity: Resources,
+        allowed_paths: list[Path],
+        healthy: Mapping[str, Driver],
+        instances: Mapping[str, Supervised],
+        shutting_down: Callable[[], bool],
+        send: Callable[[apb.AgentMessage], None],
+    ) -> None:
+        self.capacity = capacity
+        self.allowed_paths = allowed_paths
+        self.healthy = healthy
+        self.instances = instances
+        self.shutting_down = shutting_down
+        self.send = send
+        # instance -> (resources, deadline): accepted offers not yet started.
+        self.reservations: dict[str, tuple[Resources, float]] = {}
+
+    def allocated(self) -> Resources:
+        cpu = mem = 0
+        for inst in self.instances.values():
+            if inst.holds_resources:
+                cpu += inst.resources.cpu_millis
+                mem += inst.resources.memory_bytes
+        for res, _ in self.reservations.values():
+            cpu += res.cpu_millis
+            mem += res.memory_bytes
+        return Resources(cpu_millis=cpu, memory_bytes=mem)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for name, (_, deadline) in list(self.reservations.items()):
+            if deadline < now:
+                del self.reservations[name]
+
+    def release(self, instance: str) -> None:
+        self.reservations.pop(instance, None)
+
+    def admit(self, name: str, spec: WorkloadSpec) -> str | None:
+        """Our own check of an offer; returns why not, or None to accept."""
+        if self.shutting_down():
+            return fit.SHUTTING_DOWN.message
+        driver = driver_name(self.healthy, spec.kind)
+        if driver is None:
+            return fit.no_driver(KIND_DRIVER[spec.kind]).message
+        refusal = self.healthy[driver].admit(spec)
+        if refusal is not None:
+            return refusal
+        used = self.allocated()
+        if name in self.reservations:
+            used = used - self.reservations[name][0]
+        outside = self._outside_allowed(spec)
+        if outside is not None:
+            return outside
+        cap = self.capacity
+        room = fit.Room(cap.cpu_millis, cap.memory_bytes, used.cpu_millis, used.memory_bytes)
+        reason = fit.resources(spec.resources, room)
+        return None if reason is None else fit.explain_resources(reason, spec.resources, room)
+
+    def _outside_allowed(self, spec: WorkloadSpec) -> str | None:
+        """Files a driver opens on this node (VM disks, kernels, initrds, OCI archives) must
+        be under --allowed-paths, so a workload cannot boot or import whatever the agent can
+        read. The path and, through symlinks, the file it names are both checked."""
+        roots = [str(p) for p in self.allowed_paths]
+        for field_name, path in node_files(spec):
+            real = os.path.realpath(path)
+            real_roots = [os.path.realpath(r) for r in roots]
+            if not (path_within(path, roots) and path_within(real, real_roots)):
+                return (
+                    f"{field_name}: {quote(path, 512)} is outside the paths this node allows"
+                    f" ({', '.join(roots) or 'none'}; agent flag --allowed-paths)"
+                )
+        return None
+
+    def on_offer(self, offer: apb.Offer) -> None:
+        name = offer.assignment.instance
+        try:
+            spec = convert.spec_from_pb(offer.assignment.spec)
+            reason = None if name in self.instances else self.admit(name, spec)
+            code = code_pb2.FAILED_PRECONDITION
+        except OrkaError as err:
+            spec, reason = None, f"invalid assignment: {err.message}"
+            code = code_pb2.INVALID_ARGUMENT
+        if reason is None and spec is not None and name not in self.instances:
+            hold = offer.hold_seconds or DEFAULT_HOLD_SECONDS
+            self.reservations[name] = (spec.resources, time.monotonic() + hold)
+        status = convert.ok_status() if reason is None else convert.error_status(code, reason)
+        self.send(
+            apb.AgentMessage(offer_reply=apb.OfferReply(offer_id=offer.offer_id, status=status))
+        )

@@ -1,0 +1,263 @@
+"""The agent's stream to the scheduler: registering, heartbeats, events, and reconnecting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import grpc
+import structlog
+from google.rpc import status_pb2
+
+from orka.agent.supervisor import Supervised
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.errors import Invalid
+from orka.models import TERMINAL_PHASES, Resources
+from orka.rpc import convert
+from orka.rpc.client import refused_role, secure_channel
+from orka.rpc.frames import drain
+from orka.runtime.base import Driver
+from orka.security.tls import TlsFiles
+
+log = structlog.get_logger("orka.agent")
+
+VERSION = "0.1.0"
+
+# Heartbeats carry every instance's status once in this many beats (changes go as events).
+FULL_STATUS_EVERY = 10
+# Usage is read from the drivers once in this many intervals.
+USAGE_EVERY = 5
+# A heartbeat due within this share of an interval leaves early with a frame being sent anyway.
+EARLY_BEAT = 0.5
+
+
+def _status_of(inst: Supervised) -> apb.InstanceStatus:
+    return convert.instance_status_to_pb(inst, inst.resources, inst.generation)
+
+
+_TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
+
+
+class Stream:
+    """Keeps one stream to a scheduler open (`run()`: connect, register, serve, and on any
+    end reconnect with backoff, trying each scheduler in turn). While connected it sends a
+    heartbeat per interval and each instance change as an event at once; messages queued
+    together leave in one frame. What the scheduler sends goes to `on_message`."""
+
+    def __init__(
+        self,
+        schedulers: list[str],
+        tls: TlsFiles,
+        capacity: Resources,
+        labels: dict[str, str],
+        healthy: Mapping[str, Driver],
+        instances: Mapping[str, Supervised],
+        heartbeat_interval: float,
+        reconnect_max: float,
+        on_message: Callable[[apb.SchedulerMessage], None],
+        allocated: Callable[[], Resources],
+        usage: Callable[[], Awaitable[Resources]],
+        leaving: Callable[[], bool],
+    ) -> None:
+        self.schedulers = schedulers
+        self.tls = tls
+        self.capacity = capacity
+        self.labels = labels
+        self.healthy = healthy
+        self.instances = instances
+        self.interval = heartbeat_interval
+        self.reconnect_max = reconnect_max
+        self.on_message = on_message
+        self.allocated = allocated
+        self.usage = usage
+        self.leaving = leaving
+        self.connected = asyncio.Event()
+        # The heartbeat schedule (event loop time of the next beat), shared with the writer.
+        self._next_beat = float("inf")
+        self._beat = 0
+        self._usage_now = Resources()
+        self.outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
+        # instance -> its event message still in the outbox, so a newer state replaces it.
+        self._unsent_events: dict[str, apb.AgentMessage] = {}
+
+    # ---- what is sent ----
+
+    def send(self, msg: apb.AgentMessage) -> None:
+        if self.outbox is not None:
+            self.outbox.put_nowait(msg)
+
+    def ack(self, command_id: str, status: status_pb2.Status) -> None:
+        self.send(apb.AgentMessage(ack=apb.CommandAck(command_id=command_id, status=status)))
+
+    def leave(self) -> None:
+        self.send(apb.AgentMessage(leave=apb.Leave(reason="agent shutting down")))
+
+    def instance_changed(self, inst: Supervised) -> None:
+        if self.outbox is None:
+            return  # registering sends every status
+        unsent = self._unsent_events.get(inst.name)
+        if unsent is not None and unsent.instance_status.phase not in _TERMINAL_PB:
+            # Its previous state has not left yet (STARTING, when a driver reports RUNNING
+            # at once): send the newest in its place. Terminal states are never replaced, so
+            # an exit code or failure reason always reaches the scheduler.
+            unsent.instance_status.CopyFrom(_status_of(inst))
+            return
+        msg = apb.AgentMessage(instance_status=_status_of(inst))
+        self._unsent_events[inst.name] = msg
+        self.send(msg)
+
+    def register_message(self) -> apb.AgentMessage:
+        reg = apb.Register(
+            node=apb.NodeInfo(
+                capacity=convert.resources_to_pb(self.capacity),
+                allocatable=convert.resources_to_pb(self.capacity),
+                # orka.io/node is the scheduler's to set, from our certificate.
+                labels=self.labels,
+                drivers=sorted(self.healthy),
+                version=VERSION,
+            )
+        )
+        reg.instances.extend(_status_of(inst) for inst in self.instances.values())
+        return apb.AgentMessage(register=reg)
+
+    def heartbeat_message(self) -> apb.AgentMessage:
+        hb = apb.Heartbeat(
+            usage=convert.resources_to_pb(self._usage_now),
+            allocated=convert.resources_to_pb(self.allocated()),
+            sent_at=time.time(),
+        )
+        if self._beat % FULL_STATUS_EVERY == FULL_STATUS_EVERY - 1:
+            hb.instances.extend(_status_of(inst) for inst in self.instances.values())
+        self._beat += 1
+        return apb.AgentMessage(heartbeat=hb)
+
+    # ---- the connection ----
+
+    async def run(self) -> None:
+        attempt = 0
+        while True:
+            target = self.schedulers[attempt % len(self.schedulers)]
+            try:
+                await self.session(target)
+                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as err:
+                refused = refused_role(err.details() or "", "scheduler")
+                if refused is not None:
+                    # Registering with such a peer would let it command this node.
+                    log.error("refusing the scheduler", target=target, reason=refused)
+                else:
+                    log.warning(
+                        "scheduler stream ended",
+                        target=target,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
+            except Exception:
+                log.exception("scheduler stream failed", target=target)
+            self.connected.clear()
+            self.outbox = None
+            attempt += 1
+            delay = min(0.2 * 2 ** min(attempt, 6), self.reconnect_max)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def session(self, target: str) -> None:
+        """One stream, from registering until it ends. Its reader, writer and heartbeats end
+        together: the first of them to end (or fail) ends the session, so a stream never
+        goes on without heartbeats."""
+        async with secure_channel(target, self.tls, "scheduler") as channel:
+            stub = apb_grpc.SchedulerStub(channel)
+            call = stub.Connect()
+            outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
+            self._unsent_events.clear()
+            await call.write(self.register_message())
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
+                raise Invalid("scheduler did not acknowledge the registration")
+            self.interval = first.registered.heartbeat_interval or self.interval
+            self.outbox = outbox
+            self.connected.set()
+            log.info("registered", scheduler=target, node=first.registered.node)
+            if self.leaving():
+                self.leave()
+            jobs = [
+                asyncio.create_task(self._reader(call)),
+                asyncio.create_task(self.writer(call, outbox)),
+                asyncio.create_task(self._heartbeats()),
+            ]
+            try:
+                done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                self.outbox = None
+            for job in done:
+                if not job.cancelled() and job.exception() is not None:
+                    raise job.exception()  # type: ignore[misc]
+
+    async def _reader(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            self.on_message(msg)
+
+    async def writer(
+        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[apb.AgentMessage | None]
+    ) -> None:
+        unsent = self._unsent_events
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await outbox.get()
+            if msg is None:
+                return
+            items, _ = drain(msg, outbox)
+            has_beat = False
+            for item in items:
+                body = item.WhichOneof("body")
+                if body == "instance_status" and unsent.get(item.instance_status.name) is item:
+                    # Leaving now: later changes need a new message.
+                    del unsent[item.instance_status.name]
+                has_beat = has_beat or body == "heartbeat"
+            now = loop.time()
+            if not has_beat and now >= self._next_beat - self.interval * EARLY_BEAT:
+                # The next heartbeat is due soon: it rides in this frame rather than costing
+                # a write (and the scheduler a read) of its own a moment later.
+                items.append(self.heartbeat_message())
+                self._next_beat = now + self.interval
+            if len(items) == 1:
+                await call.write(msg)
+            else:
+                await call.write(apb.AgentMessage(batch=apb.AgentBatch(messages=items)))
+
+    async def _heartbeats(self) -> None:
+        """One heartbeat per interval, on a fixed schedule.
+
+        Every state change already goes out at once as an event, and registering sends the
+        full list, so a heartbeat carries the instance statuses only every
+        FULL_STATUS_EVERY beats (a safety net, cheap for the scheduler when nothing changed).
+        The schedule does not drift: a beat that was late (a busy loop) does not push the
+        next one back by the same amount, which is what would turn a node NOT_READY.
+        A beat may also leave early, in a frame the writer is sending anyway (`writer`);
+        the schedule then starts again from that beat.
+        """
+        loop = asyncio.get_running_loop()
+        self._next_beat = loop.time()
+        usage_at = -1e9
+        while True:
+            now = loop.time()
+            if now >= self._next_beat:
+                if now - usage_at >= USAGE_EVERY * self.interval:
+                    usage_at = now
+                    self._usage_now = await self.usage()
+                self.send(self.heartbeat_message())
+                now = loop.time()
+                self._next_beat += self.interval
+                if self._next_beat < now:
+                    self._next_beat = now  # far behind: the next one at once, but no burst
+            await asyncio.sleep(max(0.0, self._next_beat - now))

@@ -1,0 +1,287 @@
+"""The agent gateway: one stream per agent, its registration, and what it reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+
+import grpc
+import structlog
+
+from orka.api import agent_pb2 as apb
+from orka.errors import Invalid, PermissionDenied
+from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
+from orka.rpc import convert
+from orka.rpc.frames import drain
+from orka.scheduler.feed import Feed
+from orka.scheduler.liveness import Liveness
+from orka.scheduler.registry import NodeRecord, Registry
+from orka.scheduler.session import AgentSession
+from orka.validation import (
+    MAX_DRIVER_NAME,
+    MAX_DRIVERS,
+    MAX_NODE_LABELS,
+    NODE_LABEL,
+    RESERVED_LABEL_PREFIX,
+    check_label_key,
+    check_label_value,
+    check_text,
+    quote,
+    reserved_labels,
+)
+
+log = structlog.get_logger("orka.scheduler")
+
+
+class Gateway:
+    """Serves each agent's stream: registers the node (named by its certificate), applies its
+    heartbeats and events to the registry, resolves its replies to offers and commands, and
+    publishes what changed."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        feed: Feed,
+        liveness: Liveness,
+        heartbeat_interval: float,
+        register_timeout: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.registry = registry
+        self.feed = feed
+        self.liveness = liveness
+        self.heartbeat_interval = heartbeat_interval
+        self.register_timeout = register_timeout
+        self.clock = clock
+
+    def close(self) -> None:
+        """End every agent's stream (the service is stopping)."""
+        for node in self.registry:
+            if node.session is not None:
+                node.session.close()
+
+    async def connect(
+        self, messages: AsyncIterator[apb.AgentMessage], node_name: str
+    ) -> AsyncIterator[apb.SchedulerMessage]:
+        """One agent's stream; `node_name` comes from its certificate."""
+        session = AgentSession(node_name)
+        reader = asyncio.create_task(self._read_agent(messages, session))
+        try:
+            while True:
+                msg = await session.outbox.get()
+                if msg is None:
+                    break
+                items, closed = drain(msg, session.outbox)
+                if len(items) == 1:
+                    yield msg
+                else:
+                    yield apb.SchedulerMessage(batch=apb.SchedulerBatch(messages=items))
+                if closed:
+                    break
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self._disconnected(session)
+        if session.error:
+            # Raised from the handler itself (not the reader task) so the agent gets the code.
+            raise session.error_type(session.error)
+
+    async def _read_agent(
+        self, messages: AsyncIterator[apb.AgentMessage], session: AgentSession
+    ) -> None:
+        node: NodeRecord | None = None
+        try:
+            iterator = aiter(messages)
+            async with asyncio.timeout(self.register_timeout):
+                first = await anext(iterator)
+            if first.WhichOneof("body") != "register":
+                raise Invalid("the first message on the agent stream must be register")
+            node = self._register(session, first.register)
+            async for msg in iterator:
+                self._on_agent_message(node, session, msg)
+        except (TimeoutError, StopAsyncIteration):
+            pass
+        except (Invalid, PermissionDenied) as err:
+            log.warning("agent sent bad input", node=session.node, error=err.message)
+            session.error = err.message
+            session.error_type = type(err)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AbortError:
+            # Nothing aborts a live agent stream from outside its handler but the CRL watcher
+            # cutting a peer a new CRL revoked (security/revocation.py): expected, so one line.
+            log.warning("agent certificate revoked; stream ended", node=session.node)
+        except Exception:
+            log.exception("agent stream failed", node=session.node)
+        finally:
+            session.close()
+
+    def _register(self, session: AgentSession, reg: apb.Register) -> NodeRecord:
+        info = reg.node
+        capacity = convert.resources_from_pb(info.capacity)
+        allocatable = convert.resources_from_pb(info.allocatable)
+        if capacity.cpu_millis < 0 or capacity.memory_bytes < 0:
+            raise Invalid("register: node.capacity must not be negative")
+        if allocatable.cpu_millis < 0 or allocatable.memory_bytes < 0:
+            raise Invalid("register: node.allocatable must not be negative")
+        labels = node_labels(info.labels, session.node)
+        if len(info.drivers) > MAX_DRIVERS:
+            raise Invalid(f"register: node.drivers: at most {MAX_DRIVERS}, got {len(info.drivers)}")
+        for i, driver in enumerate(info.drivers):
+            try:
+                check_text(driver, MAX_DRIVER_NAME)
+            except ValueError as err:
+                raise Invalid(f"register: node.drivers[{i}]: {err}") from None
+        reports = [
+            (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
+            for s in reg.instances
+        ]
+        node = self.registry.upsert(session.node)
+        if node.session is not None and node.session is not session:
+            node.session.close()
+        node.session = session
+        node.capacity = capacity
+        node.allocatable = allocatable
+        node.labels = labels
+        node.drivers = frozenset(info.drivers)
+        node.last_seen = self.clock()
+        node.last_heartbeat_wall = time.time()
+        if node.state is NodeState.LEFT:
+            node.draining = False
+        # What the node re-announces replaces what we believed it held, except reservations
+        # for offers still in flight.
+        node.reports.clear()
+        for name, hold in list(node.holds.items()):
+            if hold.expires_at is None:
+                node.drop_hold(name)
+        for report, res in reports:
+            self.registry.apply_report(node, report, res)
+        old_state = node.state
+        node.state = NodeState.READY
+        node.message = ""
+        self.registry.changed()
+        log.info("agent registered", node=node.name, instances=len(reports), was=old_state.value)
+        session.send(
+            apb.SchedulerMessage(
+                registered=apb.Registered(
+                    node=node.name, heartbeat_interval=self.heartbeat_interval
+                )
+            )
+        )
+        self.feed.publish_node(node)
+        self.feed.publish_sync(node)
+        return node
+
+    def _on_agent_message(
+        self, node: NodeRecord, session: AgentSession, msg: apb.AgentMessage
+    ) -> None:
+        if node.session is not session:
+            return  # a newer stream of the same node took over
+        kind = msg.WhichOneof("body")
+        node.last_seen = self.clock()
+        if kind == "heartbeat":
+            hb = msg.heartbeat
+            node.last_heartbeat_wall = time.time()
+            usage = hb.usage
+            if (
+                usage.cpu_millis != node.usage.cpu_millis
+                or usage.memory_bytes != node.usage.memory_bytes
+            ):
+                node.usage = convert.resources_from_pb(usage)
+            for status in hb.instances:
+                self._on_status(node, status)
+            if node.state is not NodeState.READY:
+                self.liveness.set_state(node, NodeState.READY)
+        elif kind == "instance_status":
+            self._on_status(node, msg.instance_status)
+        elif kind == "offer_reply":
+            r = msg.offer_reply
+            session.resolve(r.offer_id, r.status)
+        elif kind == "ack":
+            a = msg.ack
+            session.resolve(a.command_id, a.status)
+        elif kind == "leave":
+            log.info("agent leaving", node=node.name, reason=msg.leave.reason)
+            session.left = True
+            node.draining = True
+            self.registry.changed()
+            self.feed.publish_node(node)
+        elif kind == "batch":
+            for inner in msg.batch.messages:
+                if inner.WhichOneof("body") == "batch":
+                    raise Invalid("a batch must not hold another batch")
+                self._on_agent_message(node, session, inner)
+        elif kind == "register":
+            raise Invalid("register may only be sent once per stream")
+        else:
+            raise Invalid("empty agent message")
+
+    def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
+        old = node.reports.get(status.name)
+        if old is not None and _unchanged(node, old, status):
+            return  # the same as last time and already accounted for: nothing to do
+        report = convert.report_from_pb(status, node.name)
+        if self.registry.apply_report(node, report, convert.resources_from_pb(status.resources)):
+            self.feed.publish_instance(node, status)
+
+    def _disconnected(self, session: AgentSession) -> None:
+        node = self.registry.get(session.node)
+        if node is None or node.session is not session:
+            return
+        node.session = None
+        if session.left:
+            node.draining = False
+            for name in list(node.holds):
+                node.drop_hold(name)
+            node.reports.clear()
+            self.liveness.set_state(node, NodeState.LEFT, "agent left")
+        log.info("agent disconnected", node=node.name, left=session.left)
+
+
+def node_labels(announced: Mapping[str, str], node: str) -> dict[str, str]:
+    """The labels an agent announces, checked, plus those the scheduler sets itself: a node
+    may not pick its own `orka.io/` labels (a rogue agent announcing `orka.io/node=n1` would
+    receive the replicas pinned to n1), so `orka.io/node` comes from its certificate."""
+    reserved = reserved_labels(announced)
+    if reserved:
+        keys = ", ".join(quote(k) for k in reserved[:5])
+        raise PermissionDenied(
+            f"register: node.labels {keys}: the {RESERVED_LABEL_PREFIX} prefix is set by the"
+            " scheduler only"
+        )
+    if len(announced) > MAX_NODE_LABELS:
+        raise Invalid(f"register: node.labels: at most {MAX_NODE_LABELS}, got {len(announced)}")
+    for key, value in announced.items():
+        try:
+            check_label_key(key)
+            check_label_value(value)
+        except ValueError as err:
+            raise Invalid(f"register: node.labels[{quote(key)}]: {err}") from None
+    return {**announced, NODE_LABEL: node}
+
+
+_PHASES = {convert.phase_to_pb(p): p for p in InstancePhase}
+
+
+def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus) -> bool:
+    """True when `status` says exactly what `old` (the stored report) says, and applying it
+    again would change nothing: compared on the raw message, before building any model."""
+    phase = _PHASES.get(status.phase)
+    if (
+        phase is not old.phase
+        or status.restarts != old.restarts
+        or status.reason[: convert.MAX_REASON] != old.reason
+        or status.message[: convert.MAX_STATUS_MESSAGE] != old.message
+        or status.workload != old.workload
+        or (status.started_at or None) != old.started_at
+        or (status.finished_at or None) != old.finished_at
+        or (status.exit_code if status.HasField("exit_code") else None) != old.exit_code
+    ):
+        return False
+    hold = node.holds.get(status.name)
+    if phase in TERMINAL_PHASES:
+        return hold is None
+    return hold is not None and hold.expires_at is None
