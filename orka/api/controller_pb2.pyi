@@ -127,7 +127,7 @@ class WorkloadStatus(_message.Message):
     def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Workload(_message.Message):
-    __slots__ = ("spec", "status", "generation", "deleting", "created_at", "updated_at", "created_by", "updated_by")
+    __slots__ = ("spec", "status", "generation", "deleting", "created_at", "updated_at", "created_by", "updated_by", "revision")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Workload(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     CREATED_BY_FIELD_NUMBER: _ClassVar[int]
     UPDATED_BY_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     spec: WorkloadSpec
     status: WorkloadStatus
     generation: int
@@ -144,10 +145,11 @@ class Workload(_message.Message):
     updated_at: float
     created_by: str
     updated_by: str
-    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ...) -> None: ...
+    revision: int
+    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "created_at", "updated_at", "scheduled_at", "started_at", "finished_at")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "created_at", "updated_at", "scheduled_at", "started_at", "finished_at", "revision")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -184,6 +186,7 @@ class Instance(_message.Message):
     SCHEDULED_AT_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
     node: str
@@ -198,10 +201,11 @@ class Instance(_message.Message):
     scheduled_at: float
     started_at: float
     finished_at: float
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., scheduled_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., scheduled_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instances", "last_heartbeat", "message")
+    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instances", "last_heartbeat", "message", "revision")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Node.State]
@@ -234,6 +238,7 @@ class Node(_message.Message):
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: Node.State
     schedulable: bool
@@ -247,7 +252,8 @@ class Node(_message.Message):
     instances: int
     last_heartbeat: float
     message: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instances: _Optional[int] = ..., last_heartbeat: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instances: _Optional[int] = ..., last_heartbeat: _Optional[float] = ..., message: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class CreateWorkloadRequest(_message.Message):
     __slots__ = ("spec",)
@@ -280,30 +286,46 @@ class DeleteWorkloadResponse(_message.Message):
     def __init__(self, workload: _Optional[_Union[Workload, _Mapping]] = ...) -> None: ...
 
 class ListWorkloadsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListWorkloadsResponse(_message.Message):
-    __slots__ = ("workloads",)
+    __slots__ = ("workloads", "next_page_token", "revision")
     WORKLOADS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     workloads: _containers.RepeatedCompositeFieldContainer[Workload]
-    def __init__(self, workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
-    __slots__ = ("workload", "node", "phase")
+    __slots__ = ("workload", "node", "phase", "page_size", "page_token")
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     workload: str
     node: str
     phase: Instance.Phase
-    def __init__(self, workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "next_page_token", "revision")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
-    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class GetInstanceRequest(_message.Message):
     __slots__ = ("name",)
@@ -312,14 +334,22 @@ class GetInstanceRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "next_page_token", "revision")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class GetNodeRequest(_message.Message):
     __slots__ = ("name",)
@@ -346,13 +376,15 @@ class DrainNodeRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("workload",)
+    __slots__ = ("workload", "since_revision")
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    SINCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     workload: str
-    def __init__(self, workload: _Optional[str] = ...) -> None: ...
+    since_revision: int
+    def __init__(self, workload: _Optional[str] = ..., since_revision: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("type", "time", "workload", "instance", "node")
+    __slots__ = ("type", "time", "workload", "instance", "node", "revision")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TYPE_UNSPECIFIED: _ClassVar[Event.Type]
@@ -368,12 +400,14 @@ class Event(_message.Message):
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     type: Event.Type
     time: float
     workload: Workload
     instance: Instance
     node: Node
-    def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., time: _Optional[float] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ...) -> None: ...
+    revision: int
+    def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., time: _Optional[float] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)
