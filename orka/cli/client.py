@@ -85,7 +85,12 @@ class AdminClient:
     def _connect(self, address: str) -> None:
         self.address = address
         self._channel = secure_channel(
-            address, client_tls(self.certs, self.identity), "controller", bulk=True
+            address,
+            client_tls(self.certs, self.identity),
+            "controller",
+            bulk=True,
+            # Every answer of the public API fits gRPC's default limit: lists are paged.
+            max_receive=None,
         )
         self._stub = pb_grpc.ControllerStub(self._channel)
 

@@ -31,9 +31,9 @@ ADMIN = frozenset({"admin"})
 READERS = frozenset({"admin", "viewer"})
 # Events per WatchEventBatches message: a burst's backlog goes in a few messages. Most
 # events are a few hundred bytes, but a workload's carries its spec (up to 1 MiB), so a
-# batch is bounded in bytes too, far below the 64 MiB a client takes.
+# batch is bounded in bytes too, below the 4 MiB a client with gRPC's defaults takes.
 MAX_EVENT_BATCH = 1000
-MAX_BATCH_BYTES = 4 << 20
+MAX_BATCH_BYTES = 3 << 20
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 

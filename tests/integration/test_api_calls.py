@@ -454,7 +454,7 @@ async def test_watch_batches_are_bounded_in_events_and_bytes(cluster: Cluster) -
             got += len(batch.events)
             if got == 10:
                 break
-    assert per_batch == [4, 4, 2]
+    assert per_batch == [3, 3, 3, 1]
     stream.cancel()
 
 
