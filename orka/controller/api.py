@@ -48,8 +48,8 @@ class Quotas:
     # Replicas summed over every workload: each is an instance record, and every List,
     # reconcile pass and placement round grows with them.
     max_instances: int = 100_000
-    # Serialized specs summed over every workload: one ListWorkloads answer carries them all,
-    # and past gRPC's 64 MiB message limit it failed for every client.
+    # Serialized specs summed over every workload: the cache, every event history entry and
+    # a full listing grow with them.
     max_spec_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from orka.api import controller_pb2 as pb
 from orka.controller.repo import Change
 from orka.errors import Invalid, OutOfRange
-from orka.models import Instance, Node, Workload
+from orka.models import Instance, Node, Workload, WorkloadSpec
 from orka.rpc import convert
 
 # A subscriber that falls this far behind is cut off rather than growing without bound. One
@@ -132,6 +132,7 @@ class EventHub:
         self.history: collections.deque[Entry] = collections.deque()
         self.history_bytes = 0
         self.floor = 0
+        self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
 
     def on_change(self, change: Change, old: BaseModel | None) -> None:
         value = change.value if change.value is not None else old
@@ -144,7 +145,7 @@ class EventHub:
         else:
             kind = pb.Event.MODIFIED
         revision = self.revision()
-        self._remember(Entry(revision, kind, value, _weight(value)))
+        self._remember(Entry(revision, kind, value, self._weight(value, kind)))
         if not self.subscribers:
             return
         event = to_event(kind, value, revision)
@@ -160,6 +161,20 @@ class EventHub:
                 sub.queue.put_nowait(None)
                 continue
             sub.put(event, size)
+
+    def _weight(self, value: BaseModel, kind: int) -> int:
+        if not isinstance(value, Workload):
+            return ENTRY_BYTES
+        # The spec is most of a workload and may be up to 1 MiB; status writes keep the same
+        # spec object, so its size is measured once per spec.
+        name = value.name
+        hit = self._spec_sizes.get(name)
+        if hit is None or hit[0] is not value.spec:
+            hit = (value.spec, len(value.spec.model_dump_json()))
+            self._spec_sizes[name] = hit
+        if kind == pb.Event.DELETED:
+            del self._spec_sizes[name]
+        return ENTRY_BYTES + hit[1]
 
     def _remember(self, entry: Entry) -> None:
         history = self.history
@@ -219,13 +234,6 @@ class EventHub:
         for sub in self.subscribers:
             sub.queue.put_nowait(None)
         self.subscribers.clear()
-
-
-def _weight(value: BaseModel) -> int:
-    if isinstance(value, Workload):
-        # The spec is most of a workload and may be up to 1 MiB.
-        return ENTRY_BYTES + len(value.spec.model_dump_json())
-    return ENTRY_BYTES
 
 
 def to_event(kind: int, value: BaseModel, revision: int = 0) -> pb.Event:
