@@ -179,10 +179,24 @@ async def test_a_watcher_cut_off_for_falling_behind_resumes_where_it_was_cut(
     received: list[Change] = []
     monkeypatch.setattr(events, "MAX_BACKLOG", 40)
     stream = cluster.api.WatchEvents(pb.WatchEventsRequest(since_revision=revision))
-    # Not read until the controller has cut it off.
+    # Not read until the controller has cut it off: big events (a 60 kB spec changed again
+    # and again) fill the transport's buffers until events queue up, then one commit of 100
+    # new instances passes the bound in the middle of its revision.
     subs = cluster.controller.events.subscribers
     await eventually(lambda: _true(len(subs) == 1))
-    await eventually(lambda: _true(not subs), timeout=60)
+    [sub] = subs
+    api = cluster.api
+    for n in range(400):
+        if sub.queue.qsize() >= 5:
+            break
+        big = process_spec("big", 0, env={"PAD": f"{n:04d}" + "x" * 60_000})
+        if n == 0:
+            await api.CreateWorkload(pb.CreateWorkloadRequest(spec=big))
+        else:
+            await api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=big))
+    assert sub.queue.qsize() >= 5 and subs
+    await api.CreateWorkload(pb.CreateWorkloadRequest(spec=process_spec("many", 100)))
+    await eventually(lambda: _true(not subs))
     err = await read(stream, mirror, received)
     assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     match = re.search(r"since_revision=(\d+)", err.details() or "")
@@ -241,32 +255,41 @@ async def test_a_revision_older_than_the_history_is_out_of_range(
     monkeypatch.setattr(events, "MAX_HISTORY", 10)
     start = repo.revision
     await api.CreateWorkload(pb.CreateWorkloadRequest(spec=process_spec("web", 20)))
-    await eventually(lambda: _true(hub.floor > start))
+    # Quiet again (all running), so the history stays as it is below.
+    await eventually(lambda: _all_running(cluster, "web", 20), timeout=30)
+    assert hub.floor > start
 
     async def first_error(since: int) -> grpc.aio.AioRpcError:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in api.WatchEvents(pb.WatchEventsRequest(since_revision=since)):
-                pass
+            async with asyncio.timeout(10):
+                async for _ in api.WatchEvents(pb.WatchEventsRequest(since_revision=since)):
+                    pass
         return info.value
 
     err = await first_error(start)
     assert err.code() == grpc.StatusCode.OUT_OF_RANGE
     assert f"since_revision: {start} is older than the oldest change" in (err.details() or "")
     assert "list again" in (err.details() or "")
-    for ahead in (repo.revision + 1, -1):
+    for ahead in (repo.revision + 1000, -1):
         err = await first_error(ahead)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (err.details() or "").startswith("since_revision: ")
     # The oldest revision still held resumes: the retained changes after it come first.
-    floor = hub.floor
-    expected = history_after(cluster, floor)
+    # (The entries at the floor revision itself are not after it.)
+    since = max(e.revision for e in hub.history) - 1
+    expected = history_after(cluster, since)
+    assert expected and hub.floor <= since
     got: list[Change] = []
     async with asyncio.timeout(10):
-        async for ev in api.WatchEvents(pb.WatchEventsRequest(since_revision=floor)):
+        async for ev in api.WatchEvents(pb.WatchEventsRequest(since_revision=since)):
             got.append(change_of(ev))
             if len(got) == len(expected):
                 break
     assert got == expected
+
+
+async def _all_running(cluster: Cluster, workload: str, count: int) -> bool:
+    return len(await cluster.running(workload)) == count
 
 
 async def _true(value: bool) -> bool:
