@@ -3,7 +3,7 @@ of 10,000 instances (100 workloads of 100), page after page with the default siz
 last page, each page serialized as gRPC would send it. No network: this is the controller's
 own cost per listing (the index walk, the conversion, the encoding).
 
-    .venv/bin/python bench/bench_paging.py [--instances 10000] [--repeat 5]
+    .venv/bin/python bench/bench_paging.py [--instances 10000] [--repeat 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def measure(count: int, repeat: int) -> dict[str, Any]:
             ("default size (500)", 0, {}),
             ("page size 1000", 1000, {}),
             ("page size 7", 7, {}),
-            ("one workload of 100, size 7", 7, {"workload": "w050"}),
+            ("one workload of 100, size 7", 7, {"workload": f"w{count // 200:03d}"}),
         ):
             times = []
             for _ in range(repeat):
@@ -86,7 +86,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--instances", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="1,000 instances, once")
     args = parser.parse_args()
+    if args.smoke:
+        args.instances, args.repeat = 1000, 1
     result = asyncio.run(measure(args.instances, args.repeat))
     for label, row in result["listings"].items():
         table(
