@@ -34,6 +34,7 @@ from bench.common import (
 )
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.rpc.pages import list_all
 
 
 def run(nodes: int, seconds: float, processes: int) -> dict[str, float]:
@@ -71,8 +72,8 @@ def run(nodes: int, seconds: float, processes: int) -> dict[str, float]:
                 watcher.cancel()
                 sent = sum(s["heartbeats"] for s in after) - before
                 connected = sum(s["connected"] for s in after)
-                final = await stub.ListNodes(pb.ListNodesRequest())
-                ready = sum(1 for n in final.nodes if n.state == pb.Node.READY)
+                final, _ = await list_all(stub.ListNodes, pb.ListNodesRequest(), "nodes")
+                ready = sum(1 for n in final if n.state == pb.Node.READY)
                 await channel.close()
                 return {
                     "nodes": nodes,

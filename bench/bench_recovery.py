@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 import time
@@ -43,6 +44,7 @@ from bench.common import (
 )
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.rpc.pages import list_all
 from orka.store.etcd import EtcdStore
 
 AGENTS_PER_PROCESS = 250
@@ -72,8 +74,12 @@ async def poll(check: Any, timeout: float, interval: float = 0.05) -> float:
 
 
 async def running(stub: Any, workload: str, count: int) -> bool:
-    resp = await stub.ListInstances(pb.ListInstancesRequest(workload=workload), timeout=10)
-    return sum(1 for i in resp.instances if i.phase == pb.Instance.RUNNING) >= count
+    items, _ = await list_all(
+        functools.partial(stub.ListInstances, timeout=10),
+        pb.ListInstancesRequest(workload=workload),
+        "instances",
+    )
+    return sum(1 for i in items if i.phase == pb.Instance.RUNNING) >= count
 
 
 def restart_scheduler(services: Services) -> None:
@@ -103,10 +109,12 @@ async def measure(
     restarted_wall, restarted = time.time(), time.monotonic()
 
     async def back() -> bool:
-        resp = await stub.ListNodes(pb.ListNodesRequest(), timeout=10)
+        listed, _ = await list_all(
+            functools.partial(stub.ListNodes, timeout=10), pb.ListNodesRequest(), "nodes"
+        )
         fresh = [
             n
-            for n in resp.nodes
+            for n in listed
             if n.state == pb.Node.READY
             and n.last_heartbeat_time.ToNanoseconds() >= (restarted_wall - 0.2) * 1e9
         ]

@@ -360,12 +360,13 @@ def admin_channel(certs: Path, target: str) -> Any:
 
 async def wait_nodes_ready(stub: Any, count: int, timeout: float = 120.0) -> None:
     from orka.api import controller_pb2 as pb
+    from orka.rpc.pages import list_all
 
     deadline = time.monotonic() + timeout
     ready = 0
     while time.monotonic() < deadline:
-        resp = await stub.ListNodes(pb.ListNodesRequest())
-        ready = sum(1 for n in resp.nodes if n.state == pb.Node.READY)
+        nodes, _ = await list_all(stub.ListNodes, pb.ListNodesRequest(), "nodes")
+        ready = sum(1 for n in nodes if n.state == pb.Node.READY)
         if ready >= count:
             return
         await asyncio.sleep(0.2)

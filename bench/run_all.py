@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "placement_5000_nodes": ("placement", ("--nodes", "5000", "--no-etcd", "--paced-rate", "0")),
     "heartbeat": ("heartbeat", ()),
     "healing": ("healing", ()),
+    "paging": ("paging", ()),
 }
 FULL_ONLY = {"placement_5000_nodes"}
 

@@ -51,6 +51,10 @@ class ResourceExhausted(OrkaError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class OutOfRange(OrkaError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class Unavailable(OrkaError):
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -75,6 +79,7 @@ _BY_CODE: dict[grpc.StatusCode, type[OrkaError]] = {
         Unauthenticated,
         PermissionDenied,
         ResourceExhausted,
+        OutOfRange,
         Unavailable,
         Aborted,
     )

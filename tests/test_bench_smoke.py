@@ -32,7 +32,16 @@ def test_run_all_smoke() -> None:
     # The one target that is a count, not a speed.
     assert summary["targets"]["heartbeat_false_not_ready==0"] is True
     results = summary["results"]
-    assert set(results) == {"echo", "decisions", "placement", "heartbeat", "healing"}
+    assert set(results) == {"echo", "decisions", "placement", "heartbeat", "healing", "paging"}
+    # 1,000 instances listed whole at every page size: the default size takes two pages.
+    paging = results["paging"]["listings"]
+    assert {k: v["objects"] for k, v in paging.items()} == {
+        "default size (500)": 1000,
+        "page size 1000": 1000,
+        "page size 7": 1000,
+        "one workload of 100, size 7": 100,
+    }
+    assert paging["default size (500)"]["pages"] == 2
 
     echo = results["echo"]
     assert echo["streams"] == 8

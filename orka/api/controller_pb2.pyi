@@ -131,7 +131,7 @@ class WorkloadStatus(_message.Message):
     def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Workload(_message.Message):
-    __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag")
+    __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "revision")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class Workload(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     spec: WorkloadSpec
     status: WorkloadStatus
     generation: int
@@ -150,10 +151,11 @@ class Workload(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     etag: str
-    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ...) -> None: ...
+    revision: int
+    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "revision")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -190,6 +192,7 @@ class Instance(_message.Message):
     SCHEDULE_TIME_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
     node: str
@@ -204,10 +207,11 @@ class Instance(_message.Message):
     schedule_time: _timestamp_pb2.Timestamp
     start_time: _timestamp_pb2.Timestamp
     end_time: _timestamp_pb2.Timestamp
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "last_heartbeat_time", "etag")
+    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "last_heartbeat_time", "etag", "revision")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Node.State]
@@ -241,6 +245,7 @@ class Node(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: Node.State
     schedulable: bool
@@ -255,7 +260,8 @@ class Node(_message.Message):
     message: str
     last_heartbeat_time: _timestamp_pb2.Timestamp
     etag: str
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ...) -> None: ...
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class CreateWorkloadRequest(_message.Message):
     __slots__ = ("spec",)
@@ -292,30 +298,46 @@ class DeleteWorkloadResponse(_message.Message):
     def __init__(self, workload: _Optional[_Union[Workload, _Mapping]] = ...) -> None: ...
 
 class ListWorkloadsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListWorkloadsResponse(_message.Message):
-    __slots__ = ("workloads",)
+    __slots__ = ("workloads", "next_page_token", "revision")
     WORKLOADS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     workloads: _containers.RepeatedCompositeFieldContainer[Workload]
-    def __init__(self, workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, workloads: _Optional[_Iterable[_Union[Workload, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
-    __slots__ = ("workload", "node", "phase")
+    __slots__ = ("workload", "node", "phase", "page_size", "page_token")
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     workload: str
     node: str
     phase: Instance.Phase
-    def __init__(self, workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "next_page_token", "revision")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
-    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class GetInstanceRequest(_message.Message):
     __slots__ = ("name",)
@@ -324,14 +346,22 @@ class GetInstanceRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
-    __slots__ = ("nodes",)
+    __slots__ = ("nodes", "next_page_token", "revision")
     NODES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
-    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    revision: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class GetNodeRequest(_message.Message):
     __slots__ = ("name",)
@@ -364,13 +394,15 @@ class DrainNodeRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("workload",)
+    __slots__ = ("workload", "since_revision")
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    SINCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     workload: str
-    def __init__(self, workload: _Optional[str] = ...) -> None: ...
+    since_revision: int
+    def __init__(self, workload: _Optional[str] = ..., since_revision: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("type", "workload", "instance", "node", "event_time")
+    __slots__ = ("type", "workload", "instance", "node", "event_time", "revision")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TYPE_UNSPECIFIED: _ClassVar[Event.Type]
@@ -386,12 +418,14 @@ class Event(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     type: Event.Type
     workload: Workload
     instance: Instance
     node: Node
     event_time: _timestamp_pb2.Timestamp
-    def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    revision: int
+    def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("events",)

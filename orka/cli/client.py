@@ -22,6 +22,7 @@ from orka.errors import Invalid, OrkaError, Unavailable
 from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
+from orka.rpc.pages import list_all
 from orka.security.tls import TlsFiles
 
 Req = TypeVar("Req")
@@ -84,7 +85,12 @@ class AdminClient:
     def _connect(self, address: str) -> None:
         self.address = address
         self._channel = secure_channel(
-            address, client_tls(self.certs, self.identity), "controller", bulk=True
+            address,
+            client_tls(self.certs, self.identity),
+            "controller",
+            bulk=True,
+            # Every answer of the public API fits gRPC's default limit: lists are paged.
+            max_receive=None,
         )
         self._stub = pb_grpc.ControllerStub(self._channel)
 
@@ -171,9 +177,21 @@ class AdminClient:
         msg = await self._call("GetWorkload", pb.GetWorkloadRequest(name=name))
         return convert.workload_from_pb(msg)
 
+    async def _list(
+        self, name: str, request: Req, field: str, timeout: float | None = None
+    ) -> list[object]:
+        """Every page of List RPC `name` (each page through `_call`, so a page whose leader
+        moved is asked again of the new one; the token is valid there too)."""
+
+        async def page(req: Req) -> object:
+            return await self._call(name, req, timeout)
+
+        items, _ = await list_all(page, request, field)
+        return items
+
     async def list_workloads(self) -> list[Workload]:
-        resp = await self._call("ListWorkloads", pb.ListWorkloadsRequest())
-        return [convert.workload_from_pb(w) for w in resp.workloads]
+        items = await self._list("ListWorkloads", pb.ListWorkloadsRequest(), "workloads")
+        return [convert.workload_from_pb(w) for w in items]  # type: ignore[arg-type]
 
     async def delete_workload(self, name: str, etag: str = "") -> Workload | None:
         resp = await self._call("DeleteWorkload", pb.DeleteWorkloadRequest(name=name, etag=etag))
@@ -185,16 +203,16 @@ class AdminClient:
         req = pb.ListInstancesRequest(workload=workload, node=node)
         if phase is not None:
             req.phase = convert.phase_to_pb(phase)
-        resp = await self._call("ListInstances", req)
-        return [convert.instance_from_pb(i) for i in resp.instances]
+        items = await self._list("ListInstances", req, "instances")
+        return [convert.instance_from_pb(i) for i in items]  # type: ignore[arg-type]
 
     async def get_instance(self, name: str) -> Instance:
         msg = await self._call("GetInstance", pb.GetInstanceRequest(name=name))
         return convert.instance_from_pb(msg)
 
     async def list_nodes(self, timeout: float | None = None) -> list[Node]:
-        resp = await self._call("ListNodes", pb.ListNodesRequest(), timeout=timeout)
-        return [convert.node_from_pb(n) for n in resp.nodes]
+        items = await self._list("ListNodes", pb.ListNodesRequest(), "nodes", timeout)
+        return [convert.node_from_pb(n) for n in items]  # type: ignore[arg-type]
 
     async def get_node(self, name: str) -> Node:
         return convert.node_from_pb(await self._call("GetNode", pb.GetNodeRequest(name=name)))

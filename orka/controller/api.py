@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -11,14 +12,15 @@ from typing import Any, TypeVar
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller.events import EventHub, Subscriber
+from orka.controller import paging
+from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.controller.secrets import keep_redacted
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
 from orka.etags import check_etag, new_workload_etag, node_etag
-from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
+from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
 from orka.rpc.server import Auditor, boundaries, stream, unary
 from orka.security.identity import Identity
@@ -30,9 +32,9 @@ ADMIN = frozenset({"admin"})
 READERS = frozenset({"admin", "viewer"})
 # Events per WatchEventBatches message: a burst's backlog goes in a few messages. Most
 # events are a few hundred bytes, but a workload's carries its spec (up to 1 MiB), so a
-# batch is bounded in bytes too, far below the 64 MiB a client takes.
+# batch is bounded in bytes too, below the 4 MiB a client with gRPC's defaults takes.
 MAX_EVENT_BATCH = 1000
-MAX_BATCH_BYTES = 4 << 20
+MAX_BATCH_BYTES = 3 << 20
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -47,8 +49,8 @@ class Quotas:
     # Replicas summed over every workload: each is an instance record, and every List,
     # reconcile pass and placement round grows with them.
     max_instances: int = 100_000
-    # Serialized specs summed over every workload: one ListWorkloads answer carries them all,
-    # and past gRPC's 64 MiB message limit it failed for every client.
+    # Serialized specs summed over every workload: the cache, every event history entry and
+    # a full listing grow with them.
     max_spec_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
@@ -120,6 +122,23 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
 
+    # Messages of stored objects carry the revision of their last write.
+
+    def _workload_pb(self, w: Workload) -> pb.Workload:
+        msg = convert.workload_to_pb(w)
+        msg.revision = self.repo.revision_of("workloads", w.name)
+        return msg
+
+    def _instance_pb(self, i: Instance) -> pb.Instance:
+        msg = convert.instance_to_pb(i)
+        msg.revision = self.repo.revision_of("instances", i.name)
+        return msg
+
+    def _node_pb(self, n: Node) -> pb.Node:
+        msg = convert.node_to_pb(n)
+        msg.revision = self.repo.revision_of("nodes", n.name)
+        return msg
+
     def _stored_spec_bytes(self, name: str, spec: WorkloadSpec) -> int:
         hit = self._spec_sizes.get(name)
         if hit is None or hit[0] is not spec:
@@ -173,7 +192,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
         await self.repo.mutate(plan)
         self.reconciler.kick()
-        return convert.workload_to_pb(self.repo.workloads.get(spec.name, workload))
+        return self._workload_pb(self.repo.workloads.get(spec.name, workload))
 
     async def UpdateWorkload(self, request: pb.UpdateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = convert.spec_from_pb(request.spec)
@@ -213,19 +232,32 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
         await self.repo.mutate(plan)
         self.reconciler.kick()
-        return convert.workload_to_pb(self.repo.workloads[spec.name])
+        return self._workload_pb(self.repo.workloads[spec.name])
 
     async def GetWorkload(self, request: pb.GetWorkloadRequest, who: Identity) -> pb.Workload:
         w = self.repo.workloads.get(_name(request.name))
         if w is None:
             raise NotFound(f"workload {request.name!r} not found")
-        return convert.workload_to_pb(w)
+        return self._workload_pb(w)
 
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
     ) -> pb.ListWorkloadsResponse:
+        size = paging.page_size(request.page_size)
+        filters = paging.fingerprint("workloads")
+        start = paging.decode_token(request.page_token, filters, (str,))
+        workloads = self.repo.workloads
+
+        def pick(key: paging.Key) -> pb.Workload | None:
+            w = workloads.get(key[0])
+            return self._workload_pb(w) if w is not None else None
+
+        keys = paging.after(self.repo.order["workloads"], start)
+        page, last = paging.take_page(keys, size, pick, pb.Workload.ByteSize)
         return pb.ListWorkloadsResponse(
-            workloads=[convert.workload_to_pb(w) for _, w in sorted(self.repo.workloads.items())]
+            workloads=page,
+            next_page_token=paging.encode_token(last, filters) if last else "",
+            revision=self.repo.revision,
         )
 
     async def DeleteWorkload(
@@ -246,7 +278,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         await self.repo.mutate(plan)
         self.reconciler.kick()
         w = self.repo.workloads.get(name)
-        return pb.DeleteWorkloadResponse(workload=convert.workload_to_pb(w) if w else None)
+        return pb.DeleteWorkloadResponse(workload=self._workload_pb(w) if w else None)
 
     # ---- instances ----
 
@@ -258,15 +290,37 @@ class ControllerApi(pb_grpc.ControllerServicer):
             phase = convert.phase_from_pb(request.phase)
         if request.workload:
             _name(request.workload, "workload")
-            source = self.repo.instances_of(request.workload)
+        size = paging.page_size(request.page_size)
+        filters = paging.fingerprint("instances", request.workload, request.node, request.phase)
+        start = paging.decode_token(request.page_token, filters, (str, float, str))
+        instances = self.repo.instances
+        node = request.node
+
+        def pick(key: paging.Key) -> pb.Instance | None:
+            i = instances.get(key[2])
+            if (
+                i is None
+                or (node and i.node != node)
+                or (phase is not None and i.phase is not phase)
+            ):
+                return None
+            return self._instance_pb(i)
+
+        # The index is sorted by workload first: one workload's instances are one range.
+        order = self.repo.order["instances"]
+        if request.workload:
+            workload = request.workload
+            keys = itertools.takewhile(
+                lambda k: k[0] == workload, paging.after(order, start, lower=(workload,))
+            )
         else:
-            source = list(self.repo.instances.values())
-        out = [
-            convert.instance_to_pb(i)
-            for i in sorted(source, key=lambda i: (i.workload, i.created_at, i.name))
-            if (not request.node or i.node == request.node) and (phase is None or i.phase is phase)
-        ]
-        return pb.ListInstancesResponse(instances=out)
+            keys = paging.after(order, start)
+        page, last = paging.take_page(keys, size, pick, pb.Instance.ByteSize)
+        return pb.ListInstancesResponse(
+            instances=page,
+            next_page_token=paging.encode_token(last, filters) if last else "",
+            revision=self.repo.revision,
+        )
 
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
@@ -274,7 +328,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         inst = self.repo.instances.get(request.name)
         if inst is None:
             raise NotFound(f"instance {quote(request.name)} not found")
-        return convert.instance_to_pb(inst)
+        return self._instance_pb(inst)
 
     # ---- nodes ----
 
@@ -286,12 +340,25 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return node
 
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
+        size = paging.page_size(request.page_size)
+        filters = paging.fingerprint("nodes")
+        start = paging.decode_token(request.page_token, filters, (str,))
+        nodes = self.repo.nodes
+
+        def pick(key: paging.Key) -> pb.Node | None:
+            n = nodes.get(key[0])
+            return self._node_pb(n) if n is not None else None
+
+        keys = paging.after(self.repo.order["nodes"], start)
+        page, last = paging.take_page(keys, size, pick, pb.Node.ByteSize)
         return pb.ListNodesResponse(
-            nodes=[convert.node_to_pb(n) for _, n in sorted(self.repo.nodes.items())]
+            nodes=page,
+            next_page_token=paging.encode_token(last, filters) if last else "",
+            revision=self.repo.revision,
         )
 
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
-        return convert.node_to_pb(self._node(request.name))
+        return self._node_pb(self._node(request.name))
 
     async def _set_node(self, name: str, etag: str, schedulable: bool, draining: bool) -> pb.Node:
         self._node(name)
@@ -311,7 +378,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self.reconciler.kick()
         if schedulable:
             self.reconciler.queue.cluster_changed()
-        return convert.node_to_pb(self.repo.nodes[name])
+        return self._node_pb(self.repo.nodes[name])
 
     async def CordonNode(self, request: pb.CordonNodeRequest, who: Identity) -> pb.Node:
         return await self._set_node(request.name, request.etag, schedulable=False, draining=False)
@@ -344,8 +411,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
         await self.gate()
         if request.workload:
             _name(request.workload, "workload")
-        sub = Subscriber(request.workload)
-        self.events.subscribers.add(sub)
+        sub = self.events.subscribe(request.workload, request.since_revision)
         try:
             while True:
                 first = await sub.queue.get()
@@ -357,11 +423,14 @@ class ControllerApi(pb_grpc.ControllerServicer):
                     yield events
                 if closed:
                     if sub.cut_off or sub.cut_off_bytes:
-                        raise ResourceExhausted(
+                        err = ResourceExhausted(
                             f"this subscriber fell {sub.cut_off} events behind"
-                            f" ({sub.cut_off_bytes} bytes) and was cut off;"
-                            " subscribe again (and list what changed meanwhile)"
+                            f" ({sub.cut_off_bytes} bytes) and was cut off after revision"
+                            f" {sub.sent}; watch again with since_revision={sub.sent}"
                         )
+                        # For the error's details: where the watcher resumes.
+                        err.last_revision = sub.sent  # type: ignore[attr-defined]
+                        raise err
                     return
         except asyncio.CancelledError:
             raise

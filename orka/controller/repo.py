@@ -11,7 +11,12 @@ A commit is split into transactions of at most `MAX_TXN_OPS` ops, etcd's default
 so the controller works against an etcd run with default flags. Each op is still a CAS on its
 own key, which is what keeps an instance from being bound twice; what a split gives up is only
 all-or-nothing across chunks, and every plan is written to converge when re-run from a partly
-applied state (the reconciler plans again from whatever landed).
+applied state (the reconciler plans again from whatever landed). Each chunk is a commit with
+its own store revision; `revision` is the last one applied (or the store's at load), which is
+what a list answers with and what a watch resumes from.
+
+Each table has a sorted index of its objects' immutable keys, kept as they are written, so a
+list page is a range walk, not a sort of everything.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
+from sortedcontainers import SortedList
 
 from orka.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from orka.models import Instance, Node, Workload
@@ -32,6 +38,11 @@ Kind = Literal["workloads", "instances", "nodes"]
 
 # etcd's default --max-txn-ops; larger commits are split into several transactions.
 MAX_TXN_OPS = 128
+
+
+def instance_key(inst: Instance) -> tuple[str, float, str]:
+    """Where an instance sorts in lists: by workload, then age. Every part is immutable."""
+    return (inst.workload, inst.created_at, inst.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +61,14 @@ class Repo:
         self.nodes: dict[str, Node] = {}
         self.by_workload: dict[str, set[str]] = defaultdict(set)
         self._revisions: dict[tuple[str, str], int] = {}
+        # The sort keys of every object, for paged lists: (name,) for workloads and nodes,
+        # instance_key for instances.
+        self.order: dict[Kind, SortedList] = _orders({}, {}, {})
+        # The store revision this cache reflects: the store's at load, then each commit's.
+        self.revision = 0
+        # Called with the new revision after a load: what was streamed before no longer
+        # lines up with the cache (another writer's changes came in without events).
+        self.on_reload: list[Callable[[int], None]] = []
         self._lock = asyncio.Lock()
         self.listeners: list[Callable[[Change, BaseModel | None], None]] = []
         self.writes = 0
@@ -69,6 +88,8 @@ class Repo:
         nodes: dict[str, Node] = {}
         by_workload: dict[str, set[str]] = defaultdict(set)
         revisions: dict[tuple[str, str], int] = {}
+        # Read first: the lists that follow are at least this new.
+        at = await self.store.revision()
         for item in await self.store.list("workloads"):
             workloads[item.name] = Workload.model_validate(item.value)
             revisions[("workloads", item.name)] = item.revision
@@ -84,11 +105,21 @@ class Repo:
         # an await keeps a consistent (if old) view instead of a "changed size" error.
         self.workloads, self.instances, self.nodes = workloads, instances, nodes
         self.by_workload, self._revisions = by_workload, revisions
+        self.order = _orders(workloads, instances, nodes)
+        self.revision = max(at, *revisions.values()) if revisions else at
+        for hook in self.on_reload:
+            hook(self.revision)
 
     def reset(self) -> None:
         """Drop every cache: a follower must not answer from, or plan on, what it once led."""
         self.workloads, self.instances, self.nodes = {}, {}, {}
         self.by_workload, self._revisions = defaultdict(set), {}
+        self.order = _orders({}, {}, {})
+        self.revision = 0
+
+    def revision_of(self, kind: Kind, name: str) -> int:
+        """The store revision of the object's last write (0: not stored)."""
+        return self._revisions.get((kind, name), 0)
 
     def instances_of(self, workload: str) -> list[Instance]:
         return [
@@ -140,6 +171,9 @@ class Repo:
                 await self._load()
                 raise
             self.writes += 1
+            # Every op of a commit carries the commit's revision, but a delete reports 0: a
+            # chunk of deletes only has to ask.
+            self.revision = max(revisions) or await self.store.revision()
             self._applied(chunk, revisions, merged)
 
     def _applied(
@@ -153,6 +187,8 @@ class Repo:
             if isinstance(op, Delete):
                 table.pop(op.name, None)
                 self._revisions.pop(key, None)
+                if old is not None:
+                    self.order[c.kind].discard(_key(old))
                 if c.kind == "instances" and isinstance(old, Instance):
                     self.by_workload[old.workload].discard(op.name)
                     if not self.by_workload[old.workload]:
@@ -161,6 +197,12 @@ class Repo:
                 assert c.value is not None
                 table[op.name] = c.value
                 self._revisions[key] = rev
+                new_key = _key(c.value)
+                if old is None:
+                    self.order[c.kind].add(new_key)
+                elif (old_key := _key(old)) != new_key:
+                    self.order[c.kind].discard(old_key)
+                    self.order[c.kind].add(new_key)
                 if isinstance(c.value, Instance):
                     self.by_workload[c.value.workload].add(op.name)
             for listener in self.listeners:
@@ -170,3 +212,19 @@ class Repo:
         """Refresh a cached object without a write (soft fields such as node usage)."""
         if isinstance(model, Node) and model.name in self.nodes:
             self.nodes[model.name] = model
+
+
+def _key(value: BaseModel) -> tuple[object, ...]:
+    if isinstance(value, Instance):
+        return instance_key(value)
+    return (value.name,)  # type: ignore[attr-defined]
+
+
+def _orders(
+    workloads: dict[str, Workload], instances: dict[str, Instance], nodes: dict[str, Node]
+) -> dict[Kind, SortedList]:
+    return {
+        "workloads": SortedList((n,) for n in workloads),
+        "instances": SortedList(instance_key(i) for i in instances.values()),
+        "nodes": SortedList((n,) for n in nodes),
+    }

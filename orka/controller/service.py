@@ -82,8 +82,9 @@ class Controller:
         )
         self.repo = Repo(self.store)
         self.repo.writable = False  # until elected
-        self.events = EventHub()
+        self.events = EventHub(lambda: self.repo.revision)
         self.repo.listeners.append(self.events.on_change)
+        self.repo.on_reload.append(self.events.reset)
         self._build()
         self.api = ControllerApi(
             self.repo, self.reconciler, self.link, self.events, self._gate, config.quotas

@@ -8,7 +8,7 @@ from typing import TypeVar
 import grpc
 
 from orka.errors import Invalid, from_status
-from orka.rpc.server import grpc_options
+from orka.rpc.server import MAX_MESSAGE_BYTES, grpc_options
 from orka.security.ca import role_dns_name
 from orka.security.tls import TlsFiles, channel_credentials
 
@@ -28,7 +28,11 @@ def split_targets(value: str, flag: str) -> list[str]:
 
 
 def secure_channel(
-    target: str, tls: TlsFiles, server_role: str, bulk: bool = False
+    target: str,
+    tls: TlsFiles,
+    server_role: str,
+    bulk: bool = False,
+    max_receive: int | None = MAX_MESSAGE_BYTES,
 ) -> grpc.aio.Channel:
     """A mutual-TLS channel to a server that must prove it holds a `server_role` certificate.
 
@@ -36,10 +40,11 @@ def secure_channel(
     `controller.orka`) instead of the dialled host, so a peer with any other Orka certificate
     (an agent's, an admin's, the wrong service's) fails the handshake before a byte of the
     call is sent. The role is required: no default accepts any server. `bulk` is for a client
-    that downloads large replies (see `grpc_options`).
+    that downloads many pages, `max_receive` None gRPC's default limit for the public API
+    (see `grpc_options`).
     """
     options = [
-        *grpc_options(bulk=bulk),
+        *grpc_options(bulk=bulk, max_receive=max_receive),
         # The override also becomes each call's :authority, which Orka's servers ignore. Not
         # setting `grpc.default_authority` back to `target` is deliberate: gRPC then checks
         # per call that the server certificate names that host too ("call host does not

@@ -25,6 +25,11 @@ log = structlog.get_logger("orka.rpc")
 Req = TypeVar("Req")
 S = TypeVar("S", bound=type)
 Resp = TypeVar("Resp")
+# Orka's own links between services carry big messages that are no lists: a frame of up to
+# 64 offers or commands each with a spec of up to 1 MiB (agent stream), a Place batch or a
+# node feed of thousands of nodes (controller <-> scheduler). Public API answers are paged
+# and bounded (orka.controller.paging, events) to stay under gRPC's default 4 MiB, so the
+# CLI, grpcurl and any other client work with the default limit.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -35,17 +40,19 @@ def split_hostport(value: str, flag: str = "--listen") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def grpc_options(bulk: bool = False, max_receive: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+def grpc_options(
+    bulk: bool = False, max_receive: int | None = MAX_MESSAGE_BYTES
+) -> list[tuple[str, Any]]:
     """Channel and server arguments for Orka's own connections.
 
-    `bulk` keeps gRPC's bandwidth-delay probing, for a client that downloads large listings
-    over a slow link (the CLI). Everywhere else the traffic is many small messages on
+    `max_receive` None leaves gRPC's default (4 MiB): a client of the public API only.
+    `bulk` keeps gRPC's bandwidth-delay probing, for a client that downloads many pages over
+    a slow link (the CLI). Everywhere else the traffic is many small messages on
     long-lived streams: there the probe's PING and window update after received data cost
     more than the messages themselves (scheduler CPU for 1,000 agents at 1 s heartbeats fell
     from 0.29 to 0.17 of a core without it), and a 64 KiB window is plenty.
     """
     options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", max_receive),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         # Liveness of agents is the heartbeat's job; keepalive only finds dead TCP peers, so
         # it pings rarely and waits long: thousands of streams on a loaded loop must not be
@@ -56,6 +63,8 @@ def grpc_options(bulk: bool = False, max_receive: int = MAX_MESSAGE_BYTES) -> li
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+    if max_receive is not None:
+        options.append(("grpc.max_receive_message_length", max_receive))
     if not bulk:
         options.append(("grpc.http2.bdp_probe", 0))
     return options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import psutil
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.rpc.client import secure_channel
+from orka.rpc.pages import list_all
 from orka.security.tls import TlsFiles
 from tests.cgroups import remove_cgroup_parent, unique_parent
 
@@ -161,13 +163,19 @@ class ProcessCluster:
 
     async def nodes(self) -> dict[str, int]:
         assert self.api is not None
-        resp = await self.api.ListNodes(pb.ListNodesRequest(), timeout=5)
-        return {n.name: n.state for n in resp.nodes}
+        nodes, _ = await list_all(
+            functools.partial(self.api.ListNodes, timeout=5), pb.ListNodesRequest(), "nodes"
+        )
+        return {n.name: n.state for n in nodes}
 
     async def instances(self, workload: str) -> list[pb.Instance]:
         assert self.api is not None
-        resp = await self.api.ListInstances(pb.ListInstancesRequest(workload=workload), timeout=5)
-        return list(resp.instances)
+        items, _ = await list_all(
+            functools.partial(self.api.ListInstances, timeout=5),
+            pb.ListInstancesRequest(workload=workload),
+            "instances",
+        )
+        return items
 
     async def running(self, workload: str) -> list[pb.Instance]:
         return [i for i in await self.instances(workload) if i.phase == pb.Instance.RUNNING]

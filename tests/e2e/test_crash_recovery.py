@@ -11,6 +11,7 @@ Figures (failover time, recovery time) are printed, never asserted on (run with 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import time
@@ -22,6 +23,7 @@ import grpc
 import pytest
 
 from orka.api import controller_pb2 as pb
+from orka.rpc.pages import list_all
 from orka.security.issue import issue_cert, pair_dir
 from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
 from tests.etcd import EtcdCluster
@@ -64,8 +66,10 @@ async def answers(c: ProcessCluster) -> bool:
 
 async def all_instances(c: ProcessCluster) -> list[pb.Instance]:
     assert c.api is not None
-    resp = await c.api.ListInstances(pb.ListInstancesRequest(), timeout=5)
-    return list(resp.instances)
+    items, _ = await list_all(
+        functools.partial(c.api.ListInstances, timeout=5), pb.ListInstancesRequest(), "instances"
+    )
+    return items
 
 
 async def settled(
@@ -225,10 +229,12 @@ async def test_scheduler_sigkill_restart_50(fake_cluster: ProcessCluster) -> Non
 
     async def reregistered() -> bool:
         assert c.api is not None
-        resp = await c.api.ListNodes(pb.ListNodesRequest(), timeout=5)
+        nodes, _ = await list_all(
+            functools.partial(c.api.ListNodes, timeout=5), pb.ListNodesRequest(), "nodes"
+        )
         fresh = [
             n
-            for n in resp.nodes
+            for n in nodes
             if n.state == pb.Node.READY
             and n.last_heartbeat_time.ToNanoseconds() >= (restarted_wall - 0.5) * 1e9
         ]

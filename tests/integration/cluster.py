@@ -15,6 +15,7 @@ from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.service import Controller, ControllerConfig
 from orka.rpc.client import secure_channel
+from orka.rpc.pages import list_all
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 
@@ -97,8 +98,10 @@ class Cluster:
 
     async def instances(self, workload: str = "") -> list[pb.Instance]:
         assert self.api is not None
-        resp = await self.api.ListInstances(pb.ListInstancesRequest(workload=workload))
-        return list(resp.instances)
+        items, _ = await list_all(
+            self.api.ListInstances, pb.ListInstancesRequest(workload=workload), "instances"
+        )
+        return items
 
     async def running(self, workload: str) -> list[pb.Instance]:
         return [i for i in await self.instances(workload) if i.phase == pb.Instance.RUNNING]

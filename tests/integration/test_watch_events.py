@@ -4,6 +4,7 @@ in order, and a clear error (not a silent end) for a subscriber that fell too fa
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -91,10 +92,30 @@ async def test_a_subscriber_that_falls_behind_gets_resource_exhausted(
             async for msg in stream:
                 received += msg.events if rpc == "WatchEventBatches" else [msg]
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "fell 5 events behind" in (info.value.details() or "")
-    # The 5 queued at the cut-off still arrived (after any taken off the queue before), the
-    # workload first.
-    assert len(received) >= 5 and received[0].workload.spec.name == "web"
+    details = info.value.details() or ""
+    assert "fell 5 events behind" in details
+    # What was queued before the cut still arrived, up to a whole revision: the ten instances
+    # were one commit, cut in the middle, so none of them came, and the error names the
+    # revision to resume from.
+    match = re.search(r"since_revision=(\d+)", details)
+    assert match is not None
+    last = int(match.group(1))
+    assert [e.workload.spec.name for e in received] == ["web"]
+    assert received[-1].revision == last
+    monkeypatch.setattr(events, "MAX_BACKLOG", 1000)
+    resumed = getattr(cluster.api, rpc)(pb.WatchEventsRequest(since_revision=last))
+    added: list[pb.Event] = []
+    async with asyncio.timeout(30):
+        async for msg in resumed:
+            added += msg.events if rpc == "WatchEventBatches" else [msg]
+            if len([e for e in added if e.type == pb.Event.ADDED]) >= 10:
+                break
+    resumed.cancel()
+    first_ten = [e for e in added if e.type == pb.Event.ADDED][:10]
+    assert sorted(e.instance.name for e in first_ten) == sorted(
+        i.name for i in await cluster.instances("web")
+    )
+    assert all(e.revision > last for e in added)
 
 
 def _key(ev: pb.Event) -> tuple[int, str, str, int]:

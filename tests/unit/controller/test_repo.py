@@ -70,3 +70,32 @@ async def test_load_resets_and_followers_do_not_write(store: MemoryStore) -> Non
     await store.commit([])
     await repo.load()
     assert set(repo.by_workload["w"]) == {"w-0001"}
+
+
+async def test_each_chunk_has_its_revision_and_the_index_follows_writes(store: MemoryStore) -> None:
+    repo = Repo(store)
+    repo.max_txn_ops = 2
+    seen: list[tuple[str, int]] = []
+    repo.listeners.append(lambda c, old: seen.append((c.name, repo.revision)))
+    await repo.mutate(lambda: [Change("instances", f"w-{i:04d}", inst(i)) for i in range(5)])
+    # Events of one chunk share its revision; every chunk is a commit of its own.
+    revisions = [r for _, r in seen]
+    assert revisions[0] == revisions[1] < revisions[2] == revisions[3] < revisions[4]
+    assert repo.revision == await store.revision() == revisions[4]
+    assert all(repo.revision_of("instances", n) == r for n, r in seen)
+    assert [k[2] for k in repo.order["instances"]] == [f"w-{i:04d}" for i in range(5)]
+    # A chunk of deletes only (deletes report no revision) still moves it.
+    seen.clear()
+    await repo.mutate(lambda: [Change("instances", "w-0001", None)])
+    assert repo.revision == await store.revision() == seen[0][1] > revisions[4]
+    assert repo.revision_of("instances", "w-0001") == 0
+    assert [k[2] for k in repo.order["instances"]] == ["w-0000", "w-0002", "w-0003", "w-0004"]
+    # A load takes the store's revision and rebuilds the index; reset forgets both.
+    reloaded: list[int] = []
+    fresh = Repo(store)
+    fresh.on_reload.append(reloaded.append)
+    await fresh.load()
+    assert fresh.revision == repo.revision and reloaded == [repo.revision]
+    assert list(fresh.order["instances"]) == list(repo.order["instances"])
+    fresh.reset()
+    assert fresh.revision == 0 and not fresh.order["instances"]
