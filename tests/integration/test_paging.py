@@ -17,6 +17,8 @@ import pytest
 from orka.api import controller_pb2 as pb
 from orka.controller import paging
 from orka.controller.repo import Change, instance_key
+from orka.models import Instance
+from orka.rpc import convert
 from orka.rpc.pages import list_all
 from tests.integration.cluster import Cluster, eventually, process_spec
 
@@ -112,12 +114,22 @@ async def test_a_page_size_above_the_maximum_is_taken_as_the_maximum(cluster: Cl
     assert len(resp.instances) == paging.MAX_PAGE_SIZE and resp.next_page_token
 
 
+def _model_key(i: Instance) -> tuple[str, tuple[int, int], str]:
+    """The list order's key of a stored instance, at the wire's precision (microseconds)."""
+    t = convert.timestamp_fields(i.created_at) or {"seconds": 0, "nanos": 0}
+    return (i.workload, (t["seconds"], t["nanos"]), i.name)
+
+
+def _wire_key(i: pb.Instance) -> tuple[str, tuple[int, int], str]:
+    return (i.workload, (i.create_time.seconds, i.create_time.nanos), i.name)
+
+
 async def test_listing_while_instances_are_created_and_deleted(cluster: Cluster) -> None:
     """Every instance that exists for the whole listing is seen exactly once; none twice."""
     assert cluster.api is not None and cluster.controller is not None
     api, repo = cluster.api, cluster.controller.repo
     # Instances by their whole key: a name (a random suffix) may come back on a new instance.
-    before = {(i.workload, i.created_at, i.name) for i in repo.instances.values()}
+    before = {_model_key(i) for i in repo.instances.values()}
     churned = {"created": 0, "deleted": 0}
     done = asyncio.Event()
 
@@ -150,8 +162,8 @@ async def test_listing_while_instances_are_created_and_deleted(cluster: Cluster)
         done.set()
         await writer
         repo.listeners.remove(count)
-    after = {(i.workload, i.created_at, i.name) for i in repo.instances.values()}
-    keys = [(i.workload, i.created_at, i.name) for p in listed for i in p.instances]
+    after = {_model_key(i) for i in repo.instances.values()}
+    keys = [_wire_key(i) for p in listed for i in p.instances]
     # The churn really overlapped the listing.
     assert churned["created"] > 100 and churned["deleted"] > 100
     assert listed[-1].revision > listed[0].revision
