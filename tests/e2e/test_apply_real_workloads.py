@@ -160,7 +160,7 @@ while :; do sleep 1; done"]
 replicas: 1
 resources: {{cpu: 100m, memory: 32Mi}}
 restartPolicy: Always
-stopGraceSeconds: 5
+stopGracePeriod: 5s
 """
     )
     box_log: list[Path] = []
@@ -192,7 +192,7 @@ vm:
 replicas: 1
 resources: {{cpu: 500m, memory: 128Mi}}
 restartPolicy: Always
-stopGraceSeconds: 1
+stopGracePeriod: 1s
 """
     )
     console_log: list[Path] = []
