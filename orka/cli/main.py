@@ -61,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"permission denied: {e.message}")
         return EXIT_FAILED
     except OrkaError as e:
-        _error(e.message)
+        # A bad request names its fields (google.rpc.BadRequest): one line each.
+        for line in [str(v) for v in e.violations()] or [e.message]:
+            _error(line)
         return EXIT_FAILED
     except grpc.aio.AioRpcError as e:
         # Streams and calls that bypass orka.rpc.client still must not print a traceback.

@@ -16,7 +16,15 @@ from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.controller.secrets import keep_redacted
-from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
+from orka.errors import (
+    AlreadyExists,
+    Conflict,
+    FieldViolation,
+    Invalid,
+    NotFound,
+    OrkaError,
+    ResourceExhausted,
+)
 from orka.models import InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
 from orka.rpc.server import Auditor, boundaries, stream, unary
@@ -75,7 +83,10 @@ def _name(value: str, field: str = "name") -> str:
     try:
         return check_name(value, field)
     except ValueError as err:
-        raise Invalid(str(err)) from None
+        text = str(err)
+        raise Invalid(
+            text, fields=[FieldViolation(field, text.removeprefix(f"{field} "))]
+        ) from None
 
 
 @boundaries(
@@ -184,8 +195,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
             if old.deleting:
                 raise Conflict(f"workload {spec.name!r} is being deleted")
             if old.spec.kind is not spec.kind:
-                raise Invalid(
-                    f"spec.kind: cannot change from {old.spec.kind.value} to {spec.kind.value}"
+                raise Invalid.at(
+                    "spec.kind", f"cannot change from {old.spec.kind.value} to {spec.kind.value}"
                 )
             new_spec = keep_redacted(old.spec, spec)
             if old.spec == new_spec:
@@ -265,7 +276,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
-            raise Invalid("name: is required")
+            raise Invalid.at("name", "is required")
         inst = self.repo.instances.get(request.name)
         if inst is None:
             raise NotFound(f"instance {quote(request.name)} not found")
@@ -354,7 +365,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
                         raise ResourceExhausted(
                             f"this subscriber fell {sub.cut_off} events behind"
                             f" ({sub.cut_off_bytes} bytes) and was cut off;"
-                            " subscribe again (and list what changed meanwhile)"
+                            " subscribe again (and list what changed meanwhile)",
+                            retry_after=1.0,
                         )
                     return
         except asyncio.CancelledError:
