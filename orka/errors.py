@@ -56,8 +56,8 @@ DETAILS_KEY = "grpc-status-details-bin"
 # Bounds of what one error carries: all of it travels in a trailer, and a client refuses
 # trailers past 8 KiB by default (the call would fail with no status at all).
 MAX_VIOLATIONS = 5
-MAX_DETAIL_CHARS = 512
-MAX_MESSAGE_CHARS = 2048
+MAX_DETAIL_CHARS = 256
+MAX_MESSAGE_CHARS = 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ exact class with its reason, metadata, field violations and retry delay."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,14 @@ async def test_the_details_stay_within_a_trailer_a_client_accepts(
         await call(stub.GetNode, pb.GetNodeRequest(name="x"))
     back = got.value
     assert len(back.fields) == errors.MAX_VIOLATIONS
-    assert all(len(v.field) <= 512 and len(v.description) <= 512 for v in back.fields)
+    limit = errors.MAX_DETAIL_CHARS
+    assert all(len(v.field) <= limit and len(v.description) <= limit for v in back.fields)
     assert back.fields[0].field.startswith("spec.env['K0']xxx")
     assert len(back.message) == errors.MAX_MESSAGE_CHARS and back.message.endswith("...")
     assert len(back.metadata["k"]) == errors.MAX_DETAIL_CHARS
+    # Base64 on the wire, beside the message in its own header: within the 8 KiB a client takes.
+    [(_, trailer)] = errors.trailing_metadata(servicer.error)  # type: ignore[arg-type]
+    assert len(base64.b64encode(trailer)) + len(back.message) < 8 * 1024
 
 
 # ---- from_status alone: statuses without Orka's details ----
