@@ -34,8 +34,9 @@ Two pairs share a code because gRPC has no second fitting one, and the reason te
 NotLeader is an Unavailable (every caller that handles Unavailable handles it) whose reason and
 `leader` metadata tell a client where to go instead, rather than prose to parse.
 
-ErrorInfo metadata keys (lowerCamelCase, AIP-193): `leader` (NotLeader: the leader's HOST:PORT)
-and `lastRevision` (any error with a `last_revision`: a watch cut off after that revision).
+ErrorInfo metadata keys (lowerCamelCase, AIP-193): `leader` (NotLeader: the leader's HOST:PORT),
+`lastRevision` (any error with a `last_revision`: a watch cut off after that revision) and
+`moreViolations` (Invalid: bad fields found beyond the ones its BadRequest names).
 A status without Orka's ErrorInfo (a proxy, gRPC itself) maps back by its code alone, to the
 first class of the table with that code.
 """
@@ -58,6 +59,8 @@ DETAILS_KEY = "grpc-status-details-bin"
 MAX_VIOLATIONS = 5
 MAX_DETAIL_CHARS = 256
 MAX_MESSAGE_CHARS = 1024
+# ErrorInfo metadata of an Invalid: how many bad fields there were beyond those it names.
+MORE_VIOLATIONS = "moreViolations"
 
 
 @dataclass(frozen=True, slots=True)

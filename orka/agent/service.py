@@ -21,7 +21,7 @@ from orka.agent.state import StateFile
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
-from orka.errors import Invalid, OrkaError
+from orka.errors import Invalid, OrkaError, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import (
     FAKE_DRIVER,
@@ -419,6 +419,7 @@ class Agent:
                         "scheduler stream ended",
                         target=target,
                         code=err.code().name,
+                        reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

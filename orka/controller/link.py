@@ -12,7 +12,7 @@ import structlog
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
-from orka.errors import OrkaError, Unavailable
+from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.security.tls import TlsFiles
 
@@ -92,6 +92,7 @@ class SchedulerLink:
                         "scheduler feed lost",
                         target=self.current,
                         code=err.code().name,
+                        reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
-from orka.errors import FieldViolation, Invalid
+from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.models import (
     REDACTED,
     Instance,
@@ -62,9 +62,11 @@ def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
         parts.append(f"{field}: {msg}" if field else msg)
         if field:
             fields.append(FieldViolation(field, msg))
+    more: dict[str, str] = {}
     if len(errors) > MAX_REPORTED_ERRORS:
         parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
-    return Invalid("; ".join(parts), fields=fields)
+        more[MORE_VIOLATIONS] = str(len(errors) - MAX_REPORTED_ERRORS)
+    return Invalid("; ".join(parts), fields=fields, metadata=more)
 
 
 def resources_from_pb(msg: pb.Resources) -> Resources:

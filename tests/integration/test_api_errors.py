@@ -15,7 +15,15 @@ from orka.api import controller_pb2_grpc as pb_grpc
 from orka.cli.client import AdminClient
 from orka.cli.main import main
 from orka.controller.repo import Change
-from orka.errors import Conflict, FieldViolation, Invalid, NotLeader, OrkaError, rich_status
+from orka.errors import (
+    MORE_VIOLATIONS,
+    Conflict,
+    FieldViolation,
+    Invalid,
+    NotLeader,
+    OrkaError,
+    rich_status,
+)
 from orka.rpc.client import call
 from orka.rpc.server import boundaries, start_server, unary
 from orka.security.identity import Identity
@@ -94,6 +102,7 @@ class Follower(pb_grpc.ControllerServicer):
                 FieldViolation("spec.replicas", "must be >= 0"),
                 FieldViolation("spec.image", "is required"),
             ],
+            metadata={MORE_VIOLATIONS: "3"},
         )
 
 
@@ -133,4 +142,5 @@ async def test_the_cli_prints_each_field_violation_on_its_own_line(
     assert capsys.readouterr().err.splitlines() == [
         "error: spec.replicas: must be >= 0",
         "error: spec.image: is required",
+        "error: and 3 more",
     ]
