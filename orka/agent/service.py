@@ -419,7 +419,7 @@ class Agent:
                         "scheduler stream ended",
                         target=target,
                         code=err.code().name,
-                        reason=from_rpc_error(err).reason,
+                        error_reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

@@ -92,7 +92,7 @@ class SchedulerLink:
                         "scheduler feed lost",
                         target=self.current,
                         code=err.code().name,
-                        reason=from_rpc_error(err).reason,
+                        error_reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

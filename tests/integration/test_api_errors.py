@@ -48,7 +48,13 @@ async def test_a_bad_spec_names_each_bad_field_and_stores_nothing(cluster: Clust
     ]
     with pytest.raises(Invalid) as err:
         await call(api.GetWorkload, pb.GetWorkloadRequest(name="Bad_Name"))
-    assert [v.field for v in err.value.fields] == ["name"]
+    assert err.value.fields == [
+        FieldViolation(
+            "name",
+            "'Bad_Name' must be 1-63 lowercase letters, digits or '-',"
+            " starting and ending with a letter or digit",
+        )
+    ]
     assert cluster.controller is not None and not cluster.controller.repo.workloads
 
 
