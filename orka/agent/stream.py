@@ -14,7 +14,7 @@ from google.rpc import status_pb2
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
-from orka.errors import Invalid
+from orka.errors import Invalid, from_rpc_error
 from orka.models import TERMINAL_PHASES, Resources
 from orka.rpc import convert
 from orka.rpc.client import refused_role, secure_channel
@@ -155,6 +155,7 @@ class Stream:
                         "scheduler stream ended",
                         target=target,
                         code=err.code().name,
+                        error_reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

@@ -1,14 +1,15 @@
 """The admin client every user-facing command uses: one mutual-TLS channel to the controller.
 
 `--controller` may list several controllers (`a:7443,b:7443`): only the leader answers, and a
-follower's UNAVAILABLE names it ("not the leader; the leader is at HOST:PORT"), so the client
-moves to the named leader, or down the list when a controller cannot be reached at all. Either
-answer means the request was not acted on, so trying it elsewhere is safe.
+follower's UNAVAILABLE (ErrorInfo reason NOT_LEADER, `orka.errors.NotLeader`) carries the
+leader's HOST:PORT in its ErrorInfo metadata, so the client moves to that leader, or down the
+list when a controller cannot be reached at all or names no leader. Either answer means the
+request was not acted on, so trying it elsewhere is safe. The message is for people; nothing
+here reads it.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
@@ -18,7 +19,7 @@ import grpc
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.errors import Invalid, OrkaError, Unavailable
+from orka.errors import Invalid, NotLeader, OrkaError, Unavailable
 from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
@@ -29,14 +30,6 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 RPC_TIMEOUT = 15.0
-
-_LEADER_AT = re.compile(r"not the leader; the leader is at (\S+)")
-
-
-def leader_named(message: str) -> str | None:
-    """The leader address a follower's UNAVAILABLE names, if it names one."""
-    m = _LEADER_AT.search(message)
-    return m.group(1) if m else None
 
 
 def admin_tls(certs: Path) -> TlsFiles:
@@ -125,7 +118,7 @@ class AdminClient:
             except Unavailable as e:
                 last = e
                 tried.append(self.address)
-                leader = leader_named(e.message)
+                leader = e.leader if isinstance(e, NotLeader) else None
                 if leader is not None and tried.count(leader) < 2:
                     await self._switch(leader)
                     continue
@@ -140,9 +133,13 @@ class AdminClient:
         method: Callable[..., Awaitable[Resp]] = getattr(self.stub, name)
         try:
             return await call(method, request, timeout=timeout or self.timeout)
+        except NotLeader as e:
+            raise NotLeader(
+                f"controller {self.address}: {e.message}",
+                metadata=e.metadata,
+                retry_after=e.retry_after,
+            ) from None
         except Unavailable as e:
-            if leader_named(e.message) is not None or e.message.startswith("not the leader"):
-                raise Unavailable(f"controller {self.address}: {e.message}") from None
             refused = refused_role(e.message, "controller")
             if refused is not None:
                 raise Unavailable(

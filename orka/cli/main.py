@@ -13,7 +13,7 @@ import grpc
 
 from orka.cli import apply, certs, resources, services, up
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
-from orka.errors import OrkaError, PermissionDenied
+from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -61,7 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _error(f"permission denied: {e.message}")
         return EXIT_FAILED
     except OrkaError as e:
-        _error(e.message)
+        # A bad request names its fields (google.rpc.BadRequest): one line each.
+        lines = [str(v) for v in e.violations()] or [e.message]
+        if e.violations() and MORE_VIOLATIONS in e.metadata:
+            lines.append(f"and {e.metadata[MORE_VIOLATIONS]} more")
+        for line in lines:
+            _error(line)
         return EXIT_FAILED
     except grpc.aio.AioRpcError as e:
         # Streams and calls that bypass orka.rpc.client still must not print a traceback.

@@ -18,7 +18,15 @@ from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.controller.secrets import keep_redacted
-from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, OrkaError, ResourceExhausted
+from orka.errors import (
+    AlreadyExists,
+    Conflict,
+    FieldViolation,
+    Invalid,
+    NotFound,
+    OrkaError,
+    ResourceExhausted,
+)
 from orka.etags import check_etag, new_workload_etag, node_etag
 from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec, check_name
 from orka.rpc import convert
@@ -78,7 +86,10 @@ def _name(value: str, field: str = "name") -> str:
     try:
         return check_name(value, field)
     except ValueError as err:
-        raise Invalid(str(err)) from None
+        text = str(err)
+        raise Invalid(
+            text, fields=[FieldViolation(field, text.removeprefix(f"{field} "))]
+        ) from None
 
 
 @boundaries(
@@ -205,8 +216,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
             if old.deleting:
                 raise Conflict(f"workload {spec.name!r} is being deleted")
             if old.spec.kind is not spec.kind:
-                raise Invalid(
-                    f"spec.kind: cannot change from {old.spec.kind.value} to {spec.kind.value}"
+                raise Invalid.at(
+                    "spec.kind", f"cannot change from {old.spec.kind.value} to {spec.kind.value}"
                 )
             new_spec = keep_redacted(old.spec, spec)
             if old.spec == new_spec:
@@ -324,7 +335,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:
-            raise Invalid("name: is required")
+            raise Invalid.at("name", "is required")
         inst = self.repo.instances.get(request.name)
         if inst is None:
             raise NotFound(f"instance {quote(request.name)} not found")
@@ -426,10 +437,11 @@ class ControllerApi(pb_grpc.ControllerServicer):
                         err = ResourceExhausted(
                             f"this subscriber fell {sub.cut_off} events behind"
                             f" ({sub.cut_off_bytes} bytes) and was cut off after revision"
-                            f" {sub.sent}; watch again with since_revision={sub.sent}"
+                            f" {sub.sent}; watch again with since_revision={sub.sent}",
+                            retry_after=1.0,
                         )
                         # For the error's details: where the watcher resumes.
-                        err.last_revision = sub.sent  # type: ignore[attr-defined]
+                        err.last_revision = sub.sent
                         raise err
                     return
         except asyncio.CancelledError:

@@ -194,10 +194,11 @@ class EventHub:
         events."""
         current = self.revision()
         if since < 0:
-            raise Invalid(f"since_revision: must be >= 0, got {since}")
+            raise Invalid(f"since_revision: must be >= 0, got {since}", field="since_revision")
         if since > current:
             raise Invalid(
-                f"since_revision: {since} is ahead of the store's current revision {current}"
+                f"since_revision: {since} is ahead of the store's current revision {current}",
+                field="since_revision",
             )
         if since and since < self.floor:
             raise OutOfRange(

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from orka.errors import OrkaError, Unavailable
+from orka.errors import NotLeader, OrkaError
 from orka.store.election import Election
 
 log = structlog.get_logger("orka.controller.leadership")
@@ -125,13 +125,14 @@ class Leadership:
         return address
 
     async def require(self) -> None:
-        """Raise UNAVAILABLE naming the leader unless this controller leads right now."""
+        """Raise NotLeader (UNAVAILABLE, reason NOT_LEADER) unless this controller leads right
+        now; it carries the leader's address in its ErrorInfo metadata when one is known."""
         if self.is_leader:
             return
         address = await self.leader_address()
         if address is None or address == self.election.identity:
-            raise Unavailable("not the leader; no leader is elected yet, retry shortly")
-        raise Unavailable(f"not the leader; the leader is at {address}")
+            raise NotLeader("not the leader; no leader is elected yet, retry shortly")
+        raise NotLeader(f"not the leader; the leader is at {address}", leader=address)
 
     async def close(self) -> None:
         """Give leadership up cleanly, so a standby takes over without waiting for the TTL."""

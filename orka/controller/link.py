@@ -31,7 +31,7 @@ from orka.controller.commands import (
     Start,
     Stop,
 )
-from orka.errors import OrkaError, Unavailable
+from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
 from orka.rpc import convert
@@ -138,6 +138,7 @@ class SchedulerLink:
                         "scheduler feed lost",
                         target=self.current,
                         code=err.code().name,
+                        error_reason=from_rpc_error(err).reason,
                         details=err.details(),
                     )
             except Exception:

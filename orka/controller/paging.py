@@ -36,7 +36,7 @@ Key = tuple[Any, ...]
 
 def page_size(requested: int) -> int:
     if requested < 0:
-        raise Invalid(f"page_size: must be >= 0, got {requested}")
+        raise Invalid(f"page_size: must be >= 0, got {requested}", field="page_size")
     if requested == 0:
         return DEFAULT_PAGE_SIZE
     return min(requested, MAX_PAGE_SIZE)
@@ -59,19 +59,25 @@ def decode_token(token: str, filters: str, shape: tuple[type, ...]) -> Key | Non
     if not token:
         return None
     if len(token) > MAX_TOKEN_CHARS:
-        raise Invalid(f"page_token: longer than {MAX_TOKEN_CHARS} characters; not a page token")
+        raise Invalid(
+            f"page_token: longer than {MAX_TOKEN_CHARS} characters; not a page token",
+            field="page_token",
+        )
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         body = json.loads(raw)
         key, made_for = body["k"], body["f"]
     except (binascii.Error, ValueError, TypeError, KeyError):
-        raise Invalid("page_token: not a page token this server issued") from None
+        raise Invalid(
+            "page_token: not a page token this server issued", field="page_token"
+        ) from None
     if not isinstance(made_for, str) or not _fits(key, shape):
-        raise Invalid("page_token: not a page token this server issued")
+        raise Invalid("page_token: not a page token this server issued", field="page_token")
     if made_for != filters:
         raise Invalid(
             "page_token: was issued for a listing with other filters; send the same filters"
-            " as the first page, or no token to start over"
+            " as the first page, or no token to start over",
+            field="page_token",
         )
     return tuple(float(k) if t is float else k for k, t in zip(key, shape, strict=True))
 

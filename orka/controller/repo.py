@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel
 from sortedcontainers import SortedList
 
-from orka.errors import AlreadyExists, Conflict, NotFound, Unavailable
+from orka.errors import AlreadyExists, Conflict, NotFound, NotLeader
 from orka.models import Instance, Node, Workload
 from orka.store.base import Create, Delete, JsonText, Op, Store, Update
 
@@ -132,7 +132,7 @@ class Repo:
     async def mutate(self, plan: Callable[[], list[Change]]) -> list[Change]:
         async with self._lock:
             if not self.writable:
-                raise Unavailable("not the leader: this controller does not write")
+                raise NotLeader("not the leader: this controller does not write")
             changes = plan()
             if changes:
                 await self._commit(changes)

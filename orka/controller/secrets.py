@@ -24,7 +24,8 @@ def keep_redacted(old: WorkloadSpec | None, new: WorkloadSpec) -> WorkloadSpec:
     if missing:
         raise Invalid(
             f"spec.secret_env: {missing[0]!r} is {REDACTED!r}, which keeps a stored secret,"
-            " but none is stored under that key; send the value itself"
+            " but none is stored under that key; send the value itself",
+            field="spec.secret_env",
         )
     merged = {k: stored[k] if v == REDACTED else v for k, v in new.secret_env.items()}
     return new.model_copy(update={"secret_env": merged})

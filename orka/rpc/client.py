@@ -1,4 +1,4 @@
-"""Client plumbing: mutual-TLS channels and the one place gRPC codes become OrkaError again."""
+"""Client plumbing: mutual-TLS channels and the one place a failed call becomes OrkaError again."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import grpc
 
-from orka.errors import Invalid, from_status
+from orka.errors import Invalid, from_rpc_error
 from orka.rpc.server import MAX_MESSAGE_BYTES, grpc_options
 from orka.security.ca import role_dns_name
 from orka.security.tls import TlsFiles, channel_credentials
@@ -72,8 +72,9 @@ def refused_role(details: str, server_role: str) -> str | None:
 async def call(
     method: Callable[..., Awaitable[Resp]], request: Req, timeout: float | None = 30.0
 ) -> Resp:
-    """Invoke a unary RPC; a failure comes back as the matching OrkaError subclass."""
+    """Invoke a unary RPC; a failure comes back as the exact OrkaError class the server raised
+    (from the status' ErrorInfo reason), with its field violations, metadata and retry delay."""
     try:
         return await method(request, timeout=timeout)
     except grpc.aio.AioRpcError as err:
-        raise from_status(err.code(), err.details() or "") from None
+        raise from_rpc_error(err) from None

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
-from orka.errors import Invalid
+from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.etags import node_etag
 from orka.models import (
     MAX_STOP_GRACE_SECONDS,
@@ -57,17 +57,23 @@ _MAPPING_FIELDS = frozenset({"env", "node_selector", "labels"})
 
 
 def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
-    """Turn pydantic's report into one message that names each offending field."""
+    """Turn pydantic's report into one message that names each offending field, and one
+    field violation per field (the path from the error's `loc`)."""
     parts = []
+    fields = []
     errors = err.errors(include_input=False, include_url=False)
     for e in errors[:MAX_REPORTED_ERRORS]:
         loc = field_path(tuple(e["loc"]))
         msg = str(e["msg"]).removeprefix("Value error, ")
         field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         parts.append(f"{field}: {msg}" if field else msg)
+        if field:
+            fields.append(FieldViolation(field, msg))
+    more: dict[str, str] = {}
     if len(errors) > MAX_REPORTED_ERRORS:
         parts.append(f"and {len(errors) - MAX_REPORTED_ERRORS} more")
-    return Invalid("; ".join(parts))
+        more[MORE_VIOLATIONS] = str(len(errors) - MAX_REPORTED_ERRORS)
+    return Invalid("; ".join(parts), fields=fields, metadata=more)
 
 
 def timestamp_fields(seconds: float | None) -> dict[str, int] | None:
@@ -122,7 +128,8 @@ def duration_from_pb(d: Duration, field: str) -> float:
     ):
         raise Invalid(
             f"{field}: not a valid Duration (seconds {d.seconds}, nanos {d.nanos}: nanos must"
-            " be within ±999,999,999 and have the sign of seconds)"
+            " be within ±999,999,999 and have the sign of seconds)",
+            field=field,
         )
     return d.seconds + d.nanos / 1e9
 
@@ -159,9 +166,10 @@ def check_spec_size(msg: pb.WorkloadSpec) -> None:
         return
     fields = [(f.name, _field_bytes(msg, f.name)) for f, _ in msg.ListFields()]
     name, biggest = max(fields, key=lambda f: f[1])
-    raise Invalid(
-        f"spec.{name}: is {biggest} bytes serialized, making the spec {size} bytes,"
-        f" over the limit of {MAX_SPEC_BYTES} bytes"
+    raise Invalid.at(
+        f"spec.{name}",
+        f"is {biggest} bytes serialized, making the spec {size} bytes,"
+        f" over the limit of {MAX_SPEC_BYTES} bytes",
     )
 
 
@@ -186,17 +194,17 @@ def _spec_from_bytes(data: bytes) -> WorkloadSpec:
 
 def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
     if msg.kind == pb.WorkloadSpec.KIND_UNSPECIFIED:
-        raise Invalid("spec.kind: is required (PROCESS, CONTAINER or VM)")
+        raise Invalid.at("spec.kind", "is required (PROCESS, CONTAINER or VM)")
     if msg.kind not in (pb.WorkloadSpec.PROCESS, pb.WorkloadSpec.CONTAINER, pb.WorkloadSpec.VM):
-        raise Invalid(f"spec.kind: unknown kind {msg.kind}; use PROCESS, CONTAINER or VM")
+        raise Invalid.at("spec.kind", f"unknown kind {msg.kind}; use PROCESS, CONTAINER or VM")
     if msg.restart_policy == pb.WorkloadSpec.RESTART_POLICY_UNSPECIFIED:
         policy = RestartPolicy.ALWAYS.value
     elif msg.restart_policy in pb.WorkloadSpec.RestartPolicy.values():
         policy = pb.WorkloadSpec.RestartPolicy.Name(msg.restart_policy)
     else:
-        raise Invalid(
-            f"spec.restart_policy: unknown policy {msg.restart_policy};"
-            " use ALWAYS, ON_FAILURE or NEVER"
+        raise Invalid.at(
+            "spec.restart_policy",
+            f"unknown policy {msg.restart_policy}; use ALWAYS, ON_FAILURE or NEVER",
         )
     data: dict[str, object] = {
         "name": msg.name,
@@ -223,9 +231,9 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
     if msg.HasField("stop_grace_period"):
         grace = duration_from_pb(msg.stop_grace_period, "spec.stop_grace_period")
         if not 0 <= grace <= MAX_STOP_GRACE_SECONDS:
-            raise Invalid(
-                f"spec.stop_grace_period: must be between 0s and {MAX_STOP_GRACE_SECONDS:g}s,"
-                f" got {grace:g}s"
+            raise Invalid.at(
+                "spec.stop_grace_period",
+                f"must be between 0s and {MAX_STOP_GRACE_SECONDS:g}s, got {grace:g}s",
             )
         data["stop_grace_seconds"] = grace
     try:
@@ -312,11 +320,11 @@ def phase_to_pb(phase: InstancePhase) -> int:
 
 def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
     if value == pb.Instance.PHASE_UNSPECIFIED:
-        raise Invalid(f"{field}: is required")
+        raise Invalid.at(field, "is required")
     try:
         return InstancePhase(pb.Instance.Phase.Name(value))
     except ValueError:
-        raise Invalid(f"{field}: unknown phase {value}") from None
+        raise Invalid.at(field, f"unknown phase {value}") from None
 
 
 def instance_to_pb(i: Instance) -> pb.Instance:

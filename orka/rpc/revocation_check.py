@@ -17,7 +17,7 @@ import grpc
 
 from orka.errors import Unauthenticated
 from orka.security.identity import PEER_CERT_KEY
-from orka.security.revocation import REVOCATIONS, REVOKED, Revocations
+from orka.security.revocation import REVOCATIONS, REVOKED, REVOKED_DETAILS, Revocations
 
 Behaviour = Callable[[Any, grpc.aio.ServicerContext], Any]
 
@@ -43,7 +43,9 @@ def _checked(behaviour: Behaviour, registry: Revocations) -> Behaviour:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if _revoked(context, registry):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, REVOKED, trailing_metadata=REVOKED_DETAILS
+                )
             async for item in behaviour(request, context):
                 yield item
 
@@ -51,7 +53,9 @@ def _checked(behaviour: Behaviour, registry: Revocations) -> Behaviour:
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if _revoked(context, registry):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, REVOKED, trailing_metadata=REVOKED_DETAILS
+            )
         result = behaviour(request, context)
         if inspect.isawaitable(result):
             result = await result

@@ -14,7 +14,7 @@ from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orka.errors import Invalid, OrkaError
+from orka.errors import Invalid, OrkaError, trailing_metadata, wire_message
 from orka.rpc import own_cert
 from orka.rpc.revocation_check import RevocationInterceptor
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
@@ -106,10 +106,25 @@ async def start_server(
     return server, bound, health_servicer
 
 
-def _abort_code(err: Exception) -> tuple[grpc.StatusCode, str]:
+@dataclass(frozen=True)
+class Abort:
+    """How a failed call ends on the wire: code, message, and the trailer with the rich
+    google.rpc.Status (ErrorInfo, BadRequest, RetryInfo) that `orka.errors` builds."""
+
+    code: grpc.StatusCode
+    message: str
+    trailer: tuple[tuple[str, bytes], ...] = ()
+
+    async def send(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(self.code, self.message, trailing_metadata=self.trailer)
+
+
+def _abort_code(err: Exception) -> Abort:
+    """The one server boundary: an OrkaError goes out as its class's code with its details;
+    anything else is a bug of ours, sent as INTERNAL with no detail of it (it is logged)."""
     if isinstance(err, OrkaError):
-        return err.code, err.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}"
+        return Abort(err.code, wire_message(err), trailing_metadata(err))
+    return Abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}")
 
 
 # ---- the audit hook ----
@@ -211,11 +226,11 @@ def unary(
                 audit(grpc.StatusCode.CANCELLED)
                 raise
             except Exception as err:
-                code, message = _abort_code(err)
-                if code is grpc.StatusCode.INTERNAL:
+                abort = _abort_code(err)
+                if abort.code is grpc.StatusCode.INTERNAL:
                     log.exception("rpc failed", method=fn.__name__)
-                audit(code, message)
-                await context.abort(code, message)
+                audit(abort.code, abort.message)
+                await abort.send(context)
                 raise  # unreachable: abort raises
             audit(grpc.StatusCode.OK)
             return reply
@@ -247,11 +262,11 @@ def stream(
                 audit(grpc.StatusCode.CANCELLED)
                 raise
             except Exception as err:
-                code, message = _abort_code(err)
-                if code is grpc.StatusCode.INTERNAL:
+                abort = _abort_code(err)
+                if abort.code is grpc.StatusCode.INTERNAL:
                     log.exception("stream failed", method=fn.__name__)
-                audit(code, message)
-                await context.abort(code, message)
+                audit(abort.code, abort.message)
+                await abort.send(context)
             else:
                 audit(grpc.StatusCode.OK)
 

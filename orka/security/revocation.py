@@ -27,11 +27,13 @@ import grpc
 import structlog
 from cryptography import x509
 
-from orka.errors import Invalid, Unauthenticated
+from orka.errors import Invalid, Unauthenticated, trailing_metadata
 
 log = structlog.get_logger("orka.security")
 
 REVOKED = "certificate revoked"
+# Its status details (ErrorInfo reason UNAUTHENTICATED), as every other refusal carries.
+REVOKED_DETAILS = trailing_metadata(Unauthenticated(REVOKED))
 # A CRL is a list of serials; 1 MiB holds ~25,000 entries and keeps a hostile file harmless.
 MAX_CRL_BYTES = 1024 * 1024
 
@@ -163,7 +165,9 @@ async def _cut(call: _Call) -> None:
     stops working for a peer that is gone.
     """
     with contextlib.suppress(Exception):
-        await call.context.abort(grpc.StatusCode.UNAUTHENTICATED, REVOKED)
+        await call.context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, REVOKED, trailing_metadata=REVOKED_DETAILS
+        )
     call.task.cancel()
 
 

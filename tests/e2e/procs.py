@@ -232,15 +232,18 @@ def monotonic() -> float:
     return time.monotonic()
 
 
-async def run_orka(c: ProcessCluster, *args: str, timeout: float = 60.0) -> str:
-    """One `orka` command against the cluster, exactly as a user runs it; must exit 0."""
+async def run_orka(
+    c: ProcessCluster, *args: str, timeout: float = 60.0, controller: str | None = None
+) -> str:
+    """One `orka` command against the cluster (its controller, or `controller`), exactly as a
+    user runs it; must exit 0."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "orka.cli.main",
         *args,
         "--controller",
-        f"127.0.0.1:{c.controller_port}",
+        controller or f"127.0.0.1:{c.controller_port}",
         "--certs",
         str(c.certs),
         stdin=asyncio.subprocess.DEVNULL,

@@ -25,7 +25,7 @@ import pytest
 from orka.api import controller_pb2 as pb
 from orka.rpc.pages import list_all
 from orka.security.issue import issue_cert, pair_dir
-from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
+from tests.e2e.procs import ProcessCluster, free_port, nodes_ready, run_orka
 from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
 
@@ -178,6 +178,11 @@ async def test_leader_sigkill_while_placing_100(fake_cluster: ProcessCluster) ->
 
     details = await eventually(redirect, timeout=20)
     assert f"the leader is at 127.0.0.1:{port_a}" in details
+    # The orka command, given only the standby, follows its NOT_LEADER details to the leader.
+    listed = json.loads(
+        await run_orka(c, "get", "nodes", "-o", "json", controller=f"127.0.0.1:{port_b}")
+    )
+    assert sorted(n["name"] for n in listed) == nodes
 
     await c.connect(port_a)
     assert c.api is not None

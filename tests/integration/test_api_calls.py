@@ -17,7 +17,7 @@ from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import MAX_BATCH_BYTES, MAX_EVENT_BATCH, ControllerApi, Quotas
 from orka.controller.repo import Change
-from orka.errors import Invalid
+from orka.errors import Invalid, ResourceExhausted, from_rpc_error
 from orka.models import Workload, WorkloadSpec
 from orka.rpc import convert
 from tests.integration.cluster import Cluster, eventually
@@ -479,6 +479,9 @@ async def test_a_cut_off_subscriber_is_told_why_exactly(
         r" (\d+); watch again with since_revision=\1",
         info.value.details() or "",
     )
+    # Its details say a retry (a new subscription) may succeed in a second.
+    told = from_rpc_error(info.value)
+    assert (type(told), told.retry_after) == (ResourceExhausted, 1.0)
 
 
 async def _true(value: bool) -> bool:

@@ -13,10 +13,12 @@ from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.cli.client import AdminClient
 from orka.controller.service import Controller, ControllerConfig
+from orka.errors import NotLeader, from_rpc_error
 from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
 from tests.etcd import EtcdCluster, needs_etcd
 from tests.integration.cluster import Cluster, eventually
+from tests.integration.test_grpcurl import Grpcurl
 
 pytestmark = needs_etcd
 
@@ -76,8 +78,19 @@ async def test_follower_redirects_and_takes_over_when_the_lease_is_lost(
             await pb_grpc.ControllerStub(channel).ListNodes(pb.ListNodesRequest())
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert err.value.details() == f"not the leader; the leader is at 127.0.0.1:{leader.port}"
+        # The address a client acts on is in the details, not the prose.
+        redirect = from_rpc_error(err.value)
+        assert type(redirect) is NotLeader
+        assert (redirect.leader, redirect.retry_after) == (f"127.0.0.1:{leader.port}", 0.0)
     finally:
         await channel.close()
+    # grpcurl prints the same details.
+    shown = await Grpcurl(f"127.0.0.1:{standby.port}", certs_dir).call("ListNodes")
+    assert shown.status() == "Unavailable", shown.err
+    info = shown.detail("ErrorInfo")
+    assert (info["reason"], info["domain"]) == ("NOT_LEADER", "orka.io"), shown.err
+    assert info["metadata"] == {"leader": f"127.0.0.1:{leader.port}"}, shown.err
+    assert shown.detail("RetryInfo")["retry_delay"] in ("0s", "0.000s"), shown.err
     both = f"127.0.0.1:{standby.port},127.0.0.1:{leader.port}"
     for target in (f"127.0.0.1:{standby.port}", both):
         async with AdminClient(target, certs_dir) as client:

@@ -63,6 +63,20 @@ class Result:
                 return value.strip()
         return ""
 
+    def details(self) -> list[dict[str, Any]]:
+        """The google.rpc detail messages grpcurl printed under `Details:` (`1)\t{json}`)."""
+        out = []
+        for line in self.err.splitlines():
+            number, sep, doc = line.strip().partition(")")
+            if sep and number.isdigit() and doc.strip().startswith("{"):
+                out.append(json.loads(doc))
+        return out
+
+    def detail(self, type_name: str) -> dict[str, Any]:
+        found = [d for d in self.details() if d["@type"].endswith(f"/google.rpc.{type_name}")]
+        assert len(found) == 1, self.err
+        return found[0]
+
     def message(self) -> str:
         for line in self.err.splitlines():
             key, _, value = line.strip().partition(":")
@@ -266,13 +280,19 @@ async def test_agent_certificate_is_permission_denied(grpcurl: Grpcurl) -> None:
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
-        pytest.param({k: v for k, v in web_spec().items() if k != "name"}, "name", id="no-name"),
-        pytest.param({k: v for k, v in web_spec().items() if k != "kind"}, "kind", id="no-kind"),
-        pytest.param(web_spec(resources={"cpuMillis": "-5"}), "cpu_millis", id="negative-cpu"),
-        pytest.param(web_spec(replicas=100000), "replicas", id="too-many-replicas"),
+        pytest.param(
+            {k: v for k, v in web_spec().items() if k != "name"}, "spec.name", id="no-name"
+        ),
+        pytest.param(
+            {k: v for k, v in web_spec().items() if k != "kind"}, "spec.kind", id="no-kind"
+        ),
+        pytest.param(
+            web_spec(resources={"cpuMillis": "-5"}), "spec.resources.cpu_millis", id="negative-cpu"
+        ),
+        pytest.param(web_spec(replicas=100000), "spec.replicas", id="too-many-replicas"),
     ],
 )
-async def test_bad_spec_is_invalid_argument(
+async def test_bad_spec_is_invalid_argument_naming_the_field_in_its_details(
     grpcurl: Grpcurl, spec: dict[str, Any], field: str
 ) -> None:
     before = await _workload_names(grpcurl)
@@ -280,6 +300,12 @@ async def test_bad_spec_is_invalid_argument(
     assert result.code != 0, result.out
     assert result.status() == "InvalidArgument", result.err
     assert field in result.message(), result.err
+    # The details grpcurl prints: the reason, and the field as a BadRequest violation.
+    info = result.detail("ErrorInfo")
+    assert (info["reason"], info["domain"]) == ("INVALID_ARGUMENT", "orka.io"), result.err
+    violations = result.detail("BadRequest")["field_violations"]
+    assert [v["field"] for v in violations] == [field], result.err
+    assert violations[0]["description"], result.err
     assert await _workload_names(grpcurl) == before
 
 

@@ -25,6 +25,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.errors import Unauthenticated, from_rpc_error, rich_status
 from orka.security.ca import role_dns_name
 from orka.security.tls import TlsFiles
 from tests.integration.cluster import Cluster, eventually
@@ -72,6 +73,9 @@ def _channel(target: str, certs: Certs, files: TlsFiles | None, server: str) -> 
 def _failed(err: grpc.aio.AioRpcError) -> grpc.StatusCode:
     if err.code() is REVOKED:
         assert err.details() == "certificate revoked"
+        # With its details, as every refusal: the reason, not the prose, names the class.
+        status = rich_status(err)
+        assert status is not None and type(from_rpc_error(err)) is Unauthenticated, err
     return err.code()
 
 

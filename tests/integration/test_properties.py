@@ -366,10 +366,10 @@ async def test_agent_messages_never_fail_the_scheduler(
     server_codes: list[grpc.StatusCode] = []
     decide = server._abort_code
 
-    def recorded(err: Exception) -> tuple[grpc.StatusCode, str]:
-        code, message = decide(err)
-        server_codes.append(code)
-        return code, message
+    def recorded(err: Exception) -> server.Abort:
+        abort = decide(err)
+        server_codes.append(abort.code)
+        return abort
 
     monkeypatch.setattr(server, "_abort_code", recorded)
     # Registrations the scheduler accepted, seen there too: after such a client-side

@@ -10,7 +10,7 @@ from google.protobuf.duration_pb2 import Duration
 
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
-from orka.errors import Invalid
+from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.models import (
     Instance,
     InstancePhase,
@@ -117,6 +117,8 @@ def test_validation_error_becomes_invalid_naming_field(
     assert message.startswith(f"{field}: ")
     assert fragment in message
     assert "Value error," not in message
+    # The same field and reason as a google.rpc.BadRequest violation.
+    assert info.value.fields == [FieldViolation(field, message.removeprefix(f"{field}: "))]
 
 
 def test_several_errors_are_all_named() -> None:
@@ -124,6 +126,34 @@ def test_several_errors_are_all_named() -> None:
         convert.spec_from_pb(spec_pb(name="BAD", replicas=-1))
     parts = info.value.message.split("; ")
     assert [p.split(":")[0] for p in parts] == ["spec.name", "spec.replicas"]
+    assert [str(v) for v in info.value.fields] == parts
+    assert MORE_VIOLATIONS not in info.value.metadata
+
+
+def test_past_five_errors_the_rest_are_counted() -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(command=[f"a\0{i}" for i in range(8)]))
+    assert [v.field for v in info.value.fields] == [f"spec.command[{i}]" for i in range(5)]
+    assert info.value.message.endswith("; and 3 more")
+    assert info.value.metadata == {MORE_VIOLATIONS: "3"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"kind": pb.WorkloadSpec.KIND_UNSPECIFIED}, "spec.kind"),
+        ({"kind": 42}, "spec.kind"),
+        ({"restart_policy": 42}, "spec.restart_policy"),
+        ({"env": {"K": "v" * (2 << 20)}}, "spec.env"),
+    ],
+)
+def test_checks_before_the_model_name_their_field_too(
+    overrides: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(**overrides))
+    assert [v.field for v in info.value.fields] == [field]
+    assert info.value.message == str(info.value.fields[0])
 
 
 SPECS = [

@@ -22,7 +22,7 @@ from orka.security.identity import (
     peer_identity,
     require_role,
 )
-from orka.security.revocation import REVOCATIONS
+from orka.security.revocation import REVOCATIONS, REVOKED_DETAILS
 
 
 def _cert_with_sans(sans: list[x509.GeneralName] | None) -> bytes:
@@ -133,10 +133,10 @@ async def test_peer_identity_registers_the_call_for_cutting(tmp_path: Path) -> N
     # peer_identity hands the call's own context to the revocation registry: a CRL that later
     # revokes the peer aborts that very call with UNAUTHENTICATED (not just cancels its task).
     leaf = issue_leaf(create_ca(), "admin", "admin")
-    aborted: list[tuple[grpc.StatusCode, str]] = []
+    aborted: list[tuple[grpc.StatusCode, str, object]] = []
 
-    async def abort(code: grpc.StatusCode, details: str) -> None:
-        aborted.append((code, details))
+    async def abort(code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+        aborted.append((code, details, trailing_metadata))
 
     ctx = SimpleNamespace(
         auth_context=lambda: {"x509_pem_cert": [cert_pem(leaf.cert)]}, abort=abort
@@ -157,4 +157,4 @@ async def test_peer_identity_registers_the_call_for_cutting(tmp_path: Path) -> N
             await asyncio.wait_for(task, 5)
     finally:
         REVOCATIONS.forget(crl)
-    assert aborted == [(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked")]
+    assert aborted == [(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked", REVOKED_DETAILS)]
