@@ -8,7 +8,9 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+
+from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
@@ -254,22 +256,33 @@ class ControllerApi(pb_grpc.ControllerServicer):
     async def ListWorkloads(
         self, request: pb.ListWorkloadsRequest, who: Identity
     ) -> pb.ListWorkloadsResponse:
-        size = paging.page_size(request.page_size)
-        filters = paging.fingerprint("workloads")
-        start = paging.decode_token(request.page_token, filters, (str,))
-        workloads = self.repo.workloads
-
-        def pick(key: paging.Key) -> pb.Workload | None:
-            w = workloads.get(key[0])
-            return self._workload_pb(w) if w is not None else None
-
-        keys = paging.after(self.repo.order["workloads"], start)
-        page, last = paging.take_page(keys, size, pick, pb.Workload.ByteSize)
-        return pb.ListWorkloadsResponse(
-            workloads=page,
-            next_page_token=paging.encode_token(last, filters) if last else "",
-            revision=self.repo.revision,
+        page, token = self._page_by_name(
+            "workloads", request, self._workload_pb, pb.Workload.ByteSize
         )
+        return pb.ListWorkloadsResponse(
+            workloads=page, next_page_token=token, revision=self.repo.revision
+        )
+
+    def _page_by_name(
+        self,
+        kind: Literal["workloads", "nodes"],
+        request: pb.ListWorkloadsRequest | pb.ListNodesRequest,
+        to_pb: Callable[[Any], Message],
+        weigh: Callable[[Any], int],
+    ) -> tuple[list[Any], str]:
+        """A page of a table listed by name alone, and the token of the page after it."""
+        size = paging.page_size(request.page_size)
+        filters = paging.fingerprint(kind)
+        start = paging.decode_token(request.page_token, filters, (str,))
+        table = self.repo.workloads if kind == "workloads" else self.repo.nodes
+
+        def pick(key: paging.Key) -> Message | None:
+            value = table.get(key[0])
+            return to_pb(value) if value is not None else None
+
+        keys = paging.after(self.repo.order[kind], start)
+        page, last = paging.take_page(keys, size, pick, weigh)
+        return page, paging.encode_token(last, filters) if last else ""
 
     async def DeleteWorkload(
         self, request: pb.DeleteWorkloadRequest, who: Identity
@@ -351,22 +364,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
         return node
 
     async def ListNodes(self, request: pb.ListNodesRequest, who: Identity) -> pb.ListNodesResponse:
-        size = paging.page_size(request.page_size)
-        filters = paging.fingerprint("nodes")
-        start = paging.decode_token(request.page_token, filters, (str,))
-        nodes = self.repo.nodes
-
-        def pick(key: paging.Key) -> pb.Node | None:
-            n = nodes.get(key[0])
-            return self._node_pb(n) if n is not None else None
-
-        keys = paging.after(self.repo.order["nodes"], start)
-        page, last = paging.take_page(keys, size, pick, pb.Node.ByteSize)
-        return pb.ListNodesResponse(
-            nodes=page,
-            next_page_token=paging.encode_token(last, filters) if last else "",
-            revision=self.repo.revision,
-        )
+        page, token = self._page_by_name("nodes", request, self._node_pb, pb.Node.ByteSize)
+        return pb.ListNodesResponse(nodes=page, next_page_token=token, revision=self.repo.revision)
 
     async def GetNode(self, request: pb.GetNodeRequest, who: Identity) -> pb.Node:
         return self._node_pb(self._node(request.name))
