@@ -20,17 +20,16 @@ from the message; an `Invalid` naming fields also carries a `BadRequest` with on
 | Unauthenticated   | UNAUTHENTICATED     | UNAUTHENTICATED    | no                         |
 | PermissionDenied  | PERMISSION_DENIED   | PERMISSION_DENIED  | no                         |
 | ResourceExhausted | RESOURCE_EXHAUSTED  | RESOURCE_EXHAUSTED | when `retry_after` is set  |
-| Unschedulable     | RESOURCE_EXHAUSTED  | UNSCHEDULABLE      | no                         |
 | Unavailable       | UNAVAILABLE         | UNAVAILABLE        | yes, after 1 s             |
 | NotLeader         | UNAVAILABLE         | NOT_LEADER         | yes: at once at `leader`   |
 
-Two pairs share a code because gRPC has no second fitting one, and the reason tells them apart:
-- Conflict and RuntimeFailure are both FAILED_PRECONDITION: the system (an object's state, a
-  node's runtime: a missing image or binary) is not in the state the request needs, and
-  retrying unchanged does not help. ABORTED is taken by concurrency (Aborted), INTERNAL and
-  UNKNOWN would blame the server for what the user can fix.
-- ResourceExhausted and Unschedulable are both RESOURCE_EXHAUSTED: a quota or a buffer is
-  used up, or no node has room left; FAILED_PRECONDITION would mix them with Conflict.
+One pair shares a code because gRPC has no second fitting one, and the reason tells them apart:
+Conflict and RuntimeFailure are both FAILED_PRECONDITION: the system (an object's state, a
+node's runtime: a missing image or binary) is not in the state the request needs, and retrying
+unchanged does not help. ABORTED is taken by concurrency (Aborted), INTERNAL and UNKNOWN would
+blame the server for what the user can fix. (A runtime failure reaches users as an instance's
+reason and message, not as an RPC error; the class keeps its own reason for the agent's calls.)
+A workload that fits no node is no error either: its instances stay PENDING with the reasons.
 NotLeader is an Unavailable (every caller that handles Unavailable handles it) whose reason and
 `leader` metadata tell a client where to go instead, rather than prose to parse.
 
@@ -192,11 +191,6 @@ class ResourceExhausted(OrkaError):
     last_revision: int | None = None
 
 
-class Unschedulable(OrkaError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "UNSCHEDULABLE"
-
-
 class Unavailable(OrkaError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = "UNAVAILABLE"
@@ -249,7 +243,6 @@ CLASSES: tuple[type[OrkaError], ...] = (
     Unauthenticated,
     PermissionDenied,
     ResourceExhausted,
-    Unschedulable,
     Unavailable,
     NotLeader,
 )

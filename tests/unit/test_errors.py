@@ -37,7 +37,6 @@ TABLE: list[tuple[type[errors.OrkaError], grpc.StatusCode, str, float | None]] =
     (errors.Unauthenticated, C.UNAUTHENTICATED, "UNAUTHENTICATED", None),
     (errors.PermissionDenied, C.PERMISSION_DENIED, "PERMISSION_DENIED", None),
     (errors.ResourceExhausted, C.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED", None),
-    (errors.Unschedulable, C.RESOURCE_EXHAUSTED, "UNSCHEDULABLE", None),
     (errors.Unavailable, C.UNAVAILABLE, "UNAVAILABLE", 1.0),
     (errors.NotLeader, C.UNAVAILABLE, "NOT_LEADER", 1.0),
 ]
@@ -57,7 +56,6 @@ def test_no_two_classes_share_a_reason_and_only_the_named_pairs_share_a_code() -
     shared = sorted(names for names in by_code.values() if len(names) > 1)
     assert shared == [
         ["Conflict", "RuntimeFailure"],
-        ["ResourceExhausted", "Unschedulable"],
         ["Unavailable", "NotLeader"],
     ]
 
@@ -82,7 +80,6 @@ CASES: list[errors.OrkaError] = [
     errors.NotLeader("not the leader; the leader is at 10.0.0.7:7443", leader="10.0.0.7:7443"),
     errors.NotLeader("not the leader; no leader is elected yet, retry shortly"),
     cut_off(41),
-    errors.Unschedulable("3 nodes: insufficient memory"),
     errors.RuntimeFailure("process: command 'nope' not found"),
     errors.Aborted("workload 'web' changed since it was read (etag); read it again"),
     errors.OutOfRange("revision 3 is older than the history kept (from 90); list again"),
