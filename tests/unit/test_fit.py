@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,92 @@ def test_explain_resources(used: tuple[int, int], req: tuple[int, int], text: st
     reason = fit.resources(need, room)
     assert reason is not None
     assert fit.explain_resources(reason, need, room) == text
+
+
+# ---- the reasons made while a test runs (the constants above are made at import) ----
+
+
+class _LaterState(StrEnum):
+    """A node state added after fit.py was written."""
+
+    DRAINING = "DRAINING"
+
+
+@pytest.mark.parametrize(
+    ("state", "schedulable", "code", "message"),
+    [
+        (NodeState.READY, True, None, None),
+        (NodeState.READY, False, "NODE_CORDONED", "cordoned"),
+        (NodeState.NOT_READY, True, "NODE_NOT_READY", "not ready"),
+        (NodeState.LOST, True, "NODE_LOST", "lost"),
+        (NodeState.LEFT, False, "NODE_LEFT", "left"),
+        # A state the table does not know still rejects, and the message names it.
+        (_LaterState.DRAINING, True, "NODE_NOT_READY", "draining"),
+    ],
+)
+def test_availability_and_ready_name_the_state(
+    state: Any, schedulable: bool, code: str | None, message: str | None
+) -> None:
+    view = node(state=state, schedulable=schedulable)
+    got = fit.availability(view)
+    assert (got and (got.code.value, got.message, got.resolvable)) == (
+        (code, message, True) if code else None
+    )
+    # ready() is the state half of availability(): the same reason, the same object.
+    ready = fit.ready(request(), view)
+    if state is NodeState.READY:
+        assert ready is None
+    else:
+        assert ready is got
+        assert ready is fit.availability(view)
+
+
+def test_refused_quotes_the_agent() -> None:
+    got = fit.refused("image missing on this agent")
+    assert (got.code, got.message, got.resolvable) == (
+        fit.Code.OFFER_REFUSED,
+        "refused: image missing on this agent",
+        True,
+    )
+
+
+@pytest.mark.parametrize("code", list(fit.Code))
+def test_a_reason_made_now_says_whether_waiting_helps(code: fit.Code) -> None:
+    assert fit.Reason(code, "made now").resolvable is fit.RESOLVABLE[code]
+
+
+def test_intern_table_starts_over_once_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fit, "_INTERNED", {})
+    monkeypatch.setattr(fit, "_MAX_INTERNED", 2)
+    first = fit.reason(fit.Code.OFFER_REFUSED, "a")
+    fit.reason(fit.Code.OFFER_REFUSED, "b")
+    assert len(fit._INTERNED) == 2  # full, not yet past the limit
+    fit.reason(fit.Code.OFFER_REFUSED, "c")
+    assert list(fit._INTERNED) == [(fit.Code.OFFER_REFUSED, "c")]
+    assert fit.reason(fit.Code.OFFER_REFUSED, "a") is not first
+
+
+@pytest.mark.parametrize(
+    ("req", "used", "bound", "fits"),
+    [
+        # share = 2000/4000 + 4/8 = 1.0, so the most used that fits is 1.0: exactly full fits.
+        ((2000, 4 * GIB), (2000, 4 * GIB), 1.0, True),
+        ((2000, 4 * GIB), (2001, 4 * GIB), 1.0, False),
+        ((0, 0), (4000, 8 * GIB), 2.0, True),
+        ((1000, 2 * GIB), (3000, 0), 1.5, True),
+        ((4000, 8 * GIB), (0, 0), 0.0, True),
+    ],
+)
+def test_most_used_that_fits_bounds_what_resources_accepts(
+    req: tuple[int, int], used: tuple[int, int], bound: float, fits: bool
+) -> None:
+    share = req[0] / 4000 + req[1] / (8 * GIB)
+    assert fit.most_used_that_fits(share) == bound
+    room = fit.Room(4000, 8 * GIB, used[0], used[1])
+    need = Resources(cpu_millis=req[0], memory_bytes=req[1])
+    assert (fit.resources(need, room) is None) is fits
+    if fits:
+        assert used[0] / 4000 + used[1] / (8 * GIB) <= bound
 
 
 def test_reasons_count_and_format_most_common_first() -> None:

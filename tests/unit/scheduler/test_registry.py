@@ -428,3 +428,76 @@ def test_expire_reservations_looks_past_nodes_without_holds() -> None:
     later.add_hold("web-0", Hold("web", 100, 10, expires_at=now - 1))
     assert reg.expire_reservations(now) == [("later", "web-0")]
     assert later.holds == {}
+
+
+# ---- incremental snapshots: a change rebuilds only the changed node's view ----
+
+
+def _reserve(reg: Registry, rec: NodeRecord) -> None:
+    assert reg.try_reserve(rec, request(instance="web-1"), 5) is None
+
+
+def _release(reg: Registry, rec: NodeRecord) -> None:
+    reg.release(rec, "web-0")
+
+
+def _report_new(reg: Registry, rec: NodeRecord) -> None:
+    assert reg.apply_report(rec, report("web-9"), RES) is True
+
+
+def _upsert_again(reg: Registry, rec: NodeRecord) -> None:
+    assert reg.upsert(rec.name) is rec
+
+
+@pytest.mark.parametrize(
+    ("change", "n1_cpu_used"),
+    [(_reserve, 1000), (_release, 0), (_report_new, 1000), (_upsert_again, 500)],
+    ids=["try_reserve", "release", "apply_report", "upsert"],
+)
+def test_a_change_to_one_node_reuses_the_other_views(change: Any, n1_cpu_used: int) -> None:
+    reg, rec = registry_with()
+    reg.upsert("n2")
+    assert reg.try_reserve(rec, request(instance="web-0"), 5) is None
+    for _ in range(2):  # the second snapshot onward carries an index over
+        first = reg.snapshot()
+        change(reg, rec)
+        second = reg.snapshot()
+        assert second is not first
+        assert second.by_name["n2"] is first.by_name["n2"]
+        assert second.by_name["n1"] is not first.by_name["n1"]
+        assert second.by_name["n1"].cpu_used == n1_cpu_used
+        reg.changed(rec)  # back to a state where the change applies again
+        if change is _release:
+            assert reg.try_reserve(rec, request(instance="web-0"), 5) is None
+        elif change is _reserve:
+            reg.release(rec, "web-1")
+        elif change is _report_new:
+            reg.forget(rec, "web-9")
+
+
+def test_a_change_to_anything_rebuilds_every_view_and_the_index() -> None:
+    reg, rec = registry_with()
+    reg.upsert("n2")
+    reg.snapshot()
+    _reserve(reg, rec)
+    first = reg.snapshot()
+    assert first.index is not None
+    reg.changed()
+    second = reg.snapshot()
+    assert second.by_name["n2"] is not first.by_name["n2"]
+    assert second.index is not None
+    assert [v.name for v in second.nodes] == ["n1", "n2"]
+
+
+@pytest.mark.parametrize("seen", [True, False], ids=["in-last-snapshot", "added-since"])
+def test_a_node_removed_from_the_registry_leaves_the_snapshot(seen: bool) -> None:
+    reg, _ = registry_with()
+    reg.upsert("n2")
+    reg.snapshot()
+    gone = reg.upsert("gone")
+    if seen:
+        reg.snapshot()
+    del reg.nodes["gone"]
+    reg.changed(gone)
+    assert [v.name for v in reg.snapshot().nodes] == ["n1", "n2"]
+    assert "gone" not in reg.snapshot().by_name
