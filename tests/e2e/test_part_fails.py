@@ -46,14 +46,33 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _run_broken(
+    launcher: str, args: list[str]
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """Run `orka ARGS` through a launcher that breaks one part; its exit and its JSON log lines."""
+    proc = subprocess.run(
+        [sys.executable, "-c", launcher, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ORKA_LOG_LEVEL": "info"},
+    )
+    assert proc.returncode == 1, proc.stderr
+    return proc, [json.loads(line) for line in proc.stderr.splitlines() if line[:1] == "{"]
+
+
+def _failures(lines: list[dict]) -> list[tuple[str, str, str, str]]:
+    return [
+        (e["event"], e["service"], e["part"], e["error"]) for e in lines if e["level"] == "error"
+    ]
+
+
 def test_a_scheduler_whose_part_fails_exits_1_with_one_log_line(
     certs_dir: Path, tmp_path: Path
 ) -> None:
-    proc = subprocess.run(
+    proc, lines = _run_broken(
+        LAUNCHER,
         [
-            sys.executable,
-            "-c",
-            LAUNCHER,
             "scheduler",
             "--listen",
             f"127.0.0.1:{free_port()}",
@@ -66,15 +85,8 @@ def test_a_scheduler_whose_part_fails_exits_1_with_one_log_line(
             "--node-lost-after",
             "1",
         ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "ORKA_LOG_LEVEL": "info"},
     )
-    assert proc.returncode == 1, proc.stderr
-    lines = [json.loads(line) for line in proc.stderr.splitlines() if line[:1] == "{"]
-    errors = [e for e in lines if e["level"] == "error"]
-    assert [(e["event"], e["service"], e["part"], e["error"]) for e in errors] == [
+    assert _failures(lines) == [
         (
             "service part failed; stopping the service",
             "scheduler",
@@ -82,6 +94,7 @@ def test_a_scheduler_whose_part_fails_exits_1_with_one_log_line(
             "RuntimeError: liveness pass broke",
         )
     ]
+    errors = [e for e in lines if e["level"] == "error"]
     assert "RuntimeError: liveness pass broke" in errors[0]["exception"]  # the traceback
     assert [e["event"] for e in lines].index("scheduler listening") < lines.index(errors[0])
     assert proc.stderr.splitlines()[-1] == (
@@ -92,11 +105,9 @@ def test_a_scheduler_whose_part_fails_exits_1_with_one_log_line(
 def test_an_agent_whose_part_fails_exits_1_with_one_log_line(
     certs_dir: Path, tmp_path: Path
 ) -> None:
-    proc = subprocess.run(
+    proc, lines = _run_broken(
+        AGENT_LAUNCHER,
         [
-            sys.executable,
-            "-c",
-            AGENT_LAUNCHER,
             "agent",
             "--name",
             "node-1",
@@ -109,15 +120,8 @@ def test_an_agent_whose_part_fails_exits_1_with_one_log_line(
             "--runtime",
             "fake",
         ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "ORKA_LOG_LEVEL": "info"},
     )
-    assert proc.returncode == 1, proc.stderr
-    lines = [json.loads(line) for line in proc.stderr.splitlines() if line[:1] == "{"]
-    errors = [e for e in lines if e["level"] == "error"]
-    assert [(e["event"], e["service"], e["part"], e["error"]) for e in errors] == [
+    assert _failures(lines) == [
         (
             "service part failed; stopping the service",
             "agent/node-1",
