@@ -86,10 +86,9 @@ def timestamp_fields(seconds: float | None) -> dict[str, int] | None:
     digits. Whole seconds and the fraction apart, so that no digit is lost on the way."""
     if not seconds:
         return None
-    whole = math.floor(seconds)
-    micros = round((seconds - whole) * 1e6)
-    if micros >= 1_000_000:
-        whole, micros = whole + 1, micros - 1_000_000
+    # A float holds Unix times in microseconds exactly enough (2**53 us is year 2255); divmod
+    # floors, so times before 1970 still get nanos in [0, 1e9) as Timestamp requires.
+    whole, micros = divmod(round(seconds * 1e6), 1_000_000)
     return {"seconds": whole, "nanos": micros * 1000}
 
 
@@ -314,8 +313,11 @@ def workload_from_pb(msg: pb.Workload) -> Workload:
     )
 
 
+_PHASE_TO_PB = {phase: pb.Instance.Phase.Value(phase.value) for phase in InstancePhase}
+
+
 def phase_to_pb(phase: InstancePhase) -> int:
-    return pb.Instance.Phase.Value(phase.value)
+    return _PHASE_TO_PB[phase]
 
 
 def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
@@ -327,25 +329,31 @@ def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
         raise Invalid.at(field, f"unknown phase {value}") from None
 
 
-def instance_to_pb(i: Instance) -> pb.Instance:
-    msg = pb.Instance(
-        name=i.name,
-        workload=i.workload,
-        node=i.node,
-        phase=phase_to_pb(i.phase),
-        reason=i.reason,
-        message=i.message,
-        restarts=i.restarts,
-        generation=i.generation,
-        create_time=timestamp_fields(i.created_at),
-        update_time=timestamp_fields(i.updated_at),
-        schedule_time=timestamp_fields(i.scheduled_at),
-        start_time=timestamp_fields(i.started_at),
-        end_time=timestamp_fields(i.finished_at),
-    )
+def instance_fields(i: Instance) -> dict[str, object]:
+    """An instance as pb.Instance constructor arguments: what an event embeds without building
+    the message twice (once alone, once copied into the event)."""
+    fields: dict[str, object] = {
+        "name": i.name,
+        "workload": i.workload,
+        "node": i.node,
+        "phase": _PHASE_TO_PB[i.phase],
+        "reason": i.reason,
+        "message": i.message,
+        "restarts": i.restarts,
+        "generation": i.generation,
+        "create_time": timestamp_fields(i.created_at),
+        "update_time": timestamp_fields(i.updated_at),
+        "schedule_time": timestamp_fields(i.scheduled_at),
+        "start_time": timestamp_fields(i.started_at),
+        "end_time": timestamp_fields(i.finished_at),
+    }
     if i.exit_code is not None:
-        msg.exit_code = i.exit_code
-    return msg
+        fields["exit_code"] = i.exit_code
+    return fields
+
+
+def instance_to_pb(i: Instance) -> pb.Instance:
+    return pb.Instance(**instance_fields(i))  # type: ignore[arg-type]
 
 
 def instance_from_pb(msg: pb.Instance) -> Instance:
