@@ -320,13 +320,16 @@ def phase_to_pb(phase: InstancePhase) -> int:
     return _PHASE_TO_PB[phase]
 
 
+_PHASE_FROM_PB = {number: phase for phase, number in _PHASE_TO_PB.items()}
+
+
 def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
+    phase = _PHASE_FROM_PB.get(value)
+    if phase is not None:
+        return phase
     if value == pb.Instance.PHASE_UNSPECIFIED:
         raise Invalid.at(field, "is required")
-    try:
-        return InstancePhase(pb.Instance.Phase.Name(value))
-    except ValueError:
-        raise Invalid.at(field, f"unknown phase {value}") from None
+    raise Invalid.at(field, f"unknown phase {value}")
 
 
 def instance_fields(i: Instance) -> dict[str, object]:
@@ -415,6 +418,7 @@ def node_static_to_pb(
 
 
 _NODE_STATES = {state: pb.Node.State.Value(state.value) for state in NodeState}
+_NODE_STATES_FROM_PB = {number: state for state, number in _NODE_STATES.items()}
 
 
 def fill_node_status(
@@ -453,7 +457,10 @@ def fill_node_status(
 def node_from_pb(msg: pb.Node) -> Node:
     state = NodeState.READY
     if msg.state != pb.Node.STATE_UNSPECIFIED:
-        state = NodeState(pb.Node.State.Name(msg.state))
+        known = _NODE_STATES_FROM_PB.get(msg.state)
+        if known is None:
+            raise Invalid(f"node {quote(msg.name)}: unknown state {msg.state}", field="state")
+        state = known
     return Node(
         name=msg.name,
         state=state,
@@ -529,7 +536,9 @@ def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
         name=name,
         workload=msg.workload,
         node=node,
-        phase=phase_from_pb(msg.phase, f"instance status {name}: phase"),
+        # The field's name is only formatted for an error (reports arrive by the thousand).
+        phase=_PHASE_FROM_PB.get(msg.phase)
+        or phase_from_pb(msg.phase, f"instance status {name}: phase"),
         # What a runtime said can be long (a stack, a log line): kept, but cut.
         reason=msg.reason[:MAX_REASON],
         message=msg.message[:MAX_STATUS_MESSAGE],

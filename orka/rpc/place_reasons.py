@@ -20,6 +20,9 @@ def place_result_to_pb(
     rejections: Mapping[fit.Reason, int] | None = None,
 ) -> apb.PlaceResult:
     """The outcome of placing one instance: the node that took it, or why none did."""
+    if not refusals and not rejections:
+        # Most results: the first offer was taken (one per instance, thousands per second).
+        return apb.PlaceResult(instance=instance, node=node)
     msg = apb.PlaceResult(
         instance=instance,
         node=node,

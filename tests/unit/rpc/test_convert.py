@@ -330,6 +330,23 @@ def test_node_state_unspecified_means_ready() -> None:
     assert convert.node_from_pb(pb.Node(name="n")).state is NodeState.READY
 
 
+@pytest.mark.parametrize("state", list(NodeState))
+def test_node_state_each_way(state: NodeState) -> None:
+    msg = pb.Node(name="n", state=pb.Node.State.Value(state.value))  # type: ignore[arg-type]
+    assert convert.node_from_pb(msg).state is state
+
+
+def test_node_state_unknown_is_invalid() -> None:
+    with pytest.raises(Invalid, match=r"node 'n': unknown state 42") as err:
+        convert.node_from_pb(pb.Node(name="n", state=42))  # type: ignore[arg-type]
+    assert [v.field for v in err.value.fields] == ["state"]
+
+
+@pytest.mark.parametrize("phase", list(InstancePhase))
+def test_phase_each_way(phase: InstancePhase) -> None:
+    assert convert.phase_from_pb(convert.phase_to_pb(phase)) is phase
+
+
 @pytest.mark.parametrize(
     "report",
     [
