@@ -11,11 +11,17 @@ from tests.integration.cluster import Cluster
 
 
 @pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    """Controller, scheduler and one agent with the fake runtime, in this process."""
+def cluster_agents() -> int:
+    """How many agents `cluster` starts; a module needing more overrides just this."""
+    return 1
+
+
+@pytest.fixture
+async def cluster(certs_dir: Path, tmp_path: Path, cluster_agents: int) -> AsyncIterator[Cluster]:
+    """Controller, scheduler and `cluster_agents` agents with the fake runtime, in this process."""
     c = Cluster(certs_dir, tmp_path)
     try:
-        await c.start(agents=1, runtimes=["fake"])
+        await c.start(agents=cluster_agents, runtimes=["fake"])
         yield c
     finally:
         await c.stop()

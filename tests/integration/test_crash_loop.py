@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
@@ -17,13 +15,8 @@ WINDOW = 6.0
 
 
 @pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=2, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
+def cluster_agents() -> int:
+    return 2
 
 
 async def test_a_spec_failing_at_start_is_retried_with_backoff(cluster: Cluster) -> None:

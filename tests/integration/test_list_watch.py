@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -26,13 +24,8 @@ Change = tuple[int, int, str, str]  # revision, event type, object kind, name
 
 
 @pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=2, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
+def cluster_agents() -> int:
+    return 2
 
 
 def change_of(ev: pb.Event) -> Change:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,13 +15,8 @@ from tests.integration.cluster import Cluster, eventually
 
 
 @pytest.fixture
-async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
-    c = Cluster(certs_dir, tmp_path)
-    try:
-        await c.start(agents=2, runtimes=["fake"])
-        yield c
-    finally:
-        await c.stop()
+def cluster_agents() -> int:
+    return 2
 
 
 async def subscribed(cluster: Cluster, count: int) -> None:
