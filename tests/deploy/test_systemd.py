@@ -160,7 +160,15 @@ def machine(tmp_path: Path) -> Iterator[Machine]:
         shutil.copytree(pip_cache, root / "root/.cache/pip", dirs_exist_ok=True)
     m = Machine(root, tmp_path / "console.log")
     try:
-        assert m.out("systemctl is-system-running --wait || true") in ("running", "degraded")
+        # Until systemd inside listens, systemctl cannot even ask (and prints nothing).
+        wait_for(
+            "the container's boot",
+            lambda: (
+                m.run("systemctl is-system-running --wait", check=False).stdout.strip()
+                in ("running", "degraded")
+            ),
+            timeout=60,
+        )
         yield m
     finally:
         m.close()
@@ -268,6 +276,34 @@ def test_systemd_install_start_drain_restart_poweroff(machine: Machine) -> None:
     figures["start orka-agent@node-2"] = time.monotonic() - t0
     assert nodes(machine) == {"node-1": ("READY", True), "node-2": ("READY", True)}
 
+    # ---- the watchdog: pinged from the event loop; a wedged loop is restarted ----
+    machine.run(
+        "mkdir -p /etc/systemd/system/orka-scheduler.service.d\n"
+        "printf '[Service]\\nWatchdogSec=2s\\n' "
+        "> /etc/systemd/system/orka-scheduler.service.d/watchdog.conf\n"
+        "systemctl daemon-reload\nsystemctl restart orka-scheduler"
+    )
+    first = int(machine.show("orka-scheduler", "WatchdogTimestampMonotonic"))
+    wait_for(
+        "a WATCHDOG=1 ping",
+        lambda: int(machine.show("orka-scheduler", "WatchdogTimestampMonotonic")) > first,
+        timeout=5,
+    )
+    wedged = machine.show("orka-scheduler", "MainPID")
+    machine.run(f"kill -STOP {wedged}")  # the loop stops turning
+    wait_for(
+        "the wedged scheduler restarted",
+        lambda: (
+            machine.show("orka-scheduler", "MainPID") not in ("0", wedged)
+            and machine.show("orka-scheduler", "ActiveState") == "active"
+        ),
+        timeout=20,
+    )
+    assert "Watchdog timeout" in machine.out("journalctl -q -u orka-scheduler")
+    assert health(machine, scheduler_port, "scheduler", "orka.v1.Scheduler") == "SERVING"
+    both = {"node-1": ("READY", True), "node-2": ("READY", True)}
+    wait_for("both agents back", lambda: nodes(machine) == both)
+
     # ---- a workload spread over both ----
     machine.run(
         "cat > /root/sleeper.yaml <<'EOF'\n"
@@ -276,14 +312,17 @@ def test_systemd_install_start_drain_restart_poweroff(machine: Machine) -> None:
         "EOF\n"
         "orka apply -f /root/sleeper.yaml --wait"
     )
-    before = wait_for(
-        "2 RUNNING instances",
-        lambda: (
-            (p := placement(machine))
-            and sorted(p.values()) == [("RUNNING", "node-1"), ("RUNNING", "node-2")]
-            and p
-        ),
-    )
+    seen: list[dict[str, tuple[str, str]]] = [{}]
+
+    def spread() -> dict[str, tuple[str, str]] | None:
+        seen[0] = placement(machine)
+        one_each = [("RUNNING", "node-1"), ("RUNNING", "node-2")]
+        return seen[0] if sorted(seen[0].values()) == one_each else None
+
+    try:
+        before = wait_for("2 RUNNING instances, one per node", spread)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last seen {seen[0]}, nodes {nodes(machine)}") from None
     pids = wait_for("two sleep processes", lambda: len(s := sleep_pids(machine)) == 2 and s)
 
     # ---- SIGKILL of an agent: systemd restarts it, it re-adopts its instance ----
