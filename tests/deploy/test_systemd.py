@@ -5,6 +5,11 @@ The guide's fenced blocks marked `<!-- tested: NAME -->` are what runs, with the
 swapped for free ones (nspawn shares this machine's network). `/usr/local/src/orka` is this
 checkout, copied in; pip reaches the index through the host's pip configuration, already in the
 root, and keeps its wheel cache between runs.
+
+This machine's PID 1 is not systemd and its cgroups are v1 with a named `systemd` hierarchy
+(hybrid): `systemd-nspawn -b --register=no --keep-unit` boots systemd 252 there as is, with no
+SYSTEMD_NSPAWN_UNIFIED_HIERARCHY or --property; nspawn's child is the container's PID 1, which
+`nsenter -t PID -a` joins to run systemctl.
 """
 
 from __future__ import annotations
