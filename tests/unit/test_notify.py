@@ -104,17 +104,19 @@ async def test_watchdog_pings_at_half_the_period(
 
 
 async def test_a_signal_reports_stopping_once(systemd: Systemd) -> None:
-    """The SIGTERM handler says STOPPING at once (a leave may take a while); the end of run()
-    does not say it again."""
+    """The SIGTERM handler says STOPPING at once, while the shutdown is still under way (a
+    leave may take a while); the end of run() does not say it again."""
 
     class Service:
         def __init__(self) -> None:
             self.stopped = asyncio.Event()
+            self.release = asyncio.Event()
 
         async def run(self) -> None:
             await self.stopped.wait()
 
         async def stop(self) -> None:
+            await self.release.wait()  # a slow shutdown
             self.stopped.set()
 
     service = Service()
@@ -127,6 +129,8 @@ async def test_a_signal_reports_stopping_once(systemd: Systemd) -> None:
     assert await systemd.next() == "READY=1\nSTATUS=up"
     graceful.handler()
     assert await systemd.next() == "STOPPING=1\nSTATUS=stopping"
+    assert not task.done()
+    service.release.set()
     await task
     await systemd.nothing_more()
 
