@@ -188,12 +188,17 @@ def client_identity(args: argparse.Namespace) -> tuple[str, str]:
 def client_target(args: argparse.Namespace) -> tuple[str, Path]:
     """The controller address and certs dir a client command talks with: flags, then the
     environment, then the CLI env file, then the built-in defaults."""
-    controller = str(args.controller or client_default("--controller", DEFAULT_CONTROLLER))
-    controller = controller.strip()
+    controller, source = args.controller, "--controller"
+    if not controller:
+        controller = client_default("--controller", DEFAULT_CONTROLLER)
+        # A bad value from the file is named by the file, not by a flag nobody typed.
+        if controller != DEFAULT_CONTROLLER:
+            source = f"{cli_env_path()}: {env_name('--controller')}"
+    controller = str(controller).strip()
     # Several controllers, comma-separated: the client follows whichever one leads.
     for one in controller.split(","):
         host, sep, port = one.strip().rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise UsageError(f"--controller: {one.strip()!r} is not HOST:PORT")
+            raise UsageError(f"{source}: {one.strip()!r} is not HOST:PORT")
     data_dir = resolve_data_dir(args.data_dir)
     return controller, resolve_certs(args.certs or client_default("--certs", None), data_dir)
