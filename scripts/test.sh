@@ -32,6 +32,9 @@ APT_PACKAGES=(
   gcc
   busybox-static
   etcd-server
+  # tests/deploy/test_systemd.py: builds a Debian 12 root and boots it with systemd-nspawn.
+  debootstrap
+  systemd-container
 )
 # buf (proto lint and breaking checks) comes from npm. Debian's npm only where there is none:
 # NodeSource's nodejs bundles npm and conflicts with Debian's npm package.

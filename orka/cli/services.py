@@ -23,6 +23,7 @@ from orka.cli.defaults import (
     resolve_data_dir,
 )
 from orka.errors import Invalid
+from orka.notify import Notifier
 from orka.rpc.client import split_targets
 from orka.rpc.server import split_hostport
 from orka.security import tls as tls_files
@@ -130,6 +131,28 @@ async def serve(
             loop.remove_signal_handler(sig)
 
 
+async def notified(
+    run: Callable[[], Awaitable[None]],
+    ready: Callable[[], Awaitable[str]],
+    notifier: Notifier,
+) -> None:
+    """Run a service and keep systemd told: READY=1 (with `ready`'s STATUS) once `ready`
+    returns, WATCHDOG=1 from this event loop meanwhile, STOPPING=1 when it ends (a signal
+    handler may have said so first; it is sent once)."""
+
+    async def announce() -> None:
+        notifier.ready(await ready())
+
+    tasks = [asyncio.create_task(notifier.watchdog()), asyncio.create_task(announce())]
+    try:
+        await run()
+    finally:
+        notifier.stopping()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class GracefulStop:
     """SIGINT and SIGTERM both mean a graceful stop for the controller and the scheduler.
 
@@ -138,20 +161,22 @@ class GracefulStop:
     before the loop closes, or a half-closed store's worker thread keeps the process alive.
     """
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Any, notifier: Notifier | None = None) -> None:
         self.service = service
+        self.notifier = notifier or Notifier()
         self.tasks: set[asyncio.Task[None]] = set()
 
     def handler(self) -> None:
+        self.notifier.stopping()
         self.tasks.add(asyncio.ensure_future(self.service.stop()))
 
     @property
     def handlers(self) -> dict[signal.Signals, Callable[[], None]]:
         return {signal.SIGINT: self.handler, signal.SIGTERM: self.handler}
 
-    async def run(self) -> None:
+    async def run(self, ready: Callable[[], Awaitable[str]]) -> None:
         try:
-            await serve(self.service.run, self.handlers)
+            await serve(lambda: notified(self.service.run, ready, self.notifier), self.handlers)
         finally:
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -210,8 +235,20 @@ def cmd_controller(args: argparse.Namespace) -> int:
         **etcd_tls,
     )
 
+    notifier = Notifier()  # before anything else reads the environment
+
     async def main() -> None:
-        await GracefulStop(Controller(config, tls)).run()
+        controller = Controller(config, tls)
+
+        async def ready() -> str:
+            # Listening, and leading with the store loaded (or following a live leader).
+            await controller.listening.wait()
+            assert controller.leadership is not None
+            await controller.leadership.settled.wait()
+            role = "leading" if controller.is_leader else "standby, following the leader"
+            return f"serving the API on port {controller.port}, {role}"
+
+        await GracefulStop(controller, notifier).run(ready)
 
     gctune.tune()
     eventloop.run(main())
@@ -268,8 +305,16 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         pipeline=PipelineConfig(policy=args.policy),
     )
 
+    notifier = Notifier()
+
     async def main() -> None:
-        await GracefulStop(Scheduler(config, tls)).run()
+        scheduler = Scheduler(config, tls)
+
+        async def ready() -> str:
+            await scheduler.listening.wait()
+            return f"serving agents on port {scheduler.port}"
+
+        await GracefulStop(scheduler, notifier).run(ready)
 
     gctune.tune()
     try:
@@ -336,15 +381,26 @@ def cmd_agent(args: argparse.Namespace) -> int:
         allowed_paths=_allowed_paths(args.allowed_paths),
     )
 
+    notifier = Notifier()
+
     async def main() -> None:
         agent = Agent(config, tls)
+
+        async def ready() -> str:
+            await agent.connected.wait()
+            return f"registered with the scheduler as node {name}"
+
+        def stop(leave: bool) -> None:
+            notifier.stopping("leaving: moving instances to other nodes" if leave else "stopping")
+            agent.request_stop(leave=leave)
+
         # SIGTERM (systemd stop, docker stop): leave, so instances move before we exit.
         # SIGINT (Ctrl-C, `orka up` shutdown): just stop the instances and exit.
         handlers = {
-            signal.SIGTERM: lambda: agent.request_stop(leave=True),
-            signal.SIGINT: lambda: agent.request_stop(leave=False),
+            signal.SIGTERM: lambda: stop(True),
+            signal.SIGINT: lambda: stop(False),
         }
-        await serve(agent.run, handlers)
+        await serve(lambda: notified(agent.run, ready, notifier), handlers)
 
     gctune.tune()
     try:

@@ -102,6 +102,8 @@ class Controller:
         self._failed: BaseException | None = None
         self._stopping: asyncio.Future[None] | None = None
         self.port = 0
+        # Set once start() has returned: serving, and (leadership.settled) knowing its role.
+        self.listening = asyncio.Event()
 
     def _build(self) -> None:
         """Fresh leader-only parts: a new term must not inherit the last one's queue, backoffs
@@ -182,6 +184,7 @@ class Controller:
             leader=self.is_leader,
             schedulers=self.config.schedulers,
         )
+        self.listening.set()
         return self.port
 
     async def _set_serving(self, serving: bool) -> None:

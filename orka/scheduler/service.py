@@ -113,6 +113,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self._failed: BaseException | None = None
         self._failing: set[asyncio.Future[None]] = set()  # a reference to the stop task
         self.port = 0
+        self.listening = asyncio.Event()  # set once start() has returned
 
     # ---- lifecycle ----
 
@@ -127,6 +128,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self.feed.pace_from(self.clock())
         self.parts.start("liveness", self.liveness.run)
         log.info("scheduler listening", port=self.port)
+        self.listening.set()
         return self.port
 
     async def run(self) -> None:

@@ -14,6 +14,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("ORKA_CONTROLLER", "ORKA_CERTS", "ORKA_DATA_DIR", "ORKA_CPU_MILLIS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # This machine's /etc/orka/cli.env, if any, is not these tests' business (test_cli_env.py).
+    monkeypatch.setenv("ORKA_CLI_ENV", str(tmp_path / "no-cli.env"))
 
 
 def parse(*argv: str) -> object:
@@ -33,8 +35,8 @@ def test_controller_flag_env_default(
 ) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    args = parse("get", "nodes", *argv)
-    assert args.controller == expected  # type: ignore[attr-defined]
+    # The default is filled in by client_target (after the CLI env file: test_cli_env.py).
+    assert client_target(parse("get", "nodes", *argv))[0] == expected  # type: ignore[arg-type]
 
 
 def test_certs_default_follows_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
