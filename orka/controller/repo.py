@@ -197,12 +197,9 @@ class Repo:
                 assert c.value is not None
                 table[op.name] = c.value
                 self._revisions[key] = rev
-                new_key = _key(c.value)
+                # Sort keys are made of immutable fields: only a new object adds one.
                 if old is None:
-                    self.order[c.kind].add(new_key)
-                elif (old_key := _key(old)) != new_key:
-                    self.order[c.kind].discard(old_key)
-                    self.order[c.kind].add(new_key)
+                    self.order[c.kind].add(_key(c.value))
                 if isinstance(c.value, Instance):
                     self.by_workload[c.value.workload].add(op.name)
             for listener in self.listeners:
