@@ -63,6 +63,22 @@ class Unit:
             extra = self.next(seconds)
             pytest.fail(f"unexpected {extra!r}")
 
+    def only_pings(self, count: int, timeout: float = 30.0) -> None:
+        """`count` watchdog pings arrive, and nothing else before them (a loaded machine may
+        take seconds to start the process: the wait is on the pings, not on a clock)."""
+        deadline = time.monotonic() + timeout
+        start = self.pings
+        while self.pings - start < count:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                message = self.sock.recv(4096).decode()
+            except TimeoutError:
+                raise AssertionError(
+                    f"{self.pings - start} of {count} pings in {timeout:g}s"
+                ) from None
+            assert message == WATCHDOG, f"unexpected {message!r} before {count} pings"
+            self.pings += 1
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -90,8 +106,7 @@ def test_ready_only_when_serving_then_stopping(
     )
     units.append(agent)
     # No scheduler yet: the agent is alive (pinging) but not ready.
-    agent.quiet_for(1.5)
-    assert agent.pings >= 3
+    agent.only_pings(3)
 
     scheduler = Unit(
         tmp_path,
