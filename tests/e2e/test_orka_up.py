@@ -563,3 +563,118 @@ def served_serial(port: int, certs: Path) -> int:
             der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+async def _all_gone(tour: Tour, timeout: float) -> float:
+    """Until no service, no instance and no port of the cluster is left; how long it took."""
+    started = time.monotonic()
+
+    async def gone() -> bool:
+        return (
+            not cluster_processes(tour.data_dir)
+            and not tour.hello_processes()
+            and _port_free(tour.controller_port)
+            and _port_free(tour.scheduler_port)
+        )
+
+    try:
+        await eventually(gone, timeout=timeout, interval=0.1)
+    except AssertionError:
+        left = [f"{p.pid} {' '.join(p.cmdline())[:160]}" for p in cluster_processes(tour.data_dir)]
+        raise AssertionError(
+            f"still running {timeout}s after: {left}, hello: {tour.hello_processes()}, ports "
+            f"free: {_port_free(tour.controller_port)}, {_port_free(tour.scheduler_port)}"
+        ) from None
+    return time.monotonic() - started
+
+
+async def test_orka_up_takes_its_cluster_along_whatever_ends_it(tour: Tour) -> None:
+    """SIGHUP, SIGTERM, SIGKILL of `orka up`: nothing left within 10 s, and `orka up` again works.
+
+    Also: a second `orka up` on a running data dir refuses naming the first; one whose port is
+    held names the holder; an earlier run's child that survived (stopped with SIGSTOP, so the
+    parent-death signal waits) is stopped by the next `orka up`.
+    """
+    timings: dict[str, float] = {}
+    up = tour.up()
+    await up.wait_up()
+    await tour.orka("apply", "-f", str(EXAMPLES / "hello.yaml"), "--wait", timeout=60)
+    assert len(await tour.running("hello")) == 3
+
+    # The data dir is taken: a second `orka up` says by whom and starts nothing.
+    assert up.proc is not None
+    rc, out, err = await tour.run(
+        sys.executable, "-m", "orka.cli.main", "up", "--data-dir", str(tour.data_dir)
+    )
+    assert rc == 1, (out, err)
+    assert f"another `orka up` (pid {up.proc.pid}) is running on {tour.data_dir}" in err, err
+
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL):
+        assert up.proc is not None
+        os.kill(up.proc.pid, sig)
+        timings[sig.name] = await _all_gone(tour, timeout=10.0)
+        # A closed terminal or a `kill` stop it as Ctrl-C does: it exits 0 after stopping all.
+        expected = -signal.SIGKILL if sig is signal.SIGKILL else 0
+        assert up.proc.wait(10) == expected, up.output()
+        up = tour.up()
+        await up.wait_up()
+
+        async def three_running() -> list[dict[str, Any]] | None:
+            running = await tour.running("hello")
+            return running if len(running) == 3 else None
+
+        await _soon(three_running, timeout=30)
+
+    # A child that outlived its `orka up` (here: stopped, so its parent-death SIGTERM waits).
+    assert up.proc is not None
+    controller = next(
+        c
+        for c in psutil.Process(up.proc.pid).children()
+        if "controller" in c.cmdline() and str(tour.data_dir) in c.cmdline()
+    )
+    controller.suspend()
+    os.kill(up.proc.pid, signal.SIGKILL)
+    up.proc.wait(10)
+    await eventually(lambda: _only(tour, controller.pid), timeout=10.0, interval=0.1)
+    assert not _port_free(tour.controller_port)
+    up = tour.up()
+    await up.wait_up()
+    assert f"left controller pid {controller.pid} running; stopping them" in up.output()
+    assert not psutil.pid_exists(controller.pid) or controller.status() == psutil.STATUS_ZOMBIE
+    await up.interrupt()
+    await _all_gone(tour, timeout=10.0)
+
+    # A port held by a stranger: refused, naming the holder.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", tour.controller_port))
+        s.listen()
+        rc, out, err = await tour.run(
+            sys.executable,
+            "-m",
+            "orka.cli.main",
+            "up",
+            "--data-dir",
+            str(tour.data_dir),
+            "--controller-listen",
+            f"127.0.0.1:{tour.controller_port}",
+            "--scheduler-listen",
+            f"127.0.0.1:{tour.scheduler_port}",
+        )
+    assert rc == 1, (out, err)
+    assert f"127.0.0.1:{tour.controller_port} is already in use (held by pid {os.getpid()}" in err
+    print("signal -> nothing left: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+
+
+async def _only(tour: Tour, pid: int) -> bool:
+    return [p.pid for p in cluster_processes(tour.data_dir)] == [pid]
