@@ -215,7 +215,9 @@ class Tour:
         run.start()
         return run
 
-    async def run(self, *argv: str, timeout: float = COMMAND_TIMEOUT) -> tuple[int, str, str]:
+    async def run(
+        self, *argv: str, timeout: float = COMMAND_TIMEOUT, env: dict[str, str] | None = None
+    ) -> tuple[int, str, str]:
         """One command as its own process; exit code, stdout, stderr."""
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -223,7 +225,7 @@ class Tour:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=ROOT,
-            env=self.env,
+            env=self.env if env is None else env,
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -618,6 +620,19 @@ async def test_orka_up_takes_its_cluster_along_whatever_ends_it(tour: Tour) -> N
     )
     assert rc == 1, (out, err)
     assert f"another `orka up` (pid {up.proc.pid}) is running on {tour.data_dir}" in err, err
+
+    # Global flags before the command, as compose's example writes them (no ORKA_* set).
+    rc, out, err = await tour.run(
+        *(sys.executable, "-m", "orka.cli.main"),
+        *("--controller", f"127.0.0.1:{tour.controller_port}"),
+        *("--certs", str(tour.data_dir / "certs"), "get", "nodes", "-o", "json"),
+        env=_clean_env(HOME=str(tour.tmp / "home")),
+    )
+    assert rc == 0, err
+    assert sorted((n["name"], n["state"]) for n in json.loads(out)) == [
+        ("node-1", "READY"),
+        ("node-2", "READY"),
+    ]
 
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL):
         assert up.proc is not None
