@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import ssl
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from orka.security.issue import init_certs, issue_cert
 from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
+from tests.integration.test_grpcurl import Result, _json_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -396,21 +399,10 @@ async def test_orka_up_tour(tour: Tour) -> None:
     assert nodes["node-2"] == "READY", nodes
     timings["kill -9 node-1 -> healed on node-2"] = time.monotonic() - t
 
-    # 5. grpcurl with the certs `orka up` wrote.
-    certs = tour.data_dir / "certs"
-    rc, out, err = await tour.run(
-        str(GRPCURL),
-        "-cacert",
-        str(certs / "ca.crt"),
-        "-cert",
-        str(certs / "admin.crt"),
-        "-key",
-        str(certs / "admin.key"),
-        f"127.0.0.1:{tour.controller_port}",
-        "list",
-    )
-    assert rc == 0, f"grpcurl exited {rc}: {out}\n{err}"
-    assert "orka.v1.Controller" in out.split(), out
+    # 5. The README's grpcurl lines, word for word but for the address and the certs dir.
+    t = time.monotonic()
+    await check_readme_grpcurl(tour)
+    timings["README grpcurl lines"] = time.monotonic() - t
 
     # 6. Ctrl-C: `orka up` exits 0 and leaves nothing running, not even what node-1 left behind.
     # Instances outlive an agent crash (a restarted agent re-adopts them), so node-1's LOST
@@ -693,3 +685,131 @@ async def test_orka_up_takes_its_cluster_along_whatever_ends_it(tour: Tour) -> N
 
 async def _only(tour: Tour, pid: int) -> bool:
     return [p.pid for p in cluster_processes(tour.data_dir)] == [pid]
+
+
+README = ROOT / "README.md"
+README_CONTROLLER = "127.0.0.1:7443"
+
+
+@dataclass
+class ReadmeCommand:
+    line: str  # continuations joined, as the shell sees it
+    documented: list[str]  # the `# ...` lines under it: the output the README promises
+
+
+def readme_grpcurl_commands(text: str) -> list[ReadmeCommand]:
+    """The commands of every ```sh block of the README that runs grpcurl, in order."""
+    commands: list[ReadmeCommand] = []
+    for block in re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S):
+        if "grpcurl " not in block:
+            continue
+        pending = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            if not pending and line.startswith("#") and commands:
+                commands[-1].documented.append(line.lstrip("# "))
+                continue
+            pending = f"{pending}\n{line}" if pending else line.strip()
+            try:
+                shlex.split(pending)  # a quote left open (JSON over two lines): read on
+            except ValueError:
+                continue
+            if pending:
+                commands.append(ReadmeCommand(pending, []))
+            pending = ""
+    return commands
+
+
+def _rpc(line: str) -> str:
+    """What a command calls: `orka.v1.Controller/X` -> X, `... list` -> list, `R=...` -> R."""
+    if re.match(r"^[A-Z]=", line) and "ListWorkloads" not in line:
+        return line.split("=", 1)[0]
+    found = re.search(r"orka\.v1\.Controller/(\w+)", line)
+    return found.group(1) if found else line.split()[-1]
+
+
+def _any_source_port(text: str) -> str:
+    """grpcurl names the client's ephemeral port in some errors: mask it."""
+    return re.sub(r"127\.0\.0\.1:\d+->", "127.0.0.1:PORT->", text)
+
+
+async def check_readme_grpcurl(tour: Tour) -> None:
+    """Run the README's grpcurl commands in one shell against this cluster; check each answer."""
+    port = f"127.0.0.1:{tour.controller_port}"
+    commands = readme_grpcurl_commands(README.read_text())
+    work = tour.tmp / "readme"
+    work.mkdir()
+    script = ["set -u"]
+    for i, cmd in enumerate(commands):
+        line = cmd.line.replace(README_CONTROLLER, port)
+        if line.startswith("C="):
+            script.append(f"C={shlex.quote(str(tour.data_dir / 'certs'))}")
+        elif re.match(r"^[A-Z]+=", line):
+            var = line.split("=", 1)[0]
+            script += [line, f'echo "${var}" > {work}/{i}.out']
+        else:
+            script.append(f"{line} > {work}/{i}.out 2> {work}/{i}.err; echo $? > {work}/{i}.rc")
+    env = {k: v for k, v in tour.env.items() if "proxy" not in k.lower()}
+    env["PATH"] = f"{GRPCURL.parent}{os.pathsep}{env.get('PATH', '')}"
+    rc, out, err = await tour.run("bash", "-c", "\n".join(script), env=env, timeout=90)
+    assert rc == 0, (out, err, script)
+
+    def result(i: int) -> Result:
+        def read(ext: str) -> str:
+            path = work / f"{i}.{ext}"
+            return path.read_text() if path.exists() else ""
+
+        return Result(int(read("rc") or 0), read("out"), read("err"))
+
+    seen = []
+    for i, cmd in enumerate(commands):
+        rpc, r = _rpc(cmd.line), result(i)
+        seen.append(rpc)
+        if "-cert " not in cmd.line and rpc == "list":
+            # Refused: the exact lines the README shows, but for the ports.
+            assert r.code == 1 and r.out == "", (cmd.line, r)
+            shown = [_any_source_port(d.replace(README_CONTROLLER, port)) for d in cmd.documented]
+            assert shown and _any_source_port(r.err.strip()) in shown, (shown, r.err)
+        elif rpc == "list":
+            assert {"orka.v1.Controller", "grpc.health.v1.Health"} <= set(r.out.split()), r
+        elif rpc == "C":
+            pass
+        elif "ListWorkloads" in cmd.line:
+            assert r.out.strip().isdigit() and int(r.out) > 0, r
+        elif rpc == "CreateWorkload":
+            spec = r.json()["spec"]
+            assert (spec["name"], spec["command"], spec["replicas"]) == ("web", ["sleep", "600"], 2)
+        elif rpc == "ListInstances":
+            found = r.json().get("instances", [])
+            assert {(i["workload"], i["phase"]) for i in found} <= {("web", "RUNNING")}, r
+        elif rpc == "WatchEvents":
+            # The history since the List, then live, until -max-time: a deadline, not a failure.
+            assert r.status() == "DeadlineExceeded", r
+            events = _json_stream(r.out)
+            assert (events[0]["type"], events[0]["workload"]["spec"]["name"]) == ("ADDED", "web")
+            phases: dict[str, list[str]] = {}
+            for e in events:
+                if "instance" in e:
+                    phases.setdefault(e["instance"]["name"], []).append(e["instance"]["phase"])
+            assert len(phases) == 2 and all(
+                p[0] == "PENDING" and p[-1] == "RUNNING" for p in phases.values()
+            ), phases
+        elif rpc == "GetWorkload":
+            got = r.json()
+            assert got["spec"]["name"] == "web" and got["generation"] == "1", got
+            assert got["spec"]["stop_grace_period"] == "10s", got
+        elif rpc == "UpdateWorkload":
+            # The README's etag is an example, long stale: refused, nothing changed.
+            assert r.status() == "Aborted", r
+        else:
+            raise AssertionError(f"a README grpcurl line this test does not check: {cmd.line}")
+    assert seen == [
+        "C",
+        "list",
+        "ListWorkloads",
+        "CreateWorkload",
+        "ListInstances",
+        "WatchEvents",
+        "GetWorkload",
+        "UpdateWorkload",
+        "list",
+    ], seen
