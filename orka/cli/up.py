@@ -404,7 +404,11 @@ class Cluster:
         ]
         if first is not None:
             lines.append(f"  kill -9 {first.pid}    # lose {first.name}; watch its instances move")
-        lines += ["", "Ctrl-C stops the cluster; `orka up` again resumes it.", ""]
+        lines += [
+            "",
+            "Ctrl-C stops the cluster (so does closing this terminal); `orka up` again resumes it.",
+            "",
+        ]
         return "\n".join(lines)
 
 

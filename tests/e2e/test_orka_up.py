@@ -785,6 +785,7 @@ async def check_readme_grpcurl(tour: Tour) -> None:
             # The history since the List, then live, until -max-time: a deadline, not a failure.
             assert r.status() == "DeadlineExceeded", r
             events = _json_stream(r.out)
+            assert events, f"the watch printed no event within -max-time: {r}"
             assert (events[0]["type"], events[0]["workload"]["spec"]["name"]) == ("ADDED", "web")
             phases: dict[str, list[str]] = {}
             for e in events:
