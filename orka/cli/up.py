@@ -476,8 +476,19 @@ def _stop_stale(lock: UpLock) -> bool:
 
 def _up_locked(args: argparse.Namespace, data_dir: Path, lock: UpLock) -> int:
     stale = _stop_stale(lock)
-    check_port_free(args.controller_listen, "--controller-listen")
-    check_port_free(args.scheduler_listen, "--scheduler-listen")
+    try:
+        check_port_free(args.controller_listen, "--controller-listen")
+        check_port_free(args.scheduler_listen, "--scheduler-listen")
+    except Invalid as e:
+        unrecorded = lock.unrecorded()
+        if not unrecorded:
+            raise
+        pids = " ".join(str(p) for p in unrecorded)
+        raise Invalid(
+            f"{e.message}\norka services of an earlier run on {data_dir} still run (pids {pids}); "
+            f"it did not record them, so they are not stopped for you: `kill {pids}`, then "
+            "`orka up` again"
+        ) from None
     nodes = [f"node-{i}" for i in range(1, args.agents + 1)]
     written = init_certs(data_dir / "certs", nodes=nodes)
     if written:

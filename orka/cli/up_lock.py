@@ -27,6 +27,18 @@ PIDS_FILE = "up.pids"
 START_TIME_SLACK = 0.05
 
 
+SERVICES = ("scheduler", "controller", "agent")
+
+
+def orka_command(argv: list[str]) -> str | None:
+    """The orka subcommand a command line runs (`python -m orka.cli.main agent ...`,
+    `/path/orka agent ...`, `python /path/orka agent ...`), or None for anything else."""
+    for i, arg in enumerate(argv[:3]):
+        if arg == "orka.cli.main" or os.path.basename(arg) == "orka":
+            return argv[i + 1] if i + 1 < len(argv) else None
+    return None
+
+
 @dataclass(frozen=True)
 class Recorded:
     """A child of an `orka up` run, as that run wrote it down."""
@@ -111,10 +123,20 @@ class UpLock:
                 argv = proc.cmdline()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            ours = "orka.cli.main" in argv or any(a.endswith("orka") for a in argv[:2])
+            ours = orka_command(argv) in SERVICES
             if same and ours and any(str(self.data_dir) in a for a in argv):
                 found.append((rec, proc))
         return found
+
+    def unrecorded(self) -> list[int]:
+        """Pids of orka services naming this data dir that no record proves ours (an `orka up`
+        from before it recorded them, a removed pidfile): reported, never stopped."""
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            argv = proc.info["cmdline"] or []
+            if orka_command(argv) in SERVICES and any(str(self.data_dir) in a for a in argv):
+                found.append(proc.info["pid"])
+        return sorted(found)
 
 
 def stop_processes(stale: list[tuple[Recorded, psutil.Process]], grace: float) -> list[str]:

@@ -654,6 +654,19 @@ async def test_orka_up_takes_its_cluster_along_whatever_ends_it(tour: Tour) -> N
     up.proc.wait(10)
     await eventually(lambda: _only(tour, controller.pid), timeout=10.0, interval=0.1)
     assert not _port_free(tour.controller_port)
+    # Without the record (an `orka up` from before it wrote one): refused, naming the pid.
+    pids_file = tour.data_dir / "up.pids"
+    record = pids_file.read_bytes()
+    pids_file.unlink()
+    refused = tour.up()
+    assert refused.proc is not None and refused.proc.wait(30) == 1, refused.output()
+    assert (
+        f"(held by pid {controller.pid}: " in refused.output()
+        and f"`kill {controller.pid}`, then `orka up` again" in refused.output()
+    ), refused.output()
+    assert controller.status() == psutil.STATUS_STOPPED
+    # With it, the next `orka up` proves the survivor its own and stops it.
+    pids_file.write_bytes(record)
     up = tour.up()
     await up.wait_up()
     assert f"left controller pid {controller.pid} running; stopping them" in up.output()
