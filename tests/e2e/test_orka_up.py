@@ -4,7 +4,10 @@
 ports with a temporary data dir; the client commands (`orka apply`, `get`, `describe`) and
 grpcurl are separate processes too. The test walks the tour: apply, an unschedulable workload,
 losing a node with `kill -9`, Ctrl-C (nothing may be left running, not even the instances of the
-killed agent), and a second `orka up` that resumes the same cluster.
+killed agent), and a second `orka up` that resumes the same cluster; on the way it runs the
+README's grpcurl lines as the README writes them. A second test ends `orka up` with SIGHUP,
+SIGTERM and SIGKILL in turn (nothing of the cluster may be left 10 s later) and covers a data dir
+already taken, a held port, and the survivors of an earlier run.
 """
 
 from __future__ import annotations
