@@ -223,16 +223,17 @@ def test_service_checks_cert_role(tmp_path: Path, capsys: pytest.CaptureFixture[
     ],
 )
 def test_global_flags_before_or_after_the_command(
-    argv: list[str], controller: str | None, certs: str | None
+    argv: list[str], controller: str | None, certs: str | None, tmp_path: Path
 ) -> None:
     args = parse(*argv)
-    assert args.controller == (controller or "127.0.0.1:7443")  # type: ignore[attr-defined]
-    assert args.certs == certs  # type: ignore[attr-defined]
     assert args.command in ("get", "describe")  # type: ignore[attr-defined]
+    data_dir = Path("/d") if "--data-dir" in argv else tmp_path / "home" / ".orka"
+    assert client_target(args) == (  # type: ignore[arg-type]
+        controller or "127.0.0.1:7443",
+        Path(certs) if certs else data_dir / "certs",
+    )
     if "--identity" in argv:
         assert args.identity == "viewer-x"  # type: ignore[attr-defined]
-    if "--data-dir" in argv:
-        assert args.data_dir == "/d"  # type: ignore[attr-defined]
 
 
 def test_a_global_flag_the_command_does_not_take_is_a_usage_error(
