@@ -20,19 +20,71 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
+# Flags each command defines for itself that may also come before the command, as in
+# `orka --controller X --certs D get nodes` (compose files and scripts put them there).
+GLOBAL_FLAGS = ("--controller", "--certs", "--data-dir")
+
+
+def hoist_global_flags(argv: list[str], commands: set[str]) -> list[str]:
+    """Move GLOBAL_FLAGS given before the command to the end, where the command parses them.
+
+    A flag given both before and after the command: the one after wins (it is the more
+    specific), so the one before is dropped. Flags the command does not take (say `--certs`
+    for `orka up`) then fail as unknown, naming the flag.
+    """
+    head: list[tuple[str, list[str]]] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if token in commands or not token.startswith("-"):
+            rest = argv[i:]
+            break
+        takes_value = "=" not in token and name in (*GLOBAL_FLAGS, "--identity")
+        group = argv[i : i + 2] if takes_value else [token]
+        head.append((name, group))
+        i += len(group)
+    before = [t for name, group in head if name not in GLOBAL_FLAGS for t in group]
+    given_after = {t.split("=", 1)[0] for t in rest}
+    hoisted = [
+        t for name, group in head if name in GLOBAL_FLAGS and name not in given_after for t in group
+    ]
+    # Options go before a `--` that ends them.
+    end = rest.index("--") if "--" in rest else len(rest)
+    return [*before, *rest[:end], *hoisted, *rest[end:]]
+
+
+class OrkaParser(argparse.ArgumentParser):
+    """The top-level parser: accepts GLOBAL_FLAGS before the command too."""
+
+    commands: set[str] = set()
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(hoist_global_flags(argv, self.commands), namespace)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OrkaParser(
         prog="orka",
         description="Orka: a cluster control plane. Every flag also reads ORKA_<FLAG>.",
     )
     add_flag(parser, "--identity", metavar="NAME", default=DEFAULT_IDENTITY, help=IDENTITY_HELP)
+    for flag in GLOBAL_FLAGS:
+        # Listed for --help only: hoist_global_flags hands them to the command.
+        parser.add_argument(
+            flag, metavar="VALUE", default=argparse.SUPPRESS, help="also after the command"
+        )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     up.register(sub)
     services.register(sub)
     certs.register(sub)
     apply.register(sub)
     resources.register(sub)
+    parser.commands = set(sub.choices)
     return parser
 
 

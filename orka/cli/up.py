@@ -3,7 +3,10 @@
 Children are separate processes (not tasks) so a user can `kill -9` one agent and watch its
 instances heal onto the others. They run in their own sessions, so a Ctrl-C in the terminal
 reaches only `orka up`, which then stops them in order: agents first (they stop their
-instances), then the controller and the scheduler.
+instances), then the controller and the scheduler. SIGTERM and SIGHUP (a closed terminal) do the
+same. If `orka up` dies without stopping them (SIGKILL), the kernel's parent-death signal stops
+them all at once, as `orka up` would: agents get SIGINT (a plain stop, their instances too),
+the services SIGTERM.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from orka.cli.defaults import (
     default_data_dir,
     resolve_data_dir,
 )
+from orka.cli.parent_death import die_with_parent
+from orka.cli.up_lock import UpLock, port_holder, stop_processes
 from orka.errors import Invalid, OrkaError
 from orka.log import configure as configure_logging
 from orka.models import NodeState
@@ -43,6 +48,10 @@ from orka.security.rotate import rotate
 READY_TIMEOUT = 60.0
 AGENT_STOP_GRACE = 30.0
 SERVICE_STOP_GRACE = 10.0
+# An earlier run's leftovers: agents stop their instances (each up to its stop grace) first.
+STALE_STOP_GRACE = 20.0
+# Signals that stop the cluster gracefully, like Ctrl-C.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MAX_AGENTS = 50
 
 
@@ -54,6 +63,11 @@ class Child:
     log: Path
     proc: asyncio.subprocess.Process | None = None
     reported: bool = field(default=False)
+
+    @property
+    def death_signal(self) -> signal.Signals:
+        """What the child gets when `orka up` dies: what `orka up` would send it to stop."""
+        return signal.SIGINT if self.role == "agent" else signal.SIGTERM
 
     @property
     def pid(self) -> int:
@@ -82,8 +96,9 @@ def check_port_free(listen: str, flag: str) -> None:
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise Invalid(
-                    f"{flag}: {listen} is already in use (another `orka up` or orka service "
-                    f"running? pick another port with {flag})"
+                    f"{flag}: {listen} is already in use{port_holder(port)}: stop that "
+                    f"process (another `orka up` or orka service?) or pick another port "
+                    f"with {flag}"
                 ) from None
             raise Invalid(f"{flag}: cannot listen on {listen}: {e.strerror or e}") from None
 
@@ -112,9 +127,15 @@ def _exit_text(rc: int) -> str:
 
 class Cluster:
     def __init__(
-        self, data_dir: Path, agents: int, controller_listen: str, scheduler_listen: str
+        self,
+        data_dir: Path,
+        agents: int,
+        controller_listen: str,
+        scheduler_listen: str,
+        lock: UpLock | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.lock = lock
         self.certs = data_dir / "certs"
         self.logs = data_dir / "logs"
         self.agents = agents
@@ -195,6 +216,8 @@ class Cluster:
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # Forked in the loop's thread, the main one: it lives as long as `orka up`.
+                preexec_fn=die_with_parent(child.death_signal),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         finally:
@@ -242,6 +265,8 @@ class Cluster:
         await self.spawn(self.controller)
         for agent in self.agent_children:
             await self.spawn(agent)
+        if self.lock is not None:
+            self.lock.record([(c.name, c.role, c.pid) for c in self.children if c.proc])
         await self.wait_ready(READY_TIMEOUT)
 
     # ---- stop ----
@@ -379,13 +404,17 @@ class Cluster:
         ]
         if first is not None:
             lines.append(f"  kill -9 {first.pid}    # lose {first.name}; watch its instances move")
-        lines += ["", "Ctrl-C stops the cluster; `orka up` again resumes it.", ""]
+        lines += [
+            "",
+            "Ctrl-C stops the cluster (so does closing this terminal); `orka up` again resumes it.",
+            "",
+        ]
         return "\n".join(lines)
 
 
 async def run_up(cluster: Cluster) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, cluster.on_signal)
     try:
         try:
@@ -402,7 +431,7 @@ async def run_up(cluster: Cluster) -> int:
         print("orka up: stopped", flush=True)
         return rc
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 
@@ -423,9 +452,43 @@ def cmd_up(args: argparse.Namespace) -> int:
     # terminal, so library chatter (e.g. reaping orphans) stays below warnings.
     configure_logging("warning", service="up")
     data_dir = resolve_data_dir(args.data_dir).resolve()
-    check_port_free(args.controller_listen, "--controller-listen")
-    check_port_free(args.scheduler_listen, "--scheduler-listen")
     data_dir.mkdir(parents=True, exist_ok=True)
+    lock = UpLock(data_dir)
+    lock.acquire()
+    try:
+        return _up_locked(args, data_dir, lock)
+    finally:
+        lock.release()
+
+
+def _stop_stale(lock: UpLock) -> bool:
+    """Stop what an earlier `orka up` on this data dir left running; whether there was any."""
+    stale = lock.stale()
+    if not stale:
+        return False
+    what = ", ".join(f"{rec.name} pid {rec.pid}" for rec, _ in stale)
+    print(f"orka up: an earlier run on {lock.data_dir} left {what} running; stopping them")
+    killed = stop_processes(stale, STALE_STOP_GRACE)
+    if killed:
+        print(f"orka up: killed pid(s) {', '.join(killed)}: they did not stop in time")
+    return True
+
+
+def _up_locked(args: argparse.Namespace, data_dir: Path, lock: UpLock) -> int:
+    stale = _stop_stale(lock)
+    try:
+        check_port_free(args.controller_listen, "--controller-listen")
+        check_port_free(args.scheduler_listen, "--scheduler-listen")
+    except Invalid as e:
+        unrecorded = lock.unrecorded()
+        if not unrecorded:
+            raise
+        pids = " ".join(str(p) for p in unrecorded)
+        raise Invalid(
+            f"{e.message}\norka services of an earlier run on {data_dir} still run (pids {pids}); "
+            f"it did not record them, so they are not stopped for you: `kill {pids}`, then "
+            "`orka up` again"
+        ) from None
     nodes = [f"node-{i}" for i in range(1, args.agents + 1)]
     written = init_certs(data_dir / "certs", nodes=nodes)
     if written:
@@ -437,7 +500,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         # Built inside the loop: the cluster owns asyncio primitives.
-        cluster = Cluster(data_dir, args.agents, args.controller_listen, args.scheduler_listen)
+        cluster = Cluster(
+            data_dir, args.agents, args.controller_listen, args.scheduler_listen, lock
+        )
+        if stale:
+            # Instances of the stale run's agents that were killed rather than stopped.
+            await cluster._reap_orphans()
         print(
             f"orka up: starting the scheduler, the controller and {args.agents} agents "
             f"(logs in {cluster.logs})...",

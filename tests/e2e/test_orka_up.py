@@ -4,7 +4,10 @@
 ports with a temporary data dir; the client commands (`orka apply`, `get`, `describe`) and
 grpcurl are separate processes too. The test walks the tour: apply, an unschedulable workload,
 losing a node with `kill -9`, Ctrl-C (nothing may be left running, not even the instances of the
-killed agent), and a second `orka up` that resumes the same cluster.
+killed agent), and a second `orka up` that resumes the same cluster; on the way it runs the
+README's grpcurl lines as the README writes them. A second test ends `orka up` with SIGHUP,
+SIGTERM and SIGKILL in turn (nothing of the cluster may be left 10 s later) and covers a data dir
+already taken, a held port, and the survivors of an earlier run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import datetime
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import ssl
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ from orka.security.issue import init_certs, issue_cert
 from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
+from tests.integration.test_grpcurl import Result, _json_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -215,7 +221,9 @@ class Tour:
         run.start()
         return run
 
-    async def run(self, *argv: str, timeout: float = COMMAND_TIMEOUT) -> tuple[int, str, str]:
+    async def run(
+        self, *argv: str, timeout: float = COMMAND_TIMEOUT, env: dict[str, str] | None = None
+    ) -> tuple[int, str, str]:
         """One command as its own process; exit code, stdout, stderr."""
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -223,7 +231,7 @@ class Tour:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             cwd=ROOT,
-            env=self.env,
+            env=self.env if env is None else env,
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
@@ -394,21 +402,10 @@ async def test_orka_up_tour(tour: Tour) -> None:
     assert nodes["node-2"] == "READY", nodes
     timings["kill -9 node-1 -> healed on node-2"] = time.monotonic() - t
 
-    # 5. grpcurl with the certs `orka up` wrote.
-    certs = tour.data_dir / "certs"
-    rc, out, err = await tour.run(
-        str(GRPCURL),
-        "-cacert",
-        str(certs / "ca.crt"),
-        "-cert",
-        str(certs / "admin.crt"),
-        "-key",
-        str(certs / "admin.key"),
-        f"127.0.0.1:{tour.controller_port}",
-        "list",
-    )
-    assert rc == 0, f"grpcurl exited {rc}: {out}\n{err}"
-    assert "orka.v1.Controller" in out.split(), out
+    # 5. The README's grpcurl lines, word for word but for the address and the certs dir.
+    t = time.monotonic()
+    await check_readme_grpcurl(tour)
+    timings["README grpcurl lines"] = time.monotonic() - t
 
     # 6. Ctrl-C: `orka up` exits 0 and leaves nothing running, not even what node-1 left behind.
     # Instances outlive an agent crash (a restarted agent re-adopts them), so node-1's LOST
@@ -563,3 +560,273 @@ def served_serial(port: int, certs: Path) -> int:
             der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+async def _all_gone(tour: Tour, timeout: float) -> float:
+    """Until no service, no instance and no port of the cluster is left; how long it took."""
+    started = time.monotonic()
+
+    async def gone() -> bool:
+        return (
+            not cluster_processes(tour.data_dir)
+            and not tour.hello_processes()
+            and _port_free(tour.controller_port)
+            and _port_free(tour.scheduler_port)
+        )
+
+    try:
+        await eventually(gone, timeout=timeout, interval=0.1)
+    except AssertionError:
+        left = [f"{p.pid} {' '.join(p.cmdline())[:160]}" for p in cluster_processes(tour.data_dir)]
+        raise AssertionError(
+            f"still running {timeout}s after: {left}, hello: {tour.hello_processes()}, ports "
+            f"free: {_port_free(tour.controller_port)}, {_port_free(tour.scheduler_port)}"
+        ) from None
+    return time.monotonic() - started
+
+
+async def test_orka_up_takes_its_cluster_along_whatever_ends_it(tour: Tour) -> None:
+    """SIGHUP, SIGTERM, SIGKILL of `orka up`: nothing left within 10 s, and `orka up` again works.
+
+    Also: a second `orka up` on a running data dir refuses naming the first; one whose port is
+    held names the holder; an earlier run's child that survived (stopped with SIGSTOP, so the
+    parent-death signal waits) is stopped by the next `orka up`.
+    """
+    timings: dict[str, float] = {}
+    up = tour.up()
+    await up.wait_up()
+    await tour.orka("apply", "-f", str(EXAMPLES / "hello.yaml"), "--wait", timeout=60)
+    assert len(await tour.running("hello")) == 3
+
+    # The data dir is taken: a second `orka up` says by whom and starts nothing.
+    assert up.proc is not None
+    rc, out, err = await tour.run(
+        sys.executable, "-m", "orka.cli.main", "up", "--data-dir", str(tour.data_dir)
+    )
+    assert rc == 1, (out, err)
+    assert f"another `orka up` (pid {up.proc.pid}) is running on {tour.data_dir}" in err, err
+
+    # Global flags before the command, as compose's example writes them (no ORKA_* set).
+    rc, out, err = await tour.run(
+        *(sys.executable, "-m", "orka.cli.main"),
+        *("--controller", f"127.0.0.1:{tour.controller_port}"),
+        *("--certs", str(tour.data_dir / "certs"), "get", "nodes", "-o", "json"),
+        env=_clean_env(HOME=str(tour.tmp / "home")),
+    )
+    assert rc == 0, err
+    assert sorted((n["name"], n["state"]) for n in json.loads(out)) == [
+        ("node-1", "READY"),
+        ("node-2", "READY"),
+    ]
+
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGKILL):
+        assert up.proc is not None
+        os.kill(up.proc.pid, sig)
+        timings[sig.name] = await _all_gone(tour, timeout=10.0)
+        # A closed terminal or a `kill` stop it as Ctrl-C does: it exits 0 after stopping all.
+        expected = -signal.SIGKILL if sig is signal.SIGKILL else 0
+        assert up.proc.wait(10) == expected, up.output()
+        up = tour.up()
+        await up.wait_up()
+
+        async def three_running() -> list[dict[str, Any]] | None:
+            running = await tour.running("hello")
+            return running if len(running) == 3 else None
+
+        await _soon(three_running, timeout=30)
+
+    # A child that outlived its `orka up` (here: stopped, so its parent-death SIGTERM waits).
+    assert up.proc is not None
+    controller = next(
+        c
+        for c in psutil.Process(up.proc.pid).children()
+        if "controller" in c.cmdline() and str(tour.data_dir) in c.cmdline()
+    )
+    controller.suspend()
+    os.kill(up.proc.pid, signal.SIGKILL)
+    up.proc.wait(10)
+    await eventually(lambda: _only(tour, controller.pid), timeout=10.0, interval=0.1)
+    assert not _port_free(tour.controller_port)
+    # Without the record (an `orka up` from before it wrote one): refused, naming the pid.
+    pids_file = tour.data_dir / "up.pids"
+    record = pids_file.read_bytes()
+    pids_file.unlink()
+    refused = tour.up()
+    assert refused.proc is not None and refused.proc.wait(30) == 1, refused.output()
+    assert (
+        f"(held by pid {controller.pid}: " in refused.output()
+        and f"`kill {controller.pid}`, then `orka up` again" in refused.output()
+    ), refused.output()
+    assert controller.status() == psutil.STATUS_STOPPED
+    # With it, the next `orka up` proves the survivor its own and stops it.
+    pids_file.write_bytes(record)
+    up = tour.up()
+    await up.wait_up()
+    assert f"left controller pid {controller.pid} running; stopping them" in up.output()
+    assert not psutil.pid_exists(controller.pid) or controller.status() == psutil.STATUS_ZOMBIE
+    await up.interrupt()
+    await _all_gone(tour, timeout=10.0)
+
+    # A port held by a stranger: refused, naming the holder.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", tour.controller_port))
+        s.listen()
+        rc, out, err = await tour.run(
+            sys.executable,
+            "-m",
+            "orka.cli.main",
+            "up",
+            "--data-dir",
+            str(tour.data_dir),
+            "--controller-listen",
+            f"127.0.0.1:{tour.controller_port}",
+            "--scheduler-listen",
+            f"127.0.0.1:{tour.scheduler_port}",
+        )
+    assert rc == 1, (out, err)
+    assert f"127.0.0.1:{tour.controller_port} is already in use (held by pid {os.getpid()}" in err
+    print("signal -> nothing left: " + ", ".join(f"{k} {v:.1f}s" for k, v in timings.items()))
+
+
+async def _only(tour: Tour, pid: int) -> bool:
+    return [p.pid for p in cluster_processes(tour.data_dir)] == [pid]
+
+
+README = ROOT / "README.md"
+README_CONTROLLER = "127.0.0.1:7443"
+
+
+@dataclass
+class ReadmeCommand:
+    line: str  # continuations joined, as the shell sees it
+    documented: list[str]  # the `# ...` lines under it: the output the README promises
+
+
+def readme_grpcurl_commands(text: str) -> list[ReadmeCommand]:
+    """The commands of every ```sh block of the README that runs grpcurl, in order."""
+    commands: list[ReadmeCommand] = []
+    for block in re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S):
+        if "grpcurl " not in block:
+            continue
+        pending = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            if not pending and line.startswith("#") and commands:
+                commands[-1].documented.append(line.lstrip("# "))
+                continue
+            pending = f"{pending}\n{line}" if pending else line.strip()
+            try:
+                shlex.split(pending)  # a quote left open (JSON over two lines): read on
+            except ValueError:
+                continue
+            if pending:
+                commands.append(ReadmeCommand(pending, []))
+            pending = ""
+    return commands
+
+
+def _rpc(line: str) -> str:
+    """What a command calls: `orka.v1.Controller/X` -> X, `... list` -> list, `R=...` -> R."""
+    if re.match(r"^[A-Z]=", line) and "ListWorkloads" not in line:
+        return line.split("=", 1)[0]
+    found = re.search(r"orka\.v1\.Controller/(\w+)", line)
+    return found.group(1) if found else line.split()[-1]
+
+
+def _any_source_port(text: str) -> str:
+    """grpcurl names the client's ephemeral port in some errors: mask it."""
+    return re.sub(r"127\.0\.0\.1:\d+->", "127.0.0.1:PORT->", text)
+
+
+async def check_readme_grpcurl(tour: Tour) -> None:
+    """Run the README's grpcurl commands in one shell against this cluster; check each answer."""
+    port = f"127.0.0.1:{tour.controller_port}"
+    commands = readme_grpcurl_commands(README.read_text())
+    work = tour.tmp / "readme"
+    work.mkdir()
+    script = ["set -u"]
+    for i, cmd in enumerate(commands):
+        line = cmd.line.replace(README_CONTROLLER, port)
+        if line.startswith("C="):
+            script.append(f"C={shlex.quote(str(tour.data_dir / 'certs'))}")
+        elif re.match(r"^[A-Z]+=", line):
+            var = line.split("=", 1)[0]
+            script += [line, f'echo "${var}" > {work}/{i}.out']
+        else:
+            script.append(f"{line} > {work}/{i}.out 2> {work}/{i}.err; echo $? > {work}/{i}.rc")
+    env = {k: v for k, v in tour.env.items() if "proxy" not in k.lower()}
+    env["PATH"] = f"{GRPCURL.parent}{os.pathsep}{env.get('PATH', '')}"
+    rc, out, err = await tour.run("bash", "-c", "\n".join(script), env=env, timeout=90)
+    assert rc == 0, (out, err, script)
+
+    def result(i: int) -> Result:
+        def read(ext: str) -> str:
+            path = work / f"{i}.{ext}"
+            return path.read_text() if path.exists() else ""
+
+        return Result(int(read("rc") or 0), read("out"), read("err"))
+
+    seen = []
+    for i, cmd in enumerate(commands):
+        rpc, r = _rpc(cmd.line), result(i)
+        seen.append(rpc)
+        if "-cert " not in cmd.line and rpc == "list":
+            # Refused: the exact lines the README shows, but for the ports.
+            assert r.code == 1 and r.out == "", (cmd.line, r)
+            shown = [_any_source_port(d.replace(README_CONTROLLER, port)) for d in cmd.documented]
+            assert shown and _any_source_port(r.err.strip()) in shown, (shown, r.err)
+        elif rpc == "list":
+            assert {"orka.v1.Controller", "grpc.health.v1.Health"} <= set(r.out.split()), r
+        elif rpc == "C":
+            pass
+        elif "ListWorkloads" in cmd.line:
+            assert r.out.strip().isdigit() and int(r.out) > 0, r
+        elif rpc == "CreateWorkload":
+            spec = r.json()["spec"]
+            assert (spec["name"], spec["command"], spec["replicas"]) == ("web", ["sleep", "600"], 2)
+        elif rpc == "ListInstances":
+            found = r.json().get("instances", [])
+            assert {(i["workload"], i["phase"]) for i in found} <= {("web", "RUNNING")}, r
+        elif rpc == "WatchEvents":
+            # The history since the List, then live, until -max-time: a deadline, not a failure.
+            assert r.status() == "DeadlineExceeded", r
+            events = _json_stream(r.out)
+            assert events, f"the watch printed no event within -max-time: {r}"
+            assert (events[0]["type"], events[0]["workload"]["spec"]["name"]) == ("ADDED", "web")
+            phases: dict[str, list[str]] = {}
+            for e in events:
+                if "instance" in e:
+                    phases.setdefault(e["instance"]["name"], []).append(e["instance"]["phase"])
+            assert len(phases) == 2 and all(
+                p[0] == "PENDING" and p[-1] == "RUNNING" for p in phases.values()
+            ), phases
+        elif rpc == "GetWorkload":
+            got = r.json()
+            assert got["spec"]["name"] == "web" and got["generation"] == "1", got
+            assert got["spec"]["stop_grace_period"] == "10s", got
+        elif rpc == "UpdateWorkload":
+            # The README's etag is an example, long stale: refused, nothing changed.
+            assert r.status() == "Aborted", r
+        else:
+            raise AssertionError(f"a README grpcurl line this test does not check: {cmd.line}")
+    assert seen == [
+        "C",
+        "list",
+        "ListWorkloads",
+        "CreateWorkload",
+        "ListInstances",
+        "WatchEvents",
+        "GetWorkload",
+        "UpdateWorkload",
+        "list",
+    ], seen

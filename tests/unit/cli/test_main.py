@@ -209,3 +209,38 @@ def test_service_checks_cert_role(tmp_path: Path, capsys: pytest.CaptureFixture[
     capsys.readouterr()
     rc = main(["agent", "--name", "node-2", "--certs", str(d), "--data-dir", str(tmp_path)])
     assert rc == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "controller", "certs"),
+    [
+        (["--controller", "h:1", "--certs", "/c", "get", "nodes"], "h:1", "/c"),
+        (["get", "nodes", "--controller", "h:1", "--certs", "/c"], "h:1", "/c"),
+        (["--controller=h:1", "get", "nodes", "--certs=/c"], "h:1", "/c"),
+        (["--certs", "/c", "--identity", "viewer-x", "get", "nodes", "-o", "json"], None, "/c"),
+        # Both places: the one after the command wins.
+        (["--controller", "a:1", "get", "nodes", "--controller", "b:2"], "b:2", None),
+        (["--controller", "a:1", "get", "nodes", "--controller=b:2"], "b:2", None),
+        (["--data-dir", "/d", "describe", "node", "n1"], None, None),
+    ],
+)
+def test_global_flags_before_or_after_the_command(
+    argv: list[str], controller: str | None, certs: str | None, tmp_path: Path
+) -> None:
+    args = parse(*argv)
+    assert args.command in ("get", "describe")  # type: ignore[attr-defined]
+    data_dir = Path("/d") if "--data-dir" in argv else tmp_path / "home" / ".orka"
+    assert client_target(args) == (  # type: ignore[arg-type]
+        controller or "127.0.0.1:7443",
+        Path(certs) if certs else data_dir / "certs",
+    )
+    if "--identity" in argv:
+        assert args.identity == "viewer-x"  # type: ignore[attr-defined]
+
+
+def test_a_global_flag_the_command_does_not_take_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `--agents 0` would be refused too, so nothing starts even if --certs were taken.
+    assert main(["--certs", "/c", "up", "--agents", "0"]) == 2
+    assert "unrecognized arguments: --certs /c" in capsys.readouterr().err
