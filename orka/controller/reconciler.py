@@ -319,7 +319,7 @@ class Reconciler:
                     step.put(inst.relabelled(w.generation))
                 continue
             node = self._node(inst.node)
-            draining = node is not None and node.draining
+            draining = node is not None and (node.draining or node.leaving)
             outdated = inst.generation != w.generation
             if not (draining or outdated):
                 continue
@@ -346,7 +346,7 @@ class Reconciler:
                 todo.append(inst)
             elif inst.phase is not InstancePhase.PENDING:
                 node = self._node(inst.node)
-                if node is not None and node.draining:
+                if node is not None and (node.draining or node.leaving):
                     todo.append(inst)
         return sorted(todo, key=lambda i: i.created_at)
 
@@ -460,7 +460,7 @@ class Reconciler:
                 return False
             if i.node:
                 node = self._node(i.node)
-                if node is not None and (node.draining or node.state in _NODE_GONE):
+                if node is not None and (node.draining or node.leaving or node.state in _NODE_GONE):
                     return False
         return True
 
@@ -739,6 +739,7 @@ def _node_changed(old: Node, new: Node) -> bool:
         old.state is not new.state
         or old.schedulable != new.schedulable
         or old.draining != new.draining
+        or old.leaving != new.leaving
         or old.labels != new.labels
         or old.drivers != new.drivers
         or old.capacity != new.capacity

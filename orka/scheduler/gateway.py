@@ -149,8 +149,9 @@ class Gateway:
         node.drivers = frozenset(info.drivers)
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
-        if node.state is NodeState.LEFT:
-            node.draining = False
+        # A leave ends with the stream it was announced on: registering again makes the node
+        # schedulable (an operator's cordon or drain, kept by the controller, is not touched).
+        node.leaving = False
         # What the node re-announces replaces what we believed it held, except reservations
         # for offers still in flight.
         node.reports.clear()
@@ -206,9 +207,10 @@ class Gateway:
         elif kind == "leave":
             log.info("agent leaving", node=node.name, reason=msg.leave.reason)
             session.left = True
-            node.draining = True
+            node.leaving = True
             self.registry.changed()
             self.feed.publish_node(node)
+            session.send(apb.SchedulerMessage(leave_reply=self.leave_reply(node)))
         elif kind == "batch":
             for inner in msg.batch.messages:
                 if inner.WhichOneof("body") == "batch":
@@ -218,6 +220,15 @@ class Gateway:
             raise Invalid("register may only be sent once per stream")
         else:
             raise Invalid("empty agent message")
+
+    def leave_reply(self, node: NodeRecord) -> apb.LeaveReply:
+        """Whether the leaving node's agent should wait for replacements: only while some
+        other node is READY and takes new instances. With none, nothing can take its
+        instances, and waiting would only hold the agent for its whole leave timeout."""
+        for other in self.registry:
+            if other is not node and other.state is NodeState.READY and other.takes_new:
+                return apb.LeaveReply(wait=True, reason=f"node {other.name} can take instances")
+        return apb.LeaveReply(wait=False, reason="no other ready, schedulable node")
 
     def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
         old = node.reports.get(status.name)
@@ -233,7 +244,7 @@ class Gateway:
             return
         node.session = None
         if session.left:
-            node.draining = False
+            node.leaving = False
             for name in list(node.holds):
                 node.drop_hold(name)
             node.reports.clear()

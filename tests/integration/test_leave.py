@@ -1,0 +1,173 @@
+"""Leaving (SIGTERM) on an in-process cluster: the agent waits for replacements only while
+waiting can help, logs why it does not or when its wait expires, and a node that comes back
+after a leave is schedulable again while an operator's cordon is kept."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from orka.api import controller_pb2 as pb
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
+from orka.validation import NODE_LABEL
+from tests.integration.cluster import Cluster, eventually
+
+FAST = {"heartbeat_interval": 0.2, "node_lost_after": 1.0, "offer_timeout": 0.5}
+LONG_LEAVE = 60.0  # what an agent waits at most; every "at once" below is far under it
+AT_ONCE = 10.0
+
+
+def spec(name: str, replicas: int, **fields: Any) -> pb.WorkloadSpec:
+    return pb.WorkloadSpec(
+        name=name,
+        kind=pb.WorkloadSpec.PROCESS,
+        command=["sleep", "1000"],
+        replicas=replicas,
+        **fields,
+    )
+
+
+@pytest.fixture
+async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
+    c = Cluster(certs_dir, tmp_path, **FAST)
+    await c.scheduler.start()
+    await c.start_controller()
+    yield c
+    await c.stop()
+
+
+async def running_nodes(c: Cluster, workload: str, count: int) -> list[str] | None:
+    nodes = sorted(i.node for i in await c.running(workload))
+    return nodes if len(nodes) == count else None
+
+
+async def node(c: Cluster, name: str) -> pb.Node:
+    assert c.api is not None
+    return await c.api.GetNode(pb.GetNodeRequest(name=name))
+
+
+def leave_lines(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        line
+        for line in logs
+        if line["event"].startswith(("leaving without waiting", "leave timeout expired"))
+    ]
+
+
+async def timed_leave(c: Cluster, name: str) -> tuple[float, list[dict[str, Any]]]:
+    agent = c.agents.pop(name)
+    with structlog.testing.capture_logs() as logs:
+        began = time.monotonic()
+        await agent.stop(leave=True)
+        took = time.monotonic() - began
+    return took, leave_lines(logs)
+
+
+async def test_the_only_node_leaves_at_once(cluster: Cluster) -> None:
+    """Nothing can take the instances: the agent stops them at once, and says why."""
+    assert cluster.api is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
+    await eventually(lambda: running_nodes(cluster, "web", 2))
+    took, lines = await timed_leave(cluster, "node-1")
+    assert took < AT_ONCE, f"the only node took {took:.1f}s to leave"
+    assert [(line["why"], line["count"]) for line in lines] == [
+        ("no other ready, schedulable node", 2)
+    ]
+
+
+async def test_leave_timeout_expiring_is_logged(cluster: Cluster) -> None:
+    """Another node is there but cannot take the instance (pinned here): the wait runs out,
+    and the agent logs it with how many instances are still here."""
+    assert cluster.api is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=1.0)
+    await cluster.add_agent("node-2", runtimes=["fake"])
+    pinned = spec("pinned", 1, node_selector={NODE_LABEL: "node-1"})
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=pinned))
+    await eventually(lambda: running_nodes(cluster, "pinned", 1))
+    took, lines = await timed_leave(cluster, "node-1")
+    assert 1.0 <= took < AT_ONCE
+    assert [(line["event"], line["count"], line["timeout"]) for line in lines] == [
+        ("leave timeout expired; stopping what is still here", 1, 1.0)
+    ]
+
+
+async def test_scheduler_gone_before_the_leave(cluster: Cluster) -> None:
+    """Two nodes, but no scheduler to place replacements: the agent does not wait."""
+    assert cluster.api is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.add_agent("node-2", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
+    await eventually(lambda: running_nodes(cluster, "web", 2))
+    await cluster.scheduler.stop()
+    took, lines = await timed_leave(cluster, "node-1")
+    assert took < AT_ONCE, f"leaving without a scheduler took {took:.1f}s"
+    assert len(lines) == 1 and lines[0]["count"] == 1
+    assert lines[0]["why"] in ("scheduler unreachable", "scheduler stream lost")
+
+
+async def test_node_back_after_a_leave_is_schedulable_and_a_cordon_is_kept(
+    cluster: Cluster, certs_dir: Path
+) -> None:
+    """As `docker-compose down` does it: an agent leaves, and the scheduler stops before it
+    could tell the controller the node left. Back up, the node is schedulable (a leave is no
+    drain) and gets instances. A node an operator cordoned stays cordoned across its
+    agent's restart."""
+    assert cluster.api is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.add_agent("node-2", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
+    assert await eventually(lambda: running_nodes(cluster, "web", 2)) == ["node-1", "node-2"]
+
+    # node-2 leaves; the controller hears of it; then the scheduler goes away mid-leave.
+    leaving = asyncio.create_task(cluster.agents.pop("node-2").stop(leave=True))
+
+    async def seen_leaving() -> bool:
+        return (await node(cluster, "node-2")).leaving
+
+    await eventually(seen_leaving)
+    began = time.monotonic()
+    port = cluster.scheduler.port
+    await cluster.scheduler.stop()
+    await asyncio.wait_for(leaving, AT_ONCE)
+    assert time.monotonic() - began < AT_ONCE
+
+    # Everything comes back: a new scheduler on the same address, node-2's agent again.
+    cluster.scheduler = Scheduler(
+        SchedulerConfig(listen=f"127.0.0.1:{port}", **FAST),  # type: ignore[arg-type]
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+    )
+    await cluster.scheduler.start()
+    await cluster.add_agent("node-2", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+
+    async def back() -> pb.Node | None:
+        n = await node(cluster, "node-2")
+        ok = n.state == pb.Node.READY and n.schedulable and not n.draining and not n.leaving
+        return n if ok else None
+
+    await eventually(back)
+    pinned = spec("pinned", 1, node_selector={NODE_LABEL: "node-2"})
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=pinned))
+    assert await eventually(lambda: running_nodes(cluster, "pinned", 1)) == ["node-2"]
+
+    # An operator's cordon outlives the agent's restart (and its leave).
+    await cluster.api.CordonNode(pb.CordonNodeRequest(name="node-1"))
+    await cluster.agents.pop("node-1").stop(leave=True)
+    await cluster.add_agent("node-1", runtimes=["fake"])
+    await eventually(lambda: _ready(cluster, "node-1"))
+    await asyncio.sleep(3 * FAST["heartbeat_interval"])  # a few beats: nothing uncordons it
+    n = await node(cluster, "node-1")
+    assert (n.schedulable, n.draining, n.leaving) == (False, False, False)
+    record = cluster.scheduler.registry.get("node-1")
+    assert record is not None and not record.takes_new
+
+
+async def _ready(c: Cluster, name: str) -> bool:
+    return (await node(c, name)).state == pb.Node.READY
