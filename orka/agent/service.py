@@ -246,7 +246,7 @@ class Agent:
         self.stream.leave()
         if not self.runner.holding:
             return
-        log.info("leaving: waiting for instances to be replaced", count=self._still_here())
+        log.info("leaving: instances to be replaced elsewhere", count=self._still_here())
         deadline = time.monotonic() + self.config.leave_timeout
         while self.runner.holding:
             why = self._no_wait_reason()

@@ -14,10 +14,11 @@ import pytest
 import structlog
 
 from orka.api import controller_pb2 as pb
+from orka.controller.reconciler import History
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
 from orka.validation import NODE_LABEL
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
 
 FAST = {"heartbeat_interval": 0.2, "node_lost_after": 1.0, "offer_timeout": 0.5}
 LONG_LEAVE = 60.0  # what an agent waits at most; every "at once" below is far under it
@@ -171,3 +172,46 @@ async def test_node_back_after_a_leave_is_schedulable_and_a_cordon_is_kept(
 
 async def _ready(c: Cluster, name: str) -> bool:
     return (await node(c, name)).state == pb.Node.READY
+
+
+async def test_instance_history_is_bounded_across_node_restarts(
+    certs_dir: Path, tmp_path: Path
+) -> None:
+    """A 3-replica workload on two nodes, each node restarted twice (once leaving, once
+    killed): the finished instances left behind (LOST, STOPPED, replaced) are bounded by
+    the controller's --keep-finished, and every replica still runs."""
+    c = Cluster(certs_dir, tmp_path, **FAST)
+    await c.scheduler.start()
+    await c.start_controller(history=History(keep=2))
+    try:
+        assert c.api is not None
+        for name in ("node-1", "node-2"):
+            await c.add_agent(name, runtimes=["fake"], leave_timeout=LONG_LEAVE)
+        await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 3)))
+        await eventually(lambda: running_nodes(c, "web", 3))
+        for restart in range(2):
+            for name in ("node-1", "node-2"):
+                agent = c.agents.pop(name)
+                if restart == 0:
+                    await agent.stop(leave=True)
+                else:
+                    # As SIGKILL: its instances go LOST, the node comes back READY with them
+                    # still there, is told to stop them, and only then may their rows go.
+                    await crash(agent)
+                await eventually(lambda n=name: _state(c, n, (pb.Node.LOST, pb.Node.LEFT)))
+                await eventually(lambda: running_nodes(c, "web", 3))
+                await c.add_agent(name, runtimes=["fake"], leave_timeout=LONG_LEAVE)
+
+        async def bounded() -> list[tuple[str, int]] | None:
+            rows = await c.instances("web")
+            finished = [(i.name, i.phase) for i in rows if i.phase != pb.Instance.RUNNING]
+            running = [i for i in rows if i.phase == pb.Instance.RUNNING]
+            return finished if len(finished) <= 2 and len(running) == 3 else None
+
+        await eventually(bounded)
+    finally:
+        await c.stop()
+
+
+async def _state(c: Cluster, name: str, states: tuple[int, ...]) -> bool:
+    return (await node(c, name)).state in states
