@@ -55,6 +55,10 @@ class Gateway:
         self.heartbeat_interval = heartbeat_interval
         self.register_timeout = register_timeout
         self.clock = clock
+        # Leaving agents last told to wait for replacements, by node: re-checked each pass
+        # of the liveness clock (`recheck_leaves`), so that one whose last possible taker goes
+        # away (lost, left, cordoned) is told at once there is nothing more to wait for.
+        self._waiting: dict[str, AgentSession] = {}
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
@@ -210,7 +214,10 @@ class Gateway:
             node.leaving = True
             self.registry.changed()
             self.feed.publish_node(node)
-            session.send(apb.SchedulerMessage(leave_reply=self.leave_reply(node)))
+            reply = self.leave_reply(node)
+            session.send(apb.SchedulerMessage(leave_reply=reply))
+            if reply.wait:
+                self._waiting[node.name] = session
         elif kind == "batch":
             for inner in msg.batch.messages:
                 if inner.WhichOneof("body") == "batch":
@@ -229,6 +236,20 @@ class Gateway:
             if other is not node and other.state is NodeState.READY and other.takes_new:
                 return apb.LeaveReply(wait=True, reason=f"node {other.name} can take instances")
         return apb.LeaveReply(wait=False, reason="no other ready, schedulable node")
+
+    def recheck_leaves(self, now: float) -> None:
+        """A duty of the liveness clock: tell each agent still waiting for its instances to be
+        replaced when no other node can take them any more."""
+        for name, session in list(self._waiting.items()):
+            node = self.registry.get(name)
+            if node is None or node.session is not session or session.closed:
+                del self._waiting[name]
+                continue
+            reply = self.leave_reply(node)
+            if not reply.wait:
+                del self._waiting[name]
+                log.info("leaving agent need not wait", node=name, reason=reply.reason)
+                session.send(apb.SchedulerMessage(leave_reply=reply))
 
     def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
         old = node.reports.get(status.name)

@@ -215,3 +215,31 @@ async def test_instance_history_is_bounded_across_node_restarts(
 
 async def _state(c: Cluster, name: str, states: tuple[int, ...]) -> bool:
     return (await node(c, name)).state in states
+
+
+async def test_a_leave_stops_waiting_when_its_last_taker_goes(cluster: Cluster) -> None:
+    """node-2 could take the instances when node-1 began to leave; cordoned, it cannot: the
+    scheduler tells the leaving agent, which stops at once rather than at its timeout."""
+    assert cluster.api is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.add_agent("node-2", runtimes=["fake"])
+    pinned = spec("pinned", 1, node_selector={NODE_LABEL: "node-1"})
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=pinned))
+    await eventually(lambda: running_nodes(cluster, "pinned", 1))
+    agent = cluster.agents.pop("node-1")
+    with structlog.testing.capture_logs() as logs:
+        leaving = asyncio.create_task(agent.stop(leave=True))
+        await eventually(lambda: _leaving(cluster, "node-1"))
+        await asyncio.sleep(0.5)
+        assert not leaving.done()  # node-2 could still take it: waiting
+        began = time.monotonic()
+        await cluster.api.CordonNode(pb.CordonNodeRequest(name="node-2"))
+        await asyncio.wait_for(leaving, AT_ONCE)
+    assert time.monotonic() - began < AT_ONCE
+    assert [(line["why"], line["count"]) for line in leave_lines(logs)] == [
+        ("no other ready, schedulable node", 1)
+    ]
+
+
+async def _leaving(c: Cluster, name: str) -> bool:
+    return (await node(c, name)).leaving
