@@ -230,12 +230,23 @@ class Gateway:
 
     def leave_reply(self, node: NodeRecord) -> apb.LeaveReply:
         """Whether the leaving node's agent should wait for replacements: only while some
-        other node is READY and takes new instances. With none, nothing can take its
-        instances, and waiting would only hold the agent for its whole leave timeout."""
-        for other in self.registry:
-            if other is not node and other.state is NodeState.READY and other.takes_new:
-                return apb.LeaveReply(wait=True, reason=f"node {other.name} can take instances")
-        return apb.LeaveReply(wait=False, reason="no other ready, schedulable node")
+        other node is READY and takes new instances, and a controller is connected to place
+        them. Otherwise none can come, and waiting would only hold the agent for its whole
+        leave timeout."""
+        taker = next(
+            (
+                other
+                for other in self.registry
+                if other is not node and other.state is NodeState.READY and other.takes_new
+            ),
+            None,
+        )
+        if taker is None:
+            return apb.LeaveReply(wait=False, reason="no other ready, schedulable node")
+        if not self.feed.hub.queues:
+            # Replacements are the controller's to decide: with none connected, none come.
+            return apb.LeaveReply(wait=False, reason="no controller connected")
+        return apb.LeaveReply(wait=True, reason=f"node {taker.name} can take instances")
 
     def recheck_leaves(self, now: float) -> None:
         """A duty of the liveness clock: tell each agent still waiting for its instances to be

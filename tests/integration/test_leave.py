@@ -243,3 +243,16 @@ async def test_a_leave_stops_waiting_when_its_last_taker_goes(cluster: Cluster) 
 
 async def _leaving(c: Cluster, name: str) -> bool:
     return (await node(c, name)).leaving
+
+
+async def test_no_controller_no_wait(cluster: Cluster) -> None:
+    """Another node could take the instances, but no controller is there to place them."""
+    assert cluster.api is not None and cluster.controller is not None
+    await cluster.add_agent("node-1", runtimes=["fake"], leave_timeout=LONG_LEAVE)
+    await cluster.add_agent("node-2", runtimes=["fake"])
+    await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("web", 2)))
+    await eventually(lambda: running_nodes(cluster, "web", 2))
+    await cluster.controller.stop()
+    took, lines = await timed_leave(cluster, "node-1")
+    assert took < AT_ONCE, f"leaving without a controller took {took:.1f}s"
+    assert [(line["why"], line["count"]) for line in lines] == [("no controller connected", 1)]
