@@ -55,6 +55,7 @@ async def test_down_up_fast_and_schedulable_cordon_kept(certs_dir: Path, tmp_pat
         took = time.monotonic() - began
         for svc in c.services.values():
             svc.wait(timeout=30)
+        print(f"down: both agents stopped {took:.2f}s after SIGTERM (leave timeout 60 s)")
         assert took < 10, f"agents took {took:.1f}s to stop\n{c.logs()}"
 
         # "up": the same data dirs; both nodes READY and schedulable (no drain kept), and the
