@@ -498,6 +498,8 @@ class Node(BaseModel):
     state: NodeState = NodeState.READY
     schedulable: bool = True
     draining: bool = False
+    # Its agent is leaving (soft state from the scheduler; ends when it registers again).
+    leaving: bool = False
     capacity: Resources = Field(default_factory=Resources)
     allocatable: Resources = Field(default_factory=Resources)
     allocated: Resources = Field(default_factory=Resources)

@@ -154,6 +154,8 @@ class Agent:
         self.parts = Parts("agent", self._fail)
         self._stopping = asyncio.Event()
         self._leaving = False
+        # The scheduler's answer to our leave on the current stream (None: none yet).
+        self._leave_reply: apb.LeaveReply | None = None
         self._stopped = False
         self._failed: PartFailed | None = None
 
@@ -218,7 +220,7 @@ class Agent:
             return
         self._stopped = True
         try:
-            if self._leaving and self.connected.is_set():
+            if self._leaving:
                 await self._leave()
             # Whatever is still here (no leave, or leave timed out) is stopped and forgotten.
             await self.runner.stop_all("agent stopped")
@@ -231,13 +233,45 @@ class Agent:
             log.info("agent stopped", node=self.name)
 
     async def _leave(self) -> None:
-        log.info("leaving: waiting for instances to be replaced", count=len(self.instances))
+        """Announce the leave and wait until no instance holds resources here, but only while
+        waiting can help: the scheduler reachable (a lost stream: nobody to place
+        replacements) and some other node ready to take them (the scheduler's LeaveReply)."""
+        if not self.connected.is_set():
+            if self.runner.holding:
+                log.info(
+                    "leaving without waiting", why="scheduler unreachable", count=self._still_here()
+                )
+            return
+        # Sent even with nothing here: the scheduler then records the node as LEFT, not LOST.
         self.stream.leave()
+        if not self.runner.holding:
+            return
+        log.info("leaving: instances to be replaced elsewhere", count=self._still_here())
         deadline = time.monotonic() + self.config.leave_timeout
-        while time.monotonic() < deadline:
-            if not self.runner.holding:
-                break
+        while self.runner.holding:
+            why = self._no_wait_reason()
+            if why:
+                log.info("leaving without waiting", why=why, count=self._still_here())
+                return
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "leave timeout expired; stopping what is still here",
+                    timeout=self.config.leave_timeout,
+                    count=self._still_here(),
+                )
+                return
             await asyncio.sleep(0.1)
+
+    def _no_wait_reason(self) -> str:
+        """Why waiting for replacements cannot help any more ("" while it can)."""
+        if not self.connected.is_set():
+            return "scheduler stream lost"
+        if self._leave_reply is not None and not self._leave_reply.wait:
+            return self._leave_reply.reason or "the scheduler says nothing can take over"
+        return ""
+
+    def _still_here(self) -> int:
+        return sum(1 for i in self.instances.values() if i.holds_resources)
 
     # ---- what the parts share ----
 
@@ -262,6 +296,8 @@ class Agent:
             self.runner.on_start(msg.start)
         elif kind == "stop":
             self.runner.on_stop(msg.stop)
+        elif kind == "leave_reply":
+            self._leave_reply = msg.leave_reply
         elif kind == "release":
             self.admission.release(msg.release.instance)
             self.stream.ack(msg.release.command_id, convert.ok_status())

@@ -108,6 +108,14 @@ class Leave(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class LeaveReply(_message.Message):
+    __slots__ = ("wait", "reason")
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    wait: bool
+    reason: str
+    def __init__(self, wait: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class AgentBatch(_message.Message):
     __slots__ = ("messages",)
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -185,20 +193,22 @@ class SchedulerBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("registered", "offer", "start", "stop", "release", "batch")
+    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_REPLY_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     offer: Offer
     start: StartInstance
     stop: StopInstance
     release: ReleaseOffer
     batch: SchedulerBatch
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ...) -> None: ...
+    leave_reply: LeaveReply
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("items",)

@@ -211,7 +211,7 @@ class Instance(_message.Message):
     def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "last_heartbeat_time", "etag", "revision")
+    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "last_heartbeat_time", "etag", "revision")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Node.State]
@@ -243,6 +243,7 @@ class Node(_message.Message):
     DRIVERS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_COUNT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -258,10 +259,11 @@ class Node(_message.Message):
     drivers: _containers.RepeatedScalarFieldContainer[str]
     instance_count: int
     message: str
+    leaving: bool
     last_heartbeat_time: _timestamp_pb2.Timestamp
     etag: str
     revision: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., leaving: _Optional[bool] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class CreateWorkloadRequest(_message.Message):
     __slots__ = ("spec",)

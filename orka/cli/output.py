@@ -144,6 +144,8 @@ def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
 def schedulable(n: Node) -> str:
     if n.draining:
         return "false (draining)"
+    if n.leaving and n.schedulable:
+        return "false (leaving)"  # its agent is stopping; not kept once it registers again
     return "true" if n.schedulable else "false (cordoned)"
 
 

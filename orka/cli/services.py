@@ -187,6 +187,7 @@ class GracefulStop:
 
 def cmd_controller(args: argparse.Namespace) -> int:
     from orka.controller.api import Quotas
+    from orka.controller.reconciler import History
     from orka.controller.service import Controller, ControllerConfig
 
     listen = _listen(args.listen)
@@ -219,6 +220,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
     _positive("--max-workloads", args.max_workloads)
     _positive("--max-instances", args.max_instances)
     _positive("--max-spec-bytes", args.max_spec_bytes)
+    _positive("--finished-retention", args.finished_retention)
+    if args.keep_finished < 0:
+        raise UsageError(f"--keep-finished: must be >= 0, got {args.keep_finished}")
     config = ControllerConfig(
         listen=listen,
         schedulers=schedulers,
@@ -232,6 +236,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
             max_instances=args.max_instances,
             max_spec_bytes=args.max_spec_bytes,
         ),
+        history=History(keep=args.keep_finished, retention=args.finished_retention),
         **etcd_tls,
     )
 
@@ -563,6 +568,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=32 << 20,
         metavar="N",
         help="quota: serialized specs summed over all workloads (32 MiB)",
+    )
+    add_flag(
+        p,
+        "--keep-finished",
+        type=_int_arg,
+        default=5,  # orka.controller.reconciler.KEEP_FINISHED, not imported here (startup)
+        metavar="N",
+        help="finished instances (stopped, failed, lost, replaced) kept per workload; older"
+        " ones are removed (5)",
+    )
+    add_flag(
+        p,
+        "--finished-retention",
+        type=_float_arg,
+        default=3600.0,  # orka.controller.reconciler.FINISHED_RETENTION
+        metavar="S",
+        help="finished instances are removed this many seconds after they ended, however few"
+        " (3600)",
     )
     p.set_defaults(func=cmd_controller)
 

@@ -28,7 +28,7 @@ from orka.controller.commands import (
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
-from orka.errors import OrkaError
+from orka.errors import Invalid, OrkaError
 from orka.models import (
     TERMINAL_PHASES,
     Instance,
@@ -48,8 +48,10 @@ log = structlog.get_logger("orka.controller.reconciler")
 RESEND_AFTER = 10.0
 # A bound instance the node does not mention after this long is considered gone.
 START_GRACE = 15.0
-# Finished instances kept per workload for `orka get instances`; older ones are removed.
+# Finished instances kept per workload for `orka get instances`; older ones are removed
+# (--keep-finished), and none kept past FINISHED_RETENTION seconds (--finished-retention).
 KEEP_FINISHED = 5
+FINISHED_RETENTION = 3600.0
 # Incremental passes plan only changed workloads; a full pass runs at least this often.
 FULL_PASS_EVERY = 2.0
 # Node states in which the node's instances are lost (and replaced elsewhere).
@@ -100,6 +102,25 @@ class WorkloadStep:
         return {**self.insts, **self._updated} if self._updated else self.insts
 
 
+@dataclass(frozen=True)
+class History:
+    """How much instance history each workload keeps: finished instances (stopped, failed
+    for good, lost, replaced) beyond the newest `keep`, or finished more than `retention`
+    seconds ago, are removed. Like Nomad's garbage collection of terminal allocations (by
+    age, and a count per client), not Kubernetes' one cluster-wide threshold of terminated
+    pods: a workload that restarts often cannot crowd out every other workload's history.
+    Completed replicas (SUCCEEDED, standing for their replica) are never removed here."""
+
+    keep: int = KEEP_FINISHED
+    retention: float = FINISHED_RETENTION
+
+    def __post_init__(self) -> None:
+        if self.keep < 0:
+            raise Invalid(f"--keep-finished: must be >= 0, got {self.keep}")
+        if self.retention <= 0:
+            raise Invalid(f"--finished-retention: must be > 0, got {self.retention:g}")
+
+
 def new_instance(w: Workload) -> Instance:
     return Instance(
         name=f"{w.name}-{secrets.token_hex(3)}", workload=w.name, generation=w.generation
@@ -107,10 +128,20 @@ def new_instance(w: Workload) -> Instance:
 
 
 class Reconciler:
-    def __init__(self, repo: Repo, link: SchedulerLink, queue: PlacementQueue) -> None:
+    def __init__(
+        self,
+        repo: Repo,
+        link: SchedulerLink,
+        queue: PlacementQueue,
+        history: History | None = None,
+    ) -> None:
         self.repo = repo
         self.link = link
         self.queue = queue
+        self.history = history or History()
+        # LOST instances whose node registered again without them: nothing of them is left
+        # there, so their records are history like any other finished instance.
+        self._gone_from_node: set[str] = set()
         self._dirty = asyncio.Event()
         self._stops_sent: dict[str, float] = {}
         self._starts_sent: dict[str, float] = {}
@@ -224,6 +255,7 @@ class Reconciler:
         node = self._node(inst.node) if inst.node else None
         if inst.terminal and node is not None and node.state is NodeState.READY:
             self._removals.append(stop_command(inst.node, inst.name, "forgotten"))
+        self._gone_from_node.discard(inst.name)
         return Change("instances", inst.name, None)
 
     def plan(self) -> list[Change]:
@@ -319,7 +351,7 @@ class Reconciler:
                     step.put(inst.relabelled(w.generation))
                 continue
             node = self._node(inst.node)
-            draining = node is not None and node.draining
+            draining = node is not None and (node.draining or node.leaving)
             outdated = inst.generation != w.generation
             if not (draining or outdated):
                 continue
@@ -346,15 +378,16 @@ class Reconciler:
                 todo.append(inst)
             elif inst.phase is not InstancePhase.PENDING:
                 node = self._node(inst.node)
-                if node is not None and node.draining:
+                if node is not None and (node.draining or node.leaving):
                     todo.append(inst)
         return sorted(todo, key=lambda i: i.created_at)
 
     def _forget_finished(self, step: WorkloadStep, done: list[Instance]) -> None:
         """Step 5. Records that no longer serve anyone go, so the store does not grow without
-        bound: a stop-requested instance never placed, and finished ones beyond the last
-        KEEP_FINISHED. Completed replicas (`done`) stand for their replica: forgetting them
-        would start them again."""
+        bound: a stop-requested instance never placed, and finished ones beyond the newest
+        `history.keep` or older than `history.retention`. Completed replicas (`done`) stand
+        for their replica: forgetting them would start them again. A LOST instance whose
+        node is READY but has not yet confirmed it gone is kept, up to the retention."""
         current = step.current()
         done_names = {i.name for i in done}
         finished = sorted(
@@ -366,8 +399,12 @@ class Reconciler:
                 inst.phase is InstancePhase.PENDING and not self.queue.busy(inst.name)
             ):
                 step.changes.append(self._forget(inst))
-        for inst in finished[: max(0, len(finished) - KEEP_FINISHED)]:
-            if inst.phase is InstancePhase.LOST and inst.node and self._node_unsettled(inst):
+        expired = step.now - self.history.retention
+        for i, inst in enumerate(finished):
+            old = (inst.finished_at or inst.updated_at) < expired
+            if not old and i >= len(finished) - self.history.keep:
+                continue  # among the newest kept
+            if not old and inst.phase is InstancePhase.LOST and self._node_unsettled(inst):
                 continue  # kept until the node confirms it stopped, or is gone for good
             step.changes.append(self._forget(inst))
 
@@ -460,7 +497,7 @@ class Reconciler:
                 return False
             if i.node:
                 node = self._node(i.node)
-                if node is not None and (node.draining or node.state in _NODE_GONE):
+                if node is not None and (node.draining or node.leaving or node.state in _NODE_GONE):
                     return False
         return True
 
@@ -479,6 +516,8 @@ class Reconciler:
         ]
 
     def _node_unsettled(self, inst: Instance) -> bool:
+        if not inst.node or inst.name in self._gone_from_node:
+            return False
         node = self._node(inst.node)
         return node is not None and node.state is NodeState.READY
 
@@ -620,6 +659,9 @@ class Reconciler:
                         if inst is None or inst.node != r.node
                         else "replaced after node loss"
                     )
+                    if inst is not None and inst.node == r.node and r.phase in TERMINAL_PHASES:
+                        # The node stopped its copy of a LOST instance: nothing runs there.
+                        self._gone_from_node.add(inst.name)
                     cmd = self.cleanup(r.node, r.name, why)
                     if cmd is not None:
                         cleanups.append(cmd)
@@ -631,7 +673,11 @@ class Reconciler:
                         freed = True
             for node_name, names in syncs.items():
                 for inst in self.repo.instances.values():
-                    if inst.node != node_name or inst.terminal or inst.name in names:
+                    if inst.node != node_name or inst.name in names:
+                        continue
+                    if inst.phase is InstancePhase.LOST:
+                        self._gone_from_node.add(inst.name)  # the node holds nothing of it
+                    if inst.terminal:
                         continue
                     if inst.name in changed_instances:
                         continue
@@ -645,6 +691,7 @@ class Reconciler:
                         f"node {node_name} re-registered without it",
                         now,
                     )
+                    self._gone_from_node.add(inst.name)
                     freed = True
             changes += [Change("instances", n, i) for n, i in changed_instances.items()]
             return changes
@@ -739,6 +786,7 @@ def _node_changed(old: Node, new: Node) -> bool:
         old.state is not new.state
         or old.schedulable != new.schedulable
         or old.draining != new.draining
+        or old.leaving != new.leaving
         or old.labels != new.labels
         or old.drivers != new.drivers
         or old.capacity != new.capacity

@@ -26,7 +26,7 @@ from orka.controller.events import EventHub
 from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementConfig, PlacementQueue
-from orka.controller.reconciler import Reconciler
+from orka.controller.reconciler import History, Reconciler
 from orka.controller.repo import Repo
 from orka.errors import Invalid, Unavailable
 from orka.filemodes import private_dir
@@ -63,6 +63,8 @@ class ControllerConfig:
     audit_reads: bool = False
     # Cluster-wide quotas (per tenant later): workloads, and replicas over all workloads.
     quotas: Quotas = field(default_factory=Quotas)
+    # Finished instances kept per workload, and for how long.
+    history: History = field(default_factory=History)
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -112,7 +114,7 @@ class Controller:
             self.config.schedulers, self.tls, self._on_updates, on_connect=self._feed_connected
         )
         self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
-        self.reconciler = Reconciler(self.repo, self.link, self.queue)
+        self.reconciler = Reconciler(self.repo, self.link, self.queue, self.config.history)
 
     async def _on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         await self.reconciler.on_updates(updates)

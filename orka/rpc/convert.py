@@ -385,6 +385,7 @@ def node_to_pb(n: Node) -> pb.Node:
         state=n.state,
         schedulable=n.schedulable,
         draining=n.draining,
+        leaving=n.leaving,
         allocated_cpu_millis=n.allocated.cpu_millis,
         allocated_memory_bytes=n.allocated.memory_bytes,
         usage=n.usage,
@@ -433,11 +434,13 @@ def fill_node_status(
     instance_count: int,
     last_heartbeat: float,
     message: str,
+    leaving: bool = False,
 ) -> None:
     """Write what changes with every heartbeat into `msg` (a node's static part)."""
     msg.state = _NODE_STATES[state]
     msg.schedulable = schedulable
     msg.draining = draining
+    msg.leaving = leaving
     # Set even when zero: the sub-messages are present. Allocation comes as two numbers: the
     # scheduler keeps it so, and publishes every node at each usage report.
     allocated = msg.allocated
@@ -466,6 +469,7 @@ def node_from_pb(msg: pb.Node) -> Node:
         state=state,
         schedulable=msg.schedulable,
         draining=msg.draining,
+        leaving=msg.leaving,
         capacity=resources_from_pb(msg.capacity),
         allocatable=resources_from_pb(msg.allocatable),
         allocated=resources_from_pb(msg.allocated),

@@ -71,6 +71,7 @@ class NodeMessages:
             state=node.state,
             schedulable=node.schedulable,
             draining=node.draining,
+            leaving=node.leaving,
             allocated_cpu_millis=node.cpu_used,
             allocated_memory_bytes=node.mem_used,
             usage=node.usage,

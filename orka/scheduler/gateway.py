@@ -55,6 +55,10 @@ class Gateway:
         self.heartbeat_interval = heartbeat_interval
         self.register_timeout = register_timeout
         self.clock = clock
+        # Leaving agents last told to wait for replacements, by node: re-checked each pass
+        # of the liveness clock (`recheck_leaves`), so that one whose last possible taker goes
+        # away (lost, left, cordoned) is told at once there is nothing more to wait for.
+        self._waiting: dict[str, AgentSession] = {}
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
@@ -149,8 +153,9 @@ class Gateway:
         node.drivers = frozenset(info.drivers)
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
-        if node.state is NodeState.LEFT:
-            node.draining = False
+        # A leave ends with the stream it was announced on: registering again makes the node
+        # schedulable (an operator's cordon or drain, kept by the controller, is not touched).
+        node.leaving = False
         # What the node re-announces replaces what we believed it held, except reservations
         # for offers still in flight.
         node.reports.clear()
@@ -206,9 +211,13 @@ class Gateway:
         elif kind == "leave":
             log.info("agent leaving", node=node.name, reason=msg.leave.reason)
             session.left = True
-            node.draining = True
+            node.leaving = True
             self.registry.changed()
             self.feed.publish_node(node)
+            reply = self.leave_reply(node)
+            session.send(apb.SchedulerMessage(leave_reply=reply))
+            if reply.wait:
+                self._waiting[node.name] = session
         elif kind == "batch":
             for inner in msg.batch.messages:
                 if inner.WhichOneof("body") == "batch":
@@ -218,6 +227,40 @@ class Gateway:
             raise Invalid("register may only be sent once per stream")
         else:
             raise Invalid("empty agent message")
+
+    def leave_reply(self, node: NodeRecord) -> apb.LeaveReply:
+        """Whether the leaving node's agent should wait for replacements: only while some
+        other node is READY and takes new instances, and a controller is connected to place
+        them. Otherwise none can come, and waiting would only hold the agent for its whole
+        leave timeout."""
+        taker = next(
+            (
+                other
+                for other in self.registry
+                if other is not node and other.state is NodeState.READY and other.takes_new
+            ),
+            None,
+        )
+        if taker is None:
+            return apb.LeaveReply(wait=False, reason="no other ready, schedulable node")
+        if not self.feed.hub.queues:
+            # Replacements are the controller's to decide: with none connected, none come.
+            return apb.LeaveReply(wait=False, reason="no controller connected")
+        return apb.LeaveReply(wait=True, reason=f"node {taker.name} can take instances")
+
+    def recheck_leaves(self, now: float) -> None:
+        """A duty of the liveness clock: tell each agent still waiting for its instances to be
+        replaced when no other node can take them any more."""
+        for name, session in list(self._waiting.items()):
+            node = self.registry.get(name)
+            if node is None or node.session is not session or session.closed:
+                del self._waiting[name]
+                continue
+            reply = self.leave_reply(node)
+            if not reply.wait:
+                del self._waiting[name]
+                log.info("leaving agent need not wait", node=name, reason=reply.reason)
+                session.send(apb.SchedulerMessage(leave_reply=reply))
 
     def _on_status(self, node: NodeRecord, status: apb.InstanceStatus) -> None:
         old = node.reports.get(status.name)
@@ -233,7 +276,7 @@ class Gateway:
             return
         node.session = None
         if session.left:
-            node.draining = False
+            node.leaving = False
             for name in list(node.holds):
                 node.drop_hold(name)
             node.reports.clear()

@@ -48,6 +48,9 @@ class NodeRecord:
     state: NodeState = NodeState.READY
     schedulable: bool = True
     draining: bool = False
+    # Its agent announced a leave on its current stream: soft state, ended by registering
+    # again. Apart from `draining`, which only an operator sets and the controller keeps.
+    leaving: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat_wall: float = field(default_factory=time.time)
     session: AgentSession | None = None
@@ -87,7 +90,7 @@ class NodeRecord:
         return NodeView(
             name=self.name,
             state=self.state,
-            schedulable=self.schedulable and not self.draining,
+            schedulable=self.takes_new,
             drivers=self.drivers,
             labels=self.labels,
             cpu_allocatable=self.allocatable.cpu_millis,
@@ -98,12 +101,18 @@ class NodeRecord:
             total_instances=len(self.holds),
         )
 
+    @property
+    def takes_new(self) -> bool:
+        """New instances may be placed here: not cordoned, draining or leaving."""
+        return self.schedulable and not self.draining and not self.leaving
+
     def to_model(self) -> Node:
         return Node(
             name=self.name,
             state=self.state,
             schedulable=self.schedulable,
             draining=self.draining,
+            leaving=self.leaving,
             capacity=self.capacity,
             allocatable=self.allocatable,
             allocated=Resources(cpu_millis=self.cpu_used, memory_bytes=self.mem_used),
@@ -131,7 +140,7 @@ class _Live:
 
     @property
     def schedulable(self) -> bool:
-        return self._rec.schedulable and not self._rec.draining
+        return self._rec.takes_new
 
     @property
     def drivers(self) -> frozenset[str]:

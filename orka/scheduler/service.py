@@ -106,6 +106,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             config.register_timeout,
             clock,
         )
+        self.liveness.on_pass.append(self.gateway.recheck_leaves)
         self.relay = Relay(self.registry, self.feed, config.command_timeout)
         self.parts = Parts("scheduler", self._fail)
         self._server: grpc.aio.Server | None = None

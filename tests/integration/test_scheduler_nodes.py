@@ -515,8 +515,10 @@ async def test_a_release_command_frees_the_reservation_at_once(
 async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
 ) -> None:
-    """Leave: the node is draining at once (no new placement, its instances to be moved),
-    and once its stream ends it is LEFT with nothing held and no longer draining."""
+    """Leave: the node is leaving at once (no new placement, its instances to be moved; not
+    `draining`, which is an operator's and outlives the agent), the agent is told there is
+    nothing to wait for (no other node), and once its stream ends it is LEFT with nothing held
+    and no longer leaving."""
     agents.append(HandAgent(scheduler, certs_dir, "node-1"))
     await agents[0].register(running=("web-old",))
     node = scheduler.registry.get("node-1")
@@ -524,8 +526,11 @@ async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     # A snapshot taken before the leave (as by an earlier placement) must not be reused.
     assert scheduler.registry.snapshot().by_name["node-1"].schedulable
     await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="shutting down")))
-    await until(lambda: node.draining)
-    assert node.state is NodeState.READY and node.schedulable
+    await until(lambda: node.leaving)
+    assert node.state is NodeState.READY and node.schedulable and not node.draining
+    await until(lambda: any(m.HasField("leave_reply") for m in agents[0].received))
+    (reply,) = [m.leave_reply for m in agents[0].received if m.HasField("leave_reply")]
+    assert (reply.wait, reply.reason) == (False, "no other ready, schedulable node")
     (result,) = await place(scheduler, certs_dir, 1)
     assert (result.node, reasons_text(result)) == ("", "1 node: cordoned")
     assert [(r.code, r.node_count, r.resolvable) for r in result.reasons] == [
@@ -536,7 +541,12 @@ async def test_a_leaving_node_drains_then_is_left_holding_nothing(
     await agents[0].call.done_writing()
     await until(lambda: node.state is NodeState.LEFT)
     assert held(node) == ({}, 0, 0)
-    assert (node.draining, node.message, node.reports) == (False, "agent left", {})
+    assert (node.leaving, node.draining, node.message, node.reports) == (
+        False,
+        False,
+        "agent left",
+        {},
+    )
 
 
 async def test_set_node_cordons_for_the_next_ranking_and_changes_only_what_it_names(
@@ -698,7 +708,7 @@ async def test_a_node_that_left_and_went_silent_ends_left_logged_and_without_a_s
         feed = feed_of(s)
         with structlog.testing.capture_logs() as logs:
             await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
-            await until(lambda: node.draining)
+            await until(lambda: node.leaving)
             await clock.step_to(t0 + 1.01)
             await until(lambda: node.state is NodeState.LEFT)
         assert kinds(feed) == [
@@ -872,14 +882,14 @@ async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over
 async def test_a_node_that_left_registers_again_ready_undrained_and_synced(
     scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
 ) -> None:
-    """After a leave, the same node registering again is READY, no longer draining, told the
+    """After a leave, the same node registering again is READY, no longer leaving, told the
     heartbeat interval, logged with the state it had, and published then synced in full."""
     agents.append(HandAgent(scheduler, certs_dir, "node-1"))
     await agents[0].register()
     node = scheduler.registry.get("node-1")
     assert node is not None
     await agents[0].call.write(apb.AgentMessage(leave=apb.Leave(reason="bye")))
-    await until(lambda: node.draining)
+    await until(lambda: node.leaving)
     await agents[0].call.done_writing()
     await until(lambda: node.state is NodeState.LEFT)
     feed = feed_of(scheduler)
@@ -888,7 +898,12 @@ async def test_a_node_that_left_registers_again_ready_undrained_and_synced(
         await agents[1].register(running=("web-1",))
     assert agents[1].registered is not None
     assert (agents[1].registered.node, agents[1].registered.heartbeat_interval) == ("node-1", 5.0)
-    assert (node.state, node.message, node.draining) == (NodeState.READY, "", False)
+    assert (node.state, node.message, node.leaving, node.draining) == (
+        NodeState.READY,
+        "",
+        False,
+        False,
+    )
     assert [e for e in logs if e["event"] == "agent registered"] == [
         {
             "event": "agent registered",

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from orka.cli import output
@@ -124,3 +125,21 @@ def test_describe_workload_names_its_user() -> None:
     assert user_line(user="daemon") == ["daemon"]
     assert user_line(user="daemon", group="nogroup") == ["daemon:nogroup"]
     assert user_line(group="nogroup") == ["(node default):nogroup"]
+
+
+@pytest.mark.parametrize(
+    ("schedulable", "draining", "leaving", "shown"),
+    [
+        (True, False, False, "true"),
+        (False, False, False, "false (cordoned)"),
+        (False, True, False, "false (draining)"),
+        (False, True, True, "false (draining)"),  # the operator's drain outlives the leave
+        (True, False, True, "false (leaving)"),
+        (False, False, True, "false (cordoned)"),  # the operator's cordon outlives the leave
+    ],
+)
+def test_schedulable_column_names_why_not(
+    schedulable: bool, draining: bool, leaving: bool, shown: str
+) -> None:
+    n = Node(name="n1", schedulable=schedulable, draining=draining, leaving=leaving)
+    assert output.schedulable(n) == shown

@@ -18,7 +18,7 @@ from google.rpc import code_pb2
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.controller import reconciler as reconciler_module
-from orka.controller.commands import NodeCommand, stop_command
+from orka.controller.commands import NodeCommand, NodeSynced, stop_command
 from orka.controller.link import (
     CommandResult,
     command_result_from_pb,
@@ -33,6 +33,7 @@ from orka.controller.reconciler import (
     RESEND_AFTER,
     START_GRACE,
     CrashBackoff,
+    History,
     Reconciler,
     _node_changed,
     new_instance,
@@ -42,6 +43,7 @@ from orka.errors import Unavailable
 from orka.models import (
     Instance,
     InstancePhase,
+    InstanceReport,
     Node,
     NodeState,
     Resources,
@@ -118,7 +120,10 @@ async def env() -> AsyncIterator[Env]:
     repo = Repo(store)
     link = DummyLink()
     queue = PlacementQueue(repo, link)  # type: ignore[arg-type]
-    yield Env(repo, link, queue, Reconciler(repo, link, queue))  # type: ignore[arg-type]
+    # The builders' times are small numbers (1.0, 2.0, ...): an age bound would remove every
+    # finished instance, so the fixture keeps them for ever; the age bound is tested apart.
+    history = History(retention=1e15)
+    yield Env(repo, link, queue, Reconciler(repo, link, queue, history))  # type: ignore[arg-type]
     await store.close()
 
 
@@ -474,6 +479,37 @@ async def test_lost_instance_on_ready_node_is_not_trimmed(env: Env) -> None:
     await env.plan()
     assert "web-lost" in env.repo.instances
     assert "web-gone" not in env.repo.instances
+
+
+async def test_history_keeps_the_configured_count_and_age(env: Env) -> None:
+    """--keep-finished N: the newest N finished; --finished-retention S: none that ended
+    more than S ago, even within the count, and even a LOST one whose node is READY and has
+    not confirmed it gone. Completed replicas and live instances stay whatever their age."""
+    clock = Clock(1000.0)
+    env.rec.clock = clock
+    env.rec.history = History(keep=2, retention=100.0)
+    failed = [inst(f"web-f{i}", P.FAILED, finished_at=950.0 + i) for i in range(4)]
+    old = inst("web-old", P.STOPPED, finished_at=899.0)
+    lost = inst("web-lost", P.LOST, "n1", finished_at=899.5)
+    done = inst("web-done", P.SUCCEEDED, finished_at=1.0)
+    live = inst("web-run", created_at=1.0, updated_at=1.0)
+    await env.put(node("n1"), workload(replicas=2), live, done, old, lost, *failed)
+    await env.plan()
+    assert {i.name for i in env.of()} == {"web-run", "web-done", "web-f2", "web-f3"}
+
+
+async def test_lost_instance_goes_once_its_node_re_registers_without_it(env: Env) -> None:
+    """Kept while its node may still run it; history like any other once the node's sync
+    (it registered again) does not mention it."""
+    lost = inst("web-lost", P.LOST, "n1", finished_at=0.5)
+    env.rec.history = History(keep=0, retention=1e15)
+    await env.put(node("n1"), workload(replicas=1), inst("web-run"), lost)
+    await env.plan()
+    assert "web-lost" in env.repo.instances
+    running = InstanceReport(name="web-run", workload="web", node="n1", phase=P.RUNNING)
+    await env.rec.on_updates([NodeSynced(node="n1", reports=[running])])
+    await env.plan()
+    assert "web-lost" not in env.repo.instances
 
 
 async def test_completed_replicas_are_not_recreated_after_trim(env: Env) -> None:

@@ -285,6 +285,17 @@ def test_node_shows_its_instance_count_heartbeat_time_and_etag() -> None:
     assert convert.node_to_pb(n.model_copy(update={"draining": True})).etag != msg.etag
 
 
+def test_node_leaving_round_trips_apart_from_draining() -> None:
+    """A leave is the scheduler's soft state, not a user's write: its own field, and the
+    node's etag does not move with it."""
+    n = Node(name="n1")
+    leaving = convert.node_to_pb(n.model_copy(update={"leaving": True}))
+    assert (leaving.leaving, leaving.draining, leaving.schedulable) == (True, False, True)
+    back = convert.node_from_pb(leaving)
+    assert (back.leaving, back.draining) == (True, False)
+    assert leaving.etag == convert.node_to_pb(n).etag
+
+
 @pytest.mark.parametrize("inst", INSTANCES)
 def test_instance_round_trip(inst: Instance) -> None:
     back = convert.instance_from_pb(convert.instance_to_pb(inst))
