@@ -32,6 +32,11 @@ APT_PACKAGES=(
   gcc
   busybox-static
   etcd-server
+  # The compose test (tests/deploy/test_compose.py): its own dockerd, Debian's docker-compose
+  # 1.29, and debootstrap for the stand-in of the Dockerfile's base image.
+  docker.io
+  docker-compose
+  debootstrap
 )
 # buf (proto lint and breaking checks) comes from npm. Debian's npm only where there is none:
 # NodeSource's nodejs bundles npm and conflicts with Debian's npm package.
