@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.deploy, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_PACKAGES = ["python3", "python3-venv", "python3-pip", "ca-certificates"]
-# Who owns ./certs on the host after `up` (the compose file's HOST_UID / HOST_GID).
+# The host user who owns the checkout, so ./certs after `up` (HOST_UID / HOST_GID left unset:
+# certs.sh's default, the checkout's owner).
 HOST_ID = 4321
 LONG_RUNNING = ("scheduler", "controller", "agent-1", "agent-2")
 DOWN_LIMIT = 10.0
@@ -175,8 +176,6 @@ class Project:
             **docker.env,
             "COMPOSE_PROJECT_NAME": self.name,
             "ORKA_API_PUBLISH": api,
-            "HOST_UID": str(HOST_ID),
-            "HOST_GID": str(HOST_ID),
         }
 
     def compose(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -254,14 +253,26 @@ def docker() -> Iterator[Docker]:
         yield d
 
 
-def test_compose_cluster_from_up_to_down(docker: Docker, tmp_path: Path) -> None:
+@pytest.fixture
+def project_dir() -> Iterator[Path]:
+    """Outside pytest's tmp dirs (0700 root): the host user must reach ./certs."""
+    top = Path(tempfile.mkdtemp(prefix="orka-compose-"))
+    top.chmod(0o755)
+    try:
+        yield top / "project"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_compose_cluster_from_up_to_down(docker: Docker, project_dir: Path) -> None:
     started = time.monotonic()
     build_image(docker)
     built = time.monotonic() - started
-    project_dir = tmp_path / "project"
     (project_dir / "deploy/compose").mkdir(parents=True)
     shutil.copy(REPO / "docker-compose.yml", project_dir)
     shutil.copy(REPO / "deploy/compose/certs.sh", project_dir / "deploy/compose")
+    for path in (project_dir, *project_dir.rglob("*")):
+        os.chown(path, HOST_ID, HOST_ID)
     project = Project(docker, project_dir, f"127.0.0.1:{free_port()}")
     ready = {"node-1": ("READY", True), "node-2": ("READY", True)}
     figures: dict[str, float] = {"build": built}
@@ -280,7 +291,8 @@ def test_compose_cluster_from_up_to_down(docker: Docker, tmp_path: Path) -> None
             ("agent-1", "agent-node-1", "0"),
         ):
             out = project.compose("exec", "-T", service, "sh", "-c", "id -u; ls /certs").stdout
-            assert out.split() == [uid, "ca.crt", f"{stem}.crt", f"{stem}.key"], service
+            who, *files = out.split()
+            assert (who, sorted(files)) == (uid, sorted(["ca.crt", f"{stem}.crt", f"{stem}.key"]))
         certs = project_dir / "certs"
         for path in (certs, certs / "admin.key", certs / "ca" / "ca.key"):
             st = path.stat()
@@ -310,7 +322,7 @@ def test_compose_cluster_from_up_to_down(docker: Docker, tmp_path: Path) -> None
         project.compose("up", "-d", "--no-build")
         project.wait_healthy()
         figures["up again"] = time.monotonic() - t
-        assert [w["name"] for w in project.get("workloads")] == ["hello"]
+        assert [w["spec"]["name"] for w in project.get("workloads")] == ["hello"]
         wait_for("3 replicas RUNNING again", lambda: len(_running(project)) == 3, 30)
         # Both nodes back and schedulable: a leave's drain must not outlive the restart.
         wait_for("both nodes READY and schedulable", lambda: _nodes(project) == ready, 15)
