@@ -137,6 +137,9 @@ def own_dockerd() -> Iterator[Docker]:
                 daemon.kill()
                 daemon.wait(10)
             log.close()
+            # dockerd leaves its default network namespace bind-mounted in the exec root.
+            for netns in (run_dir / "exec" / "netns").glob("*"):
+                subprocess.run(["umount", str(netns)], capture_output=True, check=False)
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
