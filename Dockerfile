@@ -26,8 +26,11 @@ COPY pyproject.toml README.md /src/
 COPY proto /src/proto
 COPY orka /src/orka
 # setuptools comes pinned from constraints.txt: no build isolation, no second download.
+# `pip check` fails the build when pyproject.toml gained a dependency that constraints.txt
+# lacks (run scripts/lock.py), instead of an image that fails at start.
 RUN /opt/orka/bin/pip install --require-virtualenv --no-deps --no-build-isolation \
         -c /src/constraints.txt /src \
+    && /opt/orka/bin/pip check \
     && /opt/orka/bin/orka --help >/dev/null
 
 FROM python:3.11-slim
