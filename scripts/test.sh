@@ -32,9 +32,13 @@ APT_PACKAGES=(
   gcc
   busybox-static
   etcd-server
-  # tests/deploy/test_systemd.py: builds a Debian 12 root and boots it with systemd-nspawn.
+  # The deploy tests (tests/deploy): debootstrap builds a Debian 12 root for both; the systemd
+  # test boots it with systemd-nspawn; the compose test runs its own dockerd and Debian's
+  # docker-compose 1.29 on a stand-in base image imported from it.
   debootstrap
   systemd-container
+  docker.io
+  docker-compose
 )
 # buf (proto lint and breaking checks) comes from npm. Debian's npm only where there is none:
 # NodeSource's nodejs bundles npm and conflicts with Debian's npm package.
