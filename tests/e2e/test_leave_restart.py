@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orka.api import controller_pb2 as pb
+from orka.api import controller_pb2_grpc as pb_grpc
 from orka.validation import NODE_LABEL
 from tests.e2e.procs import ProcessCluster, nodes_ready
 from tests.integration.cluster import eventually
@@ -31,15 +32,21 @@ async def _running_on(c: ProcessCluster, workload: str, count: int) -> list[str]
     return nodes if len(nodes) == count else None
 
 
+async def _up(c: ProcessCluster) -> pb_grpc.ControllerStub:
+    """Scheduler, controller and both agents (on the data dirs of any earlier run), all READY."""
+    c.start_scheduler()
+    c.start_controller()
+    for name in NODES:
+        c.start_agent(name, *LEAVE)
+    api = await c.connect()
+    await eventually(lambda: nodes_ready(c, NODES), timeout=30)
+    return api
+
+
 async def test_down_up_fast_and_schedulable_cordon_kept(certs_dir: Path, tmp_path: Path) -> None:
     c = ProcessCluster(certs_dir, tmp_path, runtime="fake")
     try:
-        c.start_scheduler()
-        c.start_controller()
-        for name in NODES:
-            c.start_agent(name, *LEAVE)
-        api = await c.connect()
-        await eventually(lambda: nodes_ready(c, NODES), timeout=30)
+        api = await _up(c)
         spec = pb.WorkloadSpec(
             name="web", kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=2
         )
@@ -60,12 +67,7 @@ async def test_down_up_fast_and_schedulable_cordon_kept(certs_dir: Path, tmp_pat
 
         # "up": the same data dirs; both nodes READY and schedulable (no drain kept), and the
         # workload runs on both again.
-        c.start_scheduler()
-        c.start_controller()
-        for name in NODES:
-            c.start_agent(name, *LEAVE)
-        api = await c.connect()
-        await eventually(lambda: nodes_ready(c, NODES), timeout=30)
+        api = await _up(c)
 
         async def schedulable() -> bool:
             for name in NODES:
