@@ -244,3 +244,12 @@ def test_a_global_flag_the_command_does_not_take_is_a_usage_error(
     # `--agents 0` would be refused too, so nothing starts even if --certs were taken.
     assert main(["--certs", "/c", "up", "--agents", "0"]) == 2
     assert "unrecognized arguments: --certs /c" in capsys.readouterr().err
+
+
+def test_history_flag_defaults_are_the_reconcilers() -> None:
+    # The CLI spells them out (the reconciler is not imported at start-up): they must agree.
+    from orka.controller.reconciler import FINISHED_RETENTION, KEEP_FINISHED
+
+    args = parse("controller")
+    assert args.keep_finished == KEEP_FINISHED  # type: ignore[attr-defined]
+    assert args.finished_retention == FINISHED_RETENTION  # type: ignore[attr-defined]
