@@ -194,6 +194,53 @@ class Resources(BaseModel):
         return self.cpu_millis <= free.cpu_millis and self.memory_bytes <= free.memory_bytes
 
 
+class PortProtocol(StrEnum):
+    TCP = "tcp"
+    UDP = "udp"
+
+
+MAX_PORTS = 32
+MAX_PORT_NAME = 15  # IANA service names, as Kubernetes limits port names
+
+
+class PortSpec(BaseModel):
+    """A port an instance serves: `port` inside its own network, `host_port` on its node.
+
+    `host_port` 0 lets the agent pick a free one; a host-network process has no network of its
+    own, so it gives only `host_port` (or the same number in both).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    port: int | None = Field(default=None, ge=1, le=65535)
+    host_port: int = Field(default=0, ge=0, le=65535)
+    protocol: PortProtocol = PortProtocol.TCP
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if len(v) > MAX_PORT_NAME:
+            raise ValueError(f"{quote(v)} must be at most {MAX_PORT_NAME} characters")
+        return check_name(v)
+
+    @property
+    def env_name(self) -> str:
+        """The variable a process reads its host port from: ORKA_PORT_<NAME>."""
+        return "ORKA_PORT_" + self.name.upper().replace("-", "_")
+
+
+class PortBinding(BaseModel):
+    """A port as an instance got it: `host_port` is the one actually bound on the node."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    port: int = 0
+    host_port: int = 0
+    protocol: PortProtocol = PortProtocol.TCP
+
+
 class VmSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -235,6 +282,8 @@ class WorkloadSpec(BaseModel):
     # KEY -> absolute path of a file on the node whose content the agent puts in KEY at each
     # start (orka/agent/secret_files.py); the path must be inside the agent's --secret-dir.
     secret_env_files: dict[str, str] = Field(default_factory=dict)
+    # Ports the instance serves (see PortSpec); fixed host ports are a node resource.
+    ports: list[PortSpec] = Field(default_factory=list, max_length=MAX_PORTS)
 
     @field_validator("name")
     @classmethod
@@ -296,6 +345,21 @@ class WorkloadSpec(BaseModel):
                 )
         return v
 
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[PortSpec]) -> list[PortSpec]:
+        names: set[str] = set()
+        fixed: set[tuple[int, PortProtocol]] = set()
+        for i, p in enumerate(v):
+            if p.name in names:
+                raise ValueError(f"[{i}].name: {quote(p.name)} is given twice")
+            names.add(p.name)
+            if p.host_port:
+                if (p.host_port, p.protocol) in fixed:
+                    raise ValueError(f"[{i}].host_port: {p.host_port}/{p.protocol} is given twice")
+                fixed.add((p.host_port, p.protocol))
+        return v
+
     @model_validator(mode="after")
     def _kind_needs(self) -> WorkloadSpec:
         if self.kind is WorkloadKind.PROCESS and not self.command:
@@ -307,6 +371,18 @@ class WorkloadSpec(BaseModel):
             raise ValueError("image is required for a CONTAINER workload")
         if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):
             raise ValueError("image or vm.kernel is required for a VM workload")
+        for i, p in enumerate(self.ports):
+            if self.kind is WorkloadKind.PROCESS:
+                if p.port is not None and p.port != p.host_port:
+                    raise ValueError(
+                        f"ports[{i}].port: a host-network process listens on its host port;"
+                        " give host_port only (0 lets the agent pick one)"
+                    )
+            elif p.port is None:
+                raise ValueError(
+                    f"ports[{i}].port: required for a {self.kind.value} workload (where the"
+                    " instance listens inside its own network)"
+                )
         both = sorted(self.env.keys() & self.secret_env.keys())
         if both:
             raise ValueError(f"secret_env: {both[0]!r} is also in env; give each variable once")
@@ -317,6 +393,11 @@ class WorkloadSpec(BaseModel):
                 " variable once"
             )
         return self
+
+    @property
+    def fixed_host_ports(self) -> frozenset[tuple[int, PortProtocol]]:
+        """The exact host ports an instance needs on its node (a node resource)."""
+        return frozenset((p.host_port, p.protocol) for p in self.ports if p.host_port)
 
     @property
     def environment(self) -> dict[str, str]:
@@ -373,6 +454,9 @@ class Instance(BaseModel):
     scheduled_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
+    # The instance's IP in its node's instance network (empty: host network or not started).
+    address: str = ""
+    ports: list[PortBinding] = Field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -525,3 +609,5 @@ class InstanceReport(BaseModel):
     restarts: int = 0
     started_at: float | None = None
     finished_at: float | None = None
+    address: str = ""
+    ports: list[PortBinding] = Field(default_factory=list)

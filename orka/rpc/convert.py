@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -54,6 +55,7 @@ def field_path(loc: tuple[int | str, ...]) -> str:
 
 
 _MAPPING_FIELDS = frozenset({"env", "node_selector", "labels"})
+_NAMED_FIELD = re.compile(r"^((?:\[\d+\]|[a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)*): ")
 
 
 def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
@@ -65,6 +67,11 @@ def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
     for e in errors[:MAX_REPORTED_ERRORS]:
         loc = field_path(tuple(e["loc"]))
         msg = str(e["msg"]).removeprefix("Value error, ")
+        # A validator that checks a whole list or spec names the element it means at the start
+        # of its message ("[1].name: ...", "ports[0].port: ..."): that is the field.
+        named = _NAMED_FIELD.match(msg)
+        if named and (loc or not named.group(1).startswith("[")):
+            loc, msg = f"{loc}{named.group(1)}", msg[named.end() :]
         field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         parts.append(f"{field}: {msg}" if field else msg)
         if field:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from orka.errors import Invalid, RuntimeFailure
-from orka.models import WorkloadKind, WorkloadSpec
+from orka.models import PortBinding, WorkloadKind, WorkloadSpec
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -63,6 +63,10 @@ class TaskInfo(BaseModel):
     message: str = ""
     # Why it ended when the driver knows more than the exit code (e.g. "OOMKilled").
     reason: str = ""
+    # Where it can be reached: its IP in the node's instance network ("" for the host network)
+    # and the ports it got, with the host port actually bound.
+    address: str = ""
+    ports: list[PortBinding] = Field(default_factory=list)
 
 
 class DriverHealth(BaseModel):
@@ -93,6 +97,8 @@ class TrackedTask:
     finished_at: float | None = None
     message: str = ""
     reason: str = ""
+    address: str = ""
+    ports: list[PortBinding] = field(default_factory=list)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     watcher: asyncio.Task[None] | None = None
 
@@ -108,6 +114,8 @@ class TrackedTask:
             finished_at=self.finished_at,
             message=self.message,
             reason=self.reason,
+            address=self.address,
+            ports=self.ports,
         )
 
 

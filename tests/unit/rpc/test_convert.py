@@ -454,7 +454,7 @@ def test_created_by_and_updated_by_round_trip() -> None:
             {f"K{i}": "v" * 60000 for i in range(5)},
             "spec.secret_env: must be at most 262144 bytes in all",
         ),
-        ({"A": "v"}, "spec: secret_env: 'A' is also in env; give each variable once"),
+        ({"A": "v"}, "spec.secret_env: 'A' is also in env; give each variable once"),
     ],
 )
 def test_secret_env_is_validated_without_echoing_values(
@@ -477,7 +477,7 @@ def test_secret_env_is_validated_without_echoing_values(
         ({"K": "/etc/x\0"}, "spec.secret_env_files: the path of 'K' must be absolute"),
         ({"A=": "/x"}, "spec.secret_env_files: key 'A=' must be"),
         ({f"K{i}": "/x" for i in range(65)}, "spec.secret_env_files: at most 64 files, got 65"),
-        ({"A": "/x"}, "spec: secret_env_files: 'A' is also in env or secret_env"),
+        ({"A": "/x"}, "spec.secret_env_files: 'A' is also in env or secret_env"),
     ],
 )
 def test_secret_env_files_are_validated(files: dict[str, str], expected: str) -> None:
