@@ -17,12 +17,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from orka.errors import Invalid, RuntimeFailure
-from orka.models import PortBinding, WorkloadKind, WorkloadSpec
+from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -67,6 +67,46 @@ class TaskInfo(BaseModel):
     # and the ports it got, with the host port actually bound.
     address: str = ""
     ports: list[PortBinding] = Field(default_factory=list)
+
+
+class Attachment(BaseModel):
+    """What the node's instance network gave one instance; kept on disk so that a restarted
+    agent re-adopts it unchanged."""
+
+    model_config = ConfigDict(frozen=True)
+
+    instance: str
+    # The instance's IP on the node's bridge, its prefix length and the bridge's own address.
+    address: str
+    prefix_len: int
+    gateway: str
+    bridge: str
+    ports: list[PortBinding] = Field(default_factory=list)
+    # The network namespace a container joins (a path); "" for a VM, whose TAP joins `bridge`.
+    netns: str = ""
+
+
+class InstanceNetwork(Protocol):
+    """The node's instance network as the drivers use it (orka/runtime/network.py: CNI).
+
+    Every method is idempotent and safe for instances attached by an earlier agent process.
+    """
+
+    async def attach_netns(self, instance: str, ports: list[PortSpec]) -> Attachment:
+        """A fresh network namespace on the bridge with an address and the host ports mapped."""
+        ...
+
+    async def attach_vm(self, instance: str, ports: list[PortSpec]) -> Attachment:
+        """An address for a VM and its host ports forwarded; the VM's own NIC joins `bridge`."""
+        ...
+
+    async def detach(self, instance: str) -> None:
+        """Give back the address and host ports, remove the namespace and the forwarding rules."""
+        ...
+
+    def attachment(self, instance: str) -> Attachment | None:
+        """What `instance` holds now (also one attached by an earlier agent), or None."""
+        ...
 
 
 class DriverHealth(BaseModel):
