@@ -32,7 +32,9 @@ def parse_range(text: str) -> tuple[int, int]:
     except ValueError:
         lo = hi = 0
     if not sep or not (1 <= lo <= hi <= 65535):
-        raise Invalid(f"host port range {text!r} must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535")
+        raise Invalid(
+            f"host port range {text!r} must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535"
+        )
     return lo, hi
 
 
