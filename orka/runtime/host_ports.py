@@ -17,10 +17,13 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+import psutil
+
 from orka.errors import Invalid, RuntimeFailure
 from orka.models import PortBinding, PortProtocol, PortSpec
 
 DEFAULT_RANGE = (20000, 32767)
+_ROUTES = "/proc/net/route"
 _SOCK_TYPE = {PortProtocol.TCP: socket.SOCK_STREAM, PortProtocol.UDP: socket.SOCK_DGRAM}
 
 
@@ -36,6 +39,26 @@ def parse_range(text: str) -> tuple[int, int]:
             f"host port range {text!r} must be FIRST-LAST with 1 <= FIRST <= LAST <= 65535"
         )
     return lo, hi
+
+
+def default_host_ip(routes: str = _ROUTES) -> str:
+    """The node's address when the operator names none (--host-ip): the IPv4 address of the
+    interface the default route leaves by, read from the kernel's tables (no lookup, no
+    traffic); 127.0.0.1 when there is no default route (a laptop offline, a test box)."""
+    try:
+        with open(routes) as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return "127.0.0.1"
+    addrs = psutil.net_if_addrs()
+    for line in lines:
+        fields = line.split()
+        # Iface Destination Gateway Flags ...: destination 0 is the default route.
+        if len(fields) > 1 and fields[1] == "00000000":
+            for addr in addrs.get(fields[0], []):
+                if addr.family == socket.AF_INET:
+                    return str(addr.address)
+    return "127.0.0.1"
 
 
 def in_use(port: int, protocol: PortProtocol) -> str:
