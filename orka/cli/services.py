@@ -365,6 +365,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     workload_group = _account("--workload-group", args.workload_group or "")
     cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
     secret_dirs = _secret_dirs(args.secret_dir)
+    host_ip = _host_ip(args.host_ip)
+    host_port_range = _host_port_range(args.host_port_range)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name, args.tls_reload_interval)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -385,8 +387,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         cgroup_parent=cgroup_parent,
         secret_dirs=secret_dirs,
         allowed_paths=_allowed_paths(args.allowed_paths),
-        host_ip=_host_ip(args.host_ip),
-        host_port_range=_host_port_range(args.host_port_range),
+        host_ip=host_ip,
+        host_port_range=host_port_range,
     )
 
     notifier = Notifier()
