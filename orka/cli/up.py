@@ -53,6 +53,15 @@ STALE_STOP_GRACE = 20.0
 # Signals that stop the cluster gracefully, like Ctrl-C.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MAX_AGENTS = 50
+# Host ports of a local cluster's agents: 20000-29999, a slice of its own for each agent.
+HOST_PORTS_FIRST = 20000
+HOST_PORTS_PER_AGENT = 10000 // MAX_AGENTS
+
+
+def host_port_range(index: int) -> str:
+    """The `--host-port-range` of the index-th agent (from 0) of `orka up`."""
+    first = HOST_PORTS_FIRST + index * HOST_PORTS_PER_AGENT
+    return f"{first}-{first + HOST_PORTS_PER_AGENT - 1}"
 
 
 @dataclass
@@ -190,10 +199,16 @@ class Cluster:
                     "--data-dir",
                     str(data_dir / "agents" / name),
                     *certs("agent", name),
+                    # A local cluster is reached on this machine, and its agents share one
+                    # host: each picks host ports from a range of its own.
+                    "--host-ip",
+                    "127.0.0.1",
+                    "--host-port-range",
+                    host_port_range(i),
                 ],
                 self.logs / f"{name}.log",
             )
-            for name in self.node_names
+            for i, name in enumerate(self.node_names)
         ]
         self.stop_requested = asyncio.Event()
         self.signals = 0
