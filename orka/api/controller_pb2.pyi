@@ -63,7 +63,7 @@ class PortBinding(_message.Message):
     def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., host_port: _Optional[int] = ..., protocol: _Optional[_Union[PortSpec.Protocol, str]] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -84,6 +84,14 @@ class WorkloadSpec(_message.Message):
     ALWAYS: WorkloadSpec.RestartPolicy
     ON_FAILURE: WorkloadSpec.RestartPolicy
     NEVER: WorkloadSpec.RestartPolicy
+    class NetworkMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NETWORK_MODE_UNSPECIFIED: _ClassVar[WorkloadSpec.NetworkMode]
+        HOST: _ClassVar[WorkloadSpec.NetworkMode]
+        BRIDGE: _ClassVar[WorkloadSpec.NetworkMode]
+    NETWORK_MODE_UNSPECIFIED: WorkloadSpec.NetworkMode
+    HOST: WorkloadSpec.NetworkMode
+    BRIDGE: WorkloadSpec.NetworkMode
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +138,7 @@ class WorkloadSpec(_message.Message):
     SECRET_ENV_FIELD_NUMBER: _ClassVar[int]
     SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -148,7 +157,8 @@ class WorkloadSpec(_message.Message):
     secret_env: _containers.ScalarMap[str, str]
     secret_env_files: _containers.ScalarMap[str, str]
     ports: _containers.RepeatedCompositeFieldContainer[PortSpec]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ...) -> None: ...
+    network: WorkloadSpec.NetworkMode
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
     __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message")

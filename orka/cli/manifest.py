@@ -126,6 +126,8 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
         data["stop_grace_seconds"] = grace
     if isinstance(data.get("vm"), dict):
         data["vm"] = _normalise_keys(data["vm"], set(VmSpec.model_fields), f"{where}: vm")
+    if isinstance(data.get("network"), str):
+        data["network"] = data["network"].strip().lower()
     if isinstance(data.get("ports"), list):
         data["ports"] = [_port(p, f"{where}: ports[{i}]") for i, p in enumerate(data["ports"])]
     try:

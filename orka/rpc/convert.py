@@ -28,6 +28,7 @@ from orka.models import (
     Instance,
     InstancePhase,
     InstanceReport,
+    NetworkMode,
     Node,
     NodeState,
     PortBinding,
@@ -242,6 +243,12 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
     }
     if msg.ports:
         data["ports"] = [_port_spec(p, f"spec.ports[{i}]") for i, p in enumerate(msg.ports)]
+    if msg.network:
+        if msg.network not in _NETWORK_FROM_PB:
+            raise Invalid.at(
+                "spec.network", f"unknown network mode {msg.network}; use HOST or BRIDGE"
+            )
+        data["network"] = _NETWORK_FROM_PB[msg.network]
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
     if msg.HasField("stop_grace_period"):
@@ -264,6 +271,13 @@ _PROTOCOL_FROM_PB = {
     pb.PortSpec.UDP: PortProtocol.UDP,
 }
 _PROTOCOL_TO_PB = {PortProtocol.TCP: pb.PortSpec.TCP, PortProtocol.UDP: pb.PortSpec.UDP}
+
+
+_NETWORK_FROM_PB = {
+    pb.WorkloadSpec.HOST: NetworkMode.HOST,
+    pb.WorkloadSpec.BRIDGE: NetworkMode.BRIDGE,
+}
+_NETWORK_TO_PB = {mode: number for number, mode in _NETWORK_FROM_PB.items()}
 
 
 def protocol_to_pb(protocol: PortProtocol) -> int:
@@ -330,6 +344,7 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         secret_env=secrets,
         secret_env_files=spec.secret_env_files,
         ports=[port_spec_to_pb(p) for p in spec.ports],
+        network=_NETWORK_TO_PB[spec.network] if spec.network else None,
     )
     if spec.vm is not None:
         msg.vm.CopyFrom(

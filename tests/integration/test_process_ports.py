@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(BUSYBOX is None, reason="busybox-static is not i
 # Each replica writes what it was given into the directory it serves, then serves it on its
 # host port: a GET of /port at a reported host port proves which instance answers there.
 SERVE = (
-    'echo "$ORKA_PORT_HTTP" > port; echo "$ORKA_HOST_IP" > host_ip; echo "$ORKA_INSTANCE" > name;'
+    'echo "$ORKA_PORT_HTTP" > port; echo "$ORKA_HOST_PORT_HTTP" > host_port;'
+    ' echo "$ORKA_HOST_IP" > host_ip; echo "$ORKA_INSTANCE" > name;'
     f' exec {BUSYBOX} httpd -f -p "127.0.0.1:$ORKA_PORT_HTTP" -h .'
 )
 
@@ -86,11 +87,16 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
         status, body = await eventually(answers, timeout=15)
         assert (status, body.decode().strip()) == (200, inst.name)
         _, port_file = await asyncio.to_thread(http_get, "127.0.0.1", binding.host_port, "/port")
-        _, ip_file = await asyncio.to_thread(http_get, "127.0.0.1", binding.host_port, "/host_ip")
-        assert (port_file.decode().strip(), ip_file.decode().strip()) == (
-            str(binding.host_port),
-            "127.0.0.1",
+        _, host_port_file = await asyncio.to_thread(
+            http_get, "127.0.0.1", binding.host_port, "/host_port"
         )
+        _, ip_file = await asyncio.to_thread(http_get, "127.0.0.1", binding.host_port, "/host_ip")
+        # On the host's network the port it listens on is its host port.
+        assert (
+            port_file.decode().strip(),
+            host_port_file.decode().strip(),
+            ip_file.decode().strip(),
+        ) == (str(binding.host_port), str(binding.host_port), "127.0.0.1")
 
     # The endpoints of the workload are exactly its RUNNING instances, with the same ports,
     # also one per page.
