@@ -126,7 +126,7 @@ class NodeRecord:
             mem_used=self.mem_used,
             workload_counts=counts,
             total_instances=len(self.holds),
-            host_ports=self.host_ports,
+            host_ports=frozenset(self.port_users) if self.port_users else fit.NO_HOST_PORTS,
         )
 
     @property
