@@ -454,8 +454,10 @@ class Instance(BaseModel):
     scheduled_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
-    # The instance's IP in its node's instance network (empty: host network or not started).
+    # The instance's IP in its node's instance network (empty: host network or not started),
+    # its node's address (where host ports are reached) and the ports it got.
     address: str = ""
+    host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)
 
     @property
@@ -565,7 +567,7 @@ class Instance(BaseModel):
         if self.terminal and r.phase not in TERMINAL_PHASES:
             return None
         update: dict[str, object] = {}
-        for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
+        for field in _REPORTED:
             value = getattr(r, field)
             if getattr(self, field) != value:
                 update[field] = value
@@ -575,6 +577,30 @@ class Instance(BaseModel):
             return None
         update["updated_at"] = now
         return self.model_copy(update=update)
+
+
+class Endpoint(BaseModel):
+    """Where a RUNNING instance of a workload is reached (ListEndpoints)."""
+
+    instance: str
+    node: str = ""
+    address: str = ""
+    host_ip: str = ""
+    ports: list[PortBinding] = Field(default_factory=list)
+
+
+# What an instance record takes from its node's reports as they are.
+_REPORTED = (
+    "phase",
+    "reason",
+    "exit_code",
+    "restarts",
+    "started_at",
+    "finished_at",
+    "address",
+    "host_ip",
+    "ports",
+)
 
 
 class Node(BaseModel):
@@ -610,4 +636,5 @@ class InstanceReport(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     address: str = ""
+    host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)

@@ -34,6 +34,7 @@ from orka.errors import Invalid
 from orka.models import Resources
 from orka.rpc import convert
 from orka.runtime.base import Driver
+from orka.runtime.host_ports import DEFAULT_RANGE, HostPorts
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
 from orka.runtime.registry import make_driver
 from orka.security.tls import TlsFiles
@@ -68,6 +69,10 @@ class AgentConfig:
     # Directories VM images, kernels, initrds and oci-archive: images may come from; a spec
     # naming a file elsewhere is refused at admission. None: `<data dir>/images`.
     allowed_paths: list[Path] | None = None
+    # The node's address (instances' ORKA_HOST_IP, where their host ports are reached) and
+    # the range host ports are picked from for ports that ask for none.
+    host_ip: str = "127.0.0.1"
+    host_port_range: tuple[int, int] = DEFAULT_RANGE
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -117,6 +122,8 @@ class Agent:
         self.healthy: dict[str, Driver] = {}
         self.instances: dict[str, Supervised] = {}
         self.state_file = StateFile(config.data_dir / "agent-state.json")
+        # One allocator for every driver: a process and a container must not share a port.
+        self.host_ports = HostPorts(*config.host_port_range)
         self.stream = self.stream_class(
             schedulers=config.schedulers,
             tls=tls,
@@ -149,6 +156,7 @@ class Agent:
             ack=self.stream.ack,
             on_change=self.stream.instance_changed,
             instances=self.instances,
+            host_ip=config.host_ip,
         )
         self.connected = self.stream.connected
         self.parts = Parts("agent", self._fail)
@@ -191,6 +199,8 @@ class Agent:
             options.setdefault("group", c.workload_group)
             options.setdefault("allow_root", c.allow_root_workloads)
             options.setdefault("cgroup_parent", c.cgroup_parent or f"orka/{self.name}")
+            options.setdefault("host_ports", self.host_ports)
+            options.setdefault("host_ip", c.host_ip)
         return options
 
     async def run(self) -> None:
@@ -230,6 +240,7 @@ class Agent:
             for d in self.drivers.values():
                 with contextlib.suppress(Exception):
                     await d.close()
+            self.host_ports.close()
             log.info("agent stopped", node=self.name)
 
     async def _leave(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import signal
 import socket
 import sys
@@ -364,6 +365,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     workload_group = _account("--workload-group", args.workload_group or "")
     cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
     secret_dirs = _secret_dirs(args.secret_dir)
+    host_ip = _host_ip(args.host_ip)
+    host_port_range = _host_port_range(args.host_port_range)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name, args.tls_reload_interval)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -384,6 +387,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         cgroup_parent=cgroup_parent,
         secret_dirs=secret_dirs,
         allowed_paths=_allowed_paths(args.allowed_paths),
+        host_ip=host_ip,
+        host_port_range=host_port_range,
     )
 
     notifier = Notifier()
@@ -413,6 +418,26 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except PartFailed as e:
         return _failed(e)
     return 0
+
+
+def _host_ip(value: str | None) -> str:
+    from orka.runtime.host_ports import default_host_ip
+
+    if not value:
+        return default_host_ip()
+    try:
+        return str(ipaddress.ip_address(value.strip()))
+    except ValueError:
+        raise UsageError(f"--host-ip: {value[:100]!r} is not an IP address") from None
+
+
+def _host_port_range(value: str) -> tuple[int, int]:
+    from orka.runtime.host_ports import parse_range
+
+    try:
+        return parse_range(value or "20000-32767")
+    except Invalid as e:
+        raise UsageError(f"--host-port-range: {e.message}") from None
 
 
 def _account(flag: str, value: str) -> str:
@@ -646,6 +671,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR[,...]",
         help="directories VM images, kernels and oci-archive: images may be read from"
         " (default <data dir>/images)",
+    )
+    add_flag(
+        p,
+        "--host-ip",
+        metavar="IP",
+        help="this node's address, where instances' host ports are reached (default: the"
+        " address of the default route's interface, else 127.0.0.1)",
+    )
+    add_flag(
+        p,
+        "--host-port-range",
+        default="20000-32767",
+        metavar="FIRST-LAST",
+        help="host ports picked for ports that ask for none (20000-32767)",
     )
     add_flag(
         p,
