@@ -25,9 +25,9 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     await c.stop()
 
 
-async def running_on(c: Cluster, workload: str, count: int) -> list[str] | None:
+async def running_on(c: Cluster, workload: str, count: int, exclude: str = "") -> list[str] | None:
     nodes = [i.node for i in await c.running(workload)]
-    return sorted(nodes) if len(nodes) == count else None
+    return sorted(nodes) if len(nodes) == count and exclude not in nodes else None
 
 
 async def reasons(c: Cluster, workload: str) -> list[str] | None:
@@ -61,7 +61,9 @@ async def test_a_fixed_host_port_is_taken_once_per_node(cluster: Cluster) -> Non
 
     # Its node is lost: the replacement places on the other node, which has the port free.
     await crash(cluster.agents[first])
-    assert await eventually(lambda: running_on(cluster, "api", 1)) == [other]
+    assert await eventually(lambda: running_on(cluster, "api", 1, exclude=first)) == [other]
+    lost = [i.node for i in await cluster.instances("api") if i.phase == pb.Instance.LOST]
+    assert lost == [first]
     # The node comes back; its agent is told to stop the copy that was replaced, and the
     # port it held there is free again: a third workload wanting it runs there.
     await cluster.add_agent(first, runtimes=["fake"])

@@ -149,11 +149,6 @@ def test_admission_refuses_a_host_port_held_here(
     assert a.admit("web-0", offered) == refusal
 
 
-# TEMPORARY until the lead's proto carries WorkloadSpec.ports (removed on merging main).
-@pytest.mark.skipif(
-    "ports" not in apb.Assignment().spec.DESCRIPTOR.fields_by_name,
-    reason="no ports on the wire yet",
-)
 def test_an_accepted_offer_reserves_its_ports_and_a_release_frees_them(tmp_path: Path) -> None:
     sent: list[apb.AgentMessage] = []
     a = admission(tmp_path, {}, sent)
