@@ -101,12 +101,14 @@ class Admission:
         return Resources(cpu_millis=cpu, memory_bytes=mem)
 
     def host_ports(self, besides: str) -> set[fit.HostPort]:
-        """The fixed host ports held here by instances that run or start and by accepted
-        offers, apart from `besides`' own reservation."""
+        """The host ports held here by instances that run or start (those they fix, and those
+        the node picked for them) and by accepted offers, apart from `besides`' own
+        reservation."""
         used: set[fit.HostPort] = set()
         for inst in self.instances.values():
             if inst.holds_resources:
                 used.update(inst.spec.fixed_host_ports)
+                used.update((b.host_port, b.protocol) for b in inst.ports if b.host_port)
         for name, r in self.reservations.items():
             if name != besides:
                 used.update(r.host_ports)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from orka.agent.admission import Admission, Reservation
 from orka.api import agent_pb2 as apb
 from orka.models import (
     InstancePhase,
+    PortBinding,
     PortProtocol,
     PortSpec,
     Resources,
@@ -45,6 +46,7 @@ class _Running:
 
     spec: WorkloadSpec
     phase: InstancePhase = InstancePhase.RUNNING
+    ports: list[PortBinding] = field(default_factory=list)
 
     @property
     def resources(self) -> Resources:
@@ -103,6 +105,21 @@ CASES: list[
     ),
     ("other-protocol", {"a": _Running(spec((53, UDP)))}, {}, spec((53, TCP)), None),
     ("udp-named", {"a": _Running(spec((53, UDP)))}, {}, spec((53, UDP)), "host port 53/udp in use"),
+    # A port the node picked for a running instance (host_port 0 in its spec) is taken too.
+    (
+        "picked-port-holds",
+        {"a": _Running(spec(), ports=[PortBinding(name="p", port=80, host_port=31000)])},
+        {},
+        spec((31000, TCP)),
+        "host port 31000 in use",
+    ),
+    (
+        "unbound-port-ignored",
+        {"a": _Running(spec(), ports=[PortBinding(name="p", port=80, host_port=0)])},
+        {},
+        spec((80, TCP)),
+        None,
+    ),
     (
         "reserved-holds",
         {},
