@@ -108,7 +108,7 @@ class Admission:
         for inst in self.instances.values():
             if inst.holds_resources:
                 used.update(inst.spec.fixed_host_ports)
-                used.update((b.host_port, b.protocol) for b in inst.ports if b.host_port)
+                used.update((b.host_port, b.protocol) for b in inst.ports)
         for name, r in self.reservations.items():
             if name != besides:
                 used.update(r.host_ports)

@@ -114,13 +114,6 @@ CASES: list[
         "host port 31000 in use",
     ),
     (
-        "unbound-port-ignored",
-        {"a": _Running(spec(), ports=[PortBinding(name="p", port=80, host_port=0)])},
-        {},
-        spec((80, TCP)),
-        None,
-    ),
-    (
         "reserved-holds",
         {},
         {"b": (frozenset({(8080, TCP)}), SOON)},
