@@ -15,7 +15,7 @@ from orka.api import controller_pb2 as pb
 from orka.errors import FieldViolation, Invalid, NotFound
 from orka.rpc.client import call
 from orka.rpc.pages import list_all
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
 from tests.integration.cluster import process_spec as spec
 from tests.ports import free_block, http_get
 
@@ -107,7 +107,44 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
     want = sorted((i.name, "node-1", "127.0.0.1", i.ports[0].host_port) for i in running)
     assert got == want
 
-    # Scaled to one: the stopped replica's endpoint goes, the other's stays as it was.
+    # The agent dies (as if SIGKILLed) and a new one re-adopts both: the same host ports,
+    # still answering, and a third replica gets neither of them.
+    agent = c.agents.pop("node-1")
+    await crash(agent)
+    for driver in agent.drivers.values():
+        await driver.close()
+    agent.host_ports.close()
+    await c.add_agent(
+        "node-1", runtimes=["process"], host_ip="127.0.0.1", host_port_range=(first, first + 3)
+    )
+    revived = c.agents["node-1"]
+    assert sorted(b.host_port for i in revived.instances.values() for b in i.ports) == ports
+    for inst in running:
+        status, body = await asyncio.to_thread(
+            http_get, "127.0.0.1", inst.ports[0].host_port, "/name"
+        )
+        assert (status, body.decode().strip()) == (200, inst.name)
+    await call(
+        c.api.UpdateWorkload,
+        pb.UpdateWorkloadRequest(
+            spec=spec(
+                "web", replicas=3, command=["sh", "-c", SERVE], ports=[pb.PortSpec(name="http")]
+            )
+        ),
+    )
+
+    async def three_running() -> list[pb.Instance] | None:
+        now = await c.running("web")
+        return now if len(now) == 3 and all(i.ports for i in now) else None
+
+    third = [
+        i
+        for i in await eventually(three_running, timeout=30)
+        if i.name not in {r.name for r in running}
+    ]
+    assert len(third) == 1 and third[0].ports[0].host_port not in ports, third
+
+    # Scaled to one: the stopped replicas' endpoints go, the one left stays as it was.
     await call(
         c.api.UpdateWorkload,
         pb.UpdateWorkloadRequest(
@@ -123,7 +160,7 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
 
     (left,) = await eventually(one_endpoint, timeout=30)
     assert (left.instance, left.ports[0].host_port) in {
-        (i.name, i.ports[0].host_port) for i in running
+        (i.name, i.ports[0].host_port) for i in [*running, *third]
     }
 
 
