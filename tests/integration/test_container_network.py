@@ -1,0 +1,254 @@
+"""Containers on the node's instance network: real containerd, the real CNI plugins.
+
+Each test gets a bridge and a /24 of its own (removed afterwards with its IPAM dir), so it
+never meets an agent's bridge or another test run's. Traffic goes only to loopback and to
+addresses on that bridge. Skipped only when not root or when the plugins, iproute2 or iptables
+are missing (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import shutil
+import statistics
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from orka.models import PortSpec, RestartPolicy, WorkloadKind, WorkloadSpec
+from orka.runtime.base import RunSpec, TaskInfo, TaskState
+from orka.runtime.cni import find_plugin
+from orka.runtime.containerd import ContainerdDriver
+from orka.runtime.host_ports import HostPorts
+from orka.runtime.network import (
+    DEFAULT_BIN_DIRS,
+    PLUGINS,
+    CniNetwork,
+    default_subnet,
+    host_routes,
+    netns_name,
+)
+from tests.containerd_env import Containerd, needs_containerd
+from tests.integration.cluster import eventually
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, bridges, iptables)"
+    plugins = [p for p in PLUGINS if find_plugin(p, list(DEFAULT_BIN_DIRS)) is None]
+    if plugins:
+        return f"CNI plugins {plugins} missing (apt-get install containernetworking-plugins)"
+    for tool in ("ip", "iptables-save"):
+        if shutil.which(tool) is None:
+            return f"{tool} missing (apt-get install iproute2 iptables)"
+    return None
+
+
+pytestmark = [needs_containerd, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+HTTP = [PortSpec(name="http", port=8080)]
+# The test's host ports: a slice of its own, far from the agents' default range.
+PORT_RANGE = (46000, 46999)
+
+
+@dataclass
+class Net:
+    bridge: str
+    subnet: str
+    dir: Path
+
+    def network(self, host_ports: HostPorts) -> CniNetwork:
+        return CniNetwork(
+            self.dir, node="test", host_ports=host_ports, bridge=self.bridge, subnet=self.subnet
+        )
+
+
+@pytest.fixture
+def net(tmp_path: Path) -> object:
+    bridge = f"ot{uuid.uuid4().hex[:10]}"
+    subnet = str(default_subnet(bridge, host_routes(), bridge))
+    yield Net(bridge=bridge, subnet=subnet, dir=tmp_path / "network")
+    subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+    shutil.rmtree(tmp_path / "network", ignore_errors=True)
+
+
+@pytest.fixture
+async def stack(
+    containerd: Containerd, net: Net, tmp_path: Path
+) -> AsyncIterator[tuple[ContainerdDriver, CniNetwork, HostPorts]]:
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    driver = ContainerdDriver(tmp_path / "containerd", network=network, **containerd.options())
+    yield driver, network, ports
+    await driver.close()
+    ports.close()
+    # Whatever a failed test left, through a fresh driver on the same records (a test may have
+    # closed the first one already, as an agent restart does).
+    ports = HostPorts(*PORT_RANGE)
+    cleaner = ContainerdDriver(
+        tmp_path / "containerd", network=net.network(ports), **containerd.options()
+    )
+    for info in await cleaner.list():
+        await cleaner.remove(info.instance)
+    await cleaner.close()
+    ports.close()
+    containerd.clean_namespace()
+
+
+def web_spec(image: str) -> WorkloadSpec:
+    return WorkloadSpec(
+        name="web",
+        kind=WorkloadKind.CONTAINER,
+        image=image,
+        command=[
+            "sh",
+            "-c",
+            "mkdir -p /www && echo hello from $ORKA_INSTANCE > /www/index.html"
+            " && exec httpd -f -p 8080 -h /www",
+        ],
+        ports=HTTP,
+        restart_policy=RestartPolicy.NEVER,
+        stop_grace_seconds=1.0,
+    )
+
+
+def get(host: str, port: int) -> str:
+    # No proxy: the request goes straight to loopback or the test's bridge.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://{host}:{port}/", timeout=2) as resp:
+        return resp.read().decode()
+
+
+async def answers(host: str, port: int, instance: str, timeout: float = 20.0) -> None:
+    async def check() -> bool:
+        try:
+            return f"hello from {instance}" in await asyncio.to_thread(get, host, port)
+        except OSError:
+            return False
+
+    await eventually(check, timeout=timeout, interval=0.02)
+
+
+def host_state() -> tuple[str, str]:
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True, check=True)
+    return links.stdout, rules.stdout
+
+
+def assert_gone(net: Net, info: TaskInfo) -> None:
+    links, rules = host_state()
+    ns = netns_name(net.bridge, info.instance)
+    veths = [line for line in links.splitlines() if f"link-netns {ns}" in line]
+    assert veths == [], veths
+    assert info.instance not in rules
+    assert not (Path("/run/netns") / netns_name(net.bridge, info.instance)).exists()
+    ipam = net.dir / "ipam"
+    allocated = [p.name for p in ipam.rglob("*") if p.is_file()] if ipam.exists() else []
+    assert info.address not in allocated, allocated
+    assert not (net.dir / "attachments" / f"{info.instance}.json").exists()
+
+
+async def test_containers_answer_at_address_and_host_port_and_survive_a_restart(
+    stack: tuple[ContainerdDriver, CniNetwork, HostPorts],
+    containerd: Containerd,
+    net: Net,
+    tmp_path: Path,
+) -> None:
+    driver, _, ports = stack
+    spec = web_spec(containerd.image)
+    started = time.monotonic()
+    a = await driver.start(RunSpec(instance="web-a", workload="web", spec=spec))
+    await answers(a.address, 8080, "web-a")
+    first_answer = time.monotonic() - started
+    b = await driver.start(RunSpec(instance="web-b", workload="web", spec=spec))
+    for info in (a, b):
+        assert info.state is TaskState.RUNNING
+        assert ipaddress.ip_address(info.address) in ipaddress.ip_network(net.subnet)
+        assert [(p.name, p.port) for p in info.ports] == [("http", 8080)]
+        assert PORT_RANGE[0] <= info.ports[0].host_port <= PORT_RANGE[1]
+    assert a.address != b.address
+    assert a.ports[0].host_port != b.ports[0].host_port
+    for info in (a, b):
+        await answers(info.address, 8080, info.instance)
+        await answers("127.0.0.1", info.ports[0].host_port, info.instance)
+    print(f"\ndriver start to first HTTP answer at the address: {first_answer:.3f}s")
+
+    # What an agent restart does: the old driver goes, a fresh one on the same data dirs.
+    await driver.close()
+    ports.close()
+    ports2 = HostPorts(*PORT_RANGE)
+    driver2 = ContainerdDriver(
+        tmp_path / "containerd", network=net.network(ports2), **containerd.options()
+    )
+    try:
+        adopted = {t.instance: t for t in await driver2.list()}
+        assert set(adopted) == {"web-a", "web-b"}
+        for old in (a, b):
+            new = adopted[old.instance]
+            assert new.state is TaskState.RUNNING
+            assert (new.address, new.ports) == (old.address, old.ports)
+            await answers(new.address, 8080, new.instance)
+            await answers("127.0.0.1", new.ports[0].host_port, new.instance)
+        # The adopted host ports are taken again: a new reservation gets neither of them.
+        fresh = ports2.reserve("other", [PortSpec(name="x", port=1)], hold=False)
+        assert fresh[0].host_port not in {a.ports[0].host_port, b.ports[0].host_port}
+        ports2.release("other")
+
+        await driver2.remove("web-a")
+        assert_gone(net, a)
+        # The other one is untouched by that.
+        await answers(b.address, 8080, "web-b")
+        await driver2.remove("web-b")
+        assert_gone(net, b)
+        links, _ = host_state()
+        assert f"master {net.bridge} " not in links
+    finally:
+        for info in await driver2.list():
+            await driver2.remove(info.instance)
+        await driver2.close()
+        ports2.close()
+
+
+async def test_a_start_that_fails_gives_back_its_network(
+    stack: tuple[ContainerdDriver, CniNetwork, HostPorts], containerd: Containerd, net: Net
+) -> None:
+    driver, network, _ = stack
+    spec = web_spec(containerd.image).model_copy(update={"command": ["/no/such/binary"]})
+    with pytest.raises(Exception, match=r"no/such/binary|cannot start"):
+        await driver.start(RunSpec(instance="bad-0", workload="web", spec=spec))
+    assert network.attachment("bad-0") is None
+    links, rules = host_state()
+    assert f"master {net.bridge} " not in links
+    assert "bad-0" not in rules
+
+
+async def test_cni_add_cost_per_instance(net: Net) -> None:
+    """CNI ADD (namespace, loopback, bridge + host-local, portmap) as one instance start pays it."""
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    adds, dels = [], []
+    try:
+        for i in range(10):
+            t0 = time.monotonic()
+            got = await network.attach_netns(f"cost-{i}", HTTP)
+            adds.append(time.monotonic() - t0)
+            assert got.address and got.ports[0].host_port
+            t0 = time.monotonic()
+            await network.detach(f"cost-{i}")
+            dels.append(time.monotonic() - t0)
+    finally:
+        ports.close()
+    print(
+        f"\nCNI ADD per instance: median {statistics.median(adds) * 1000:.0f} ms"
+        f" (min {min(adds) * 1000:.0f}, max {max(adds) * 1000:.0f});"
+        f" DEL median {statistics.median(dels) * 1000:.0f} ms"
+    )
+    assert network.instances() == []
