@@ -1,8 +1,9 @@
 """The node's instance network over the standard CNI plugins (Debian's containernetworking-plugins).
 
-One Linux bridge per agent (`--network-bridge`, default "orka-" + a hash of the node name) with
-one IPv4 subnet (`--network-subnet`, default a /24 chosen by that hash from 10.64.0.0/10,
-skipping any that overlaps a route the host already has). Several agents on one host (tests,
+One Linux bridge per agent (`--network-bridge`, default "orka-" + a hash of the node name and
+data dir) with one IPv4 subnet (`--network-subnet`, default a /24 chosen by that hash from
+10.64.0.0/10, skipping any that overlaps a route the host already has, then kept in the data
+dir). Several agents on one host (tests,
 `orka up`) therefore get bridges and subnets of their own.
 
 - A container (or a process with a network of its own) gets a fresh network namespace
@@ -57,9 +58,10 @@ _IFNAMSIZ = 15
 _ROUTES = Path("/proc/net/route")
 
 
-def default_bridge(node: str) -> str:
-    """ "orka-" + 10 hex digits of the node name's hash: 15 characters, the kernel's limit."""
-    return "orka-" + hashlib.sha256(node.encode()).hexdigest()[:10]
+def default_bridge(key: str) -> str:
+    """ "orka-" + 10 hex digits of the agent's key (node name and data dir): 15 characters, the
+    kernel's limit for an interface name."""
+    return "orka-" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def check_bridge(name: str) -> str:
@@ -109,15 +111,15 @@ def host_routes(routes: Path = _ROUTES) -> list[tuple[str, ipaddress.IPv4Network
 
 
 def default_subnet(
-    node: str,
+    key: str,
     routes: list[tuple[str, ipaddress.IPv4Network]],
     bridge: str,
     pool: ipaddress.IPv4Network = DEFAULT_POOL,
 ) -> ipaddress.IPv4Network:
-    """A /24 of `pool` picked by the node name's hash, stepping past any that overlaps a route
+    """A /24 of `pool` picked by the agent key's hash, stepping past any that overlaps a route
     of another device (our own bridge's route is ours: a restart keeps the same subnet)."""
     count = 1 << (24 - pool.prefixlen)
-    start = int.from_bytes(hashlib.sha256(node.encode()).digest()[:8], "big") % count
+    start = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % count
     taken = [net for dev, net in routes if dev != bridge]
     base = int(pool.network_address)
     for i in range(count):
@@ -241,11 +243,14 @@ class CniNetwork:
         bin_dirs: list[Path] | None = None,
         timeout: float = 30.0,
     ) -> None:
-        self._dir = Path(data_dir)
+        self._dir = Path(data_dir).resolve()
         self._records_dir = self._dir / "attachments"
         self._ipam_dir = self._dir / "ipam"
-        self.bridge = check_bridge(bridge or default_bridge(node))
-        self.subnet = self._choose_subnet(node, subnet)
+        # The node name and the data dir: two agents on one host differ in one of them (even
+        # two test runs' "node-1"s), and a restarted agent has both unchanged.
+        key = f"{node}@{self._dir}"
+        self.bridge = check_bridge(bridge or default_bridge(key))
+        self.subnet = self._choose_subnet(key, subnet)
         self.gateway = gateway(self.subnet)
         self.masquerade = masquerade
         self.bin_dirs = list(bin_dirs) if bin_dirs else list(DEFAULT_BIN_DIRS)
@@ -501,6 +506,17 @@ class CniNetwork:
                 errors.append(exc.message)
         if errors:
             raise RuntimeFailure("; ".join(errors))
+
+    async def close(self) -> None:
+        """The agent stops: with no instance left on it, the bridge goes too (the plugins never
+        remove it); one with instances stays for the next agent process to re-adopt."""
+        if self._records or self._unavailable:
+            return
+        if await asyncio.to_thread(os.path.exists, f"/sys/class/net/{self.bridge}"):
+            try:
+                await _run("ip", "link", "delete", self.bridge, timeout=self._timeout)
+            except RuntimeFailure as exc:
+                log.warning("network.bridge_not_removed", bridge=self.bridge, error=exc.message)
 
     async def ensure_bridge(self) -> None:
         """The bridge, up, with its gateway address (what the bridge plugin would make)."""
