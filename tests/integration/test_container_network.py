@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +72,32 @@ class Net:
         )
 
 
+def scrub(net: Net) -> None:
+    """What a failed test may have left: its netns, portmap rules and chains, the bridge."""
+    for record in (net.dir / "attachments").glob("*.json"):
+        name = netns_name(net.bridge, record.stem)
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    rules = subprocess.run(
+        ["iptables-save", "-t", "nat"], capture_output=True, text=True, check=False
+    ).stdout
+    for line in rules.splitlines():
+        if line.startswith("-A ") and f'name: \\"orka-{net.bridge}\\"' in line:
+            args = shlex.split(line)
+            subprocess.run(["iptables", "-t", "nat", "-D", *args[1:]], check=False)
+            chain = args[-1]
+            if chain.startswith("CNI-"):
+                for op in ("-F", "-X"):
+                    subprocess.run(["iptables", "-t", "nat", op, chain], check=False)
+    subprocess.run(["ip", "link", "del", net.bridge], capture_output=True, check=False)
+
+
 @pytest.fixture
-def net(tmp_path: Path) -> object:
+def net(tmp_path: Path) -> Iterator[Net]:
     bridge = f"ot{uuid.uuid4().hex[:10]}"
     subnet = str(default_subnet(bridge, host_routes(), bridge))
-    yield Net(bridge=bridge, subnet=subnet, dir=tmp_path / "network")
-    subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+    it = Net(bridge=bridge, subnet=subnet, dir=tmp_path / "network")
+    yield it
+    scrub(it)
     shutil.rmtree(tmp_path / "network", ignore_errors=True)
 
 
