@@ -164,6 +164,17 @@ def host_state() -> tuple[str, str]:
     return links.stdout, rules.stdout
 
 
+def bridge_state(net: Net) -> tuple[str, str]:
+    """The bridge's link flags (e.g. "BROADCAST,MULTICAST,UP") and its addresses."""
+    link = subprocess.run(
+        ["ip", "-o", "link", "show", net.bridge], capture_output=True, text=True, check=True
+    ).stdout
+    addrs = subprocess.run(
+        ["ip", "-br", "addr", "show", net.bridge], capture_output=True, text=True, check=True
+    ).stdout
+    return link.split("<", 1)[1].split(">", 1)[0], addrs
+
+
 def assert_gone(net: Net, info: TaskInfo) -> None:
     links, rules = host_state()
     ns = netns_name(net.bridge, info.instance)
@@ -273,3 +284,28 @@ async def test_cni_add_cost_per_instance(net: Net) -> None:
         f" DEL median {statistics.median(dels) * 1000:.0f} ms"
     )
     assert network.instances() == []
+
+
+async def test_vm_attachment_makes_the_bridge_and_forwards_its_host_port(net: Net) -> None:
+    """What the libvirt driver asks for: an address, the bridge up with its gateway (no
+    container made it), the host port forwarded; detach gives all of it back."""
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    try:
+        got = await network.attach_vm("vm-0", [PortSpec(name="ssh", port=22)])
+        subnet = ipaddress.ip_network(net.subnet)
+        assert ipaddress.ip_address(got.address) in subnet and got.netns == ""
+        assert (got.bridge, got.gateway, got.prefix_len) == (net.bridge, str(subnet[1]), 24)
+        flags, addrs = bridge_state(net)
+        assert f"{subnet[1]}/24" in addrs and "UP" in flags.split(",")
+        _, rules = host_state()
+        assert f"{got.address}:22" in rules and '\\"vm-0\\"' in rules
+        # Another agent process on the same records sees it unchanged.
+        assert net.network(HostPorts(*PORT_RANGE)).attachment("vm-0") == got
+        await network.detach("vm-0")
+        _, rules = host_state()
+        assert "vm-0" not in rules
+        assert not (net.dir / "ipam" / network.name / got.address).exists()
+        assert network.attachment("vm-0") is None
+    finally:
+        ports.close()
