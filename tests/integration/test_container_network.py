@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
+from orka.api import controller_pb2 as pb
 from orka.models import PortSpec, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
 from orka.runtime.cni import find_plugin
@@ -38,7 +40,7 @@ from orka.runtime.network import (
     netns_name,
 )
 from tests.containerd_env import Containerd, needs_containerd
-from tests.integration.cluster import eventually
+from tests.integration.cluster import Cluster, crash, eventually
 
 
 def _missing() -> str | None:
@@ -309,3 +311,72 @@ async def test_vm_attachment_makes_the_bridge_and_forwards_its_host_port(net: Ne
         assert network.attachment("vm-0") is None
     finally:
         ports.close()
+
+
+async def test_agent_restart_keeps_a_containers_address_and_host_port(
+    containerd: Containerd, net: Net, certs_dir: Path, tmp_path: Path
+) -> None:
+    """Through the controller: the instance reports its address and host port, both answer;
+    the agent dies (as on SIGKILL) and a new one re-adopts both unchanged; delete cleans up."""
+    opts: dict[str, object] = {
+        "runtimes": ["containerd"],
+        "driver_options": {"containerd": containerd.options()},
+        "allowed_paths": containerd.allowed_paths(),
+        "network_bridge": net.bridge,
+        "network_subnet": net.subnet,
+        "host_port_range": PORT_RANGE,
+    }
+    cluster = Cluster(certs_dir, tmp_path)
+    try:
+        await cluster.start(agents=1, **opts)
+        assert cluster.api is not None
+        spec = pb.WorkloadSpec(
+            name="web",
+            kind=pb.WorkloadSpec.CONTAINER,
+            image=containerd.image,
+            command=web_spec(containerd.image).command,
+            replicas=1,
+            ports=[pb.PortSpec(name="http", port=8080)],
+            stop_grace_period=Duration(seconds=1),
+        )
+        t0 = time.monotonic()
+        await cluster.api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))
+        (inst,) = await eventually(lambda: cluster.running("web"), interval=0.02)
+        assert inst.address and len(inst.ports) == 1
+        host_port = inst.ports[0].host_port
+        await answers(inst.address, 8080, inst.name)
+        print(f"\napply to first HTTP answer (agent, controller): {time.monotonic() - t0:.3f}s")
+        await answers("127.0.0.1", host_port, inst.name)
+
+        agent = cluster.agents.pop("node-1")
+        await crash(agent)
+        for driver in agent.drivers.values():
+            await driver.close()
+        agent.host_ports.close()  # what the kernel does for a killed process
+        revived = await cluster.add_agent("node-1", **opts)
+        (task,) = await revived.drivers["containerd"].list()
+        assert (task.address, [p.host_port for p in task.ports]) == (inst.address, [host_port])
+        await answers(inst.address, 8080, inst.name)
+        await answers("127.0.0.1", host_port, inst.name)
+
+        async def reported() -> bool:
+            (now,) = await cluster.instances("web")
+            return (now.name, now.address, now.ports[0].host_port) == (
+                inst.name,
+                inst.address,
+                host_port,
+            )
+
+        await eventually(reported)
+        await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name="web"))
+
+        async def deleted() -> bool:
+            return not await cluster.instances("web") and not revived.instances
+
+        await eventually(deleted)
+        _, rules = host_state()
+        assert inst.name not in rules
+        assert not (Path("/run/netns") / netns_name(net.bridge, inst.name)).exists()
+    finally:
+        await cluster.stop()
+        containerd.clean_namespace()
