@@ -76,7 +76,8 @@ class Net:
 
 def scrub(net: Net) -> None:
     """What a failed test may have left: its netns, portmap rules and chains, the bridge."""
-    for record in (net.dir / "attachments").glob("*.json"):
+    # Records of the test's own network and of any agent the test ran (its data dir).
+    for record in net.dir.parent.rglob("attachments/*.json"):
         name = netns_name(net.bridge, record.stem)
         subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
     rules = subprocess.run(
