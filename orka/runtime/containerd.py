@@ -22,6 +22,11 @@ Everything goes over containerd's socket (`grpc.aio`, namespace `orka` in the
   runc v2 shim of containerd 1.6 opens only the stdout URI of a `file://` task and sends both
   streams there, so stdout and stderr are interleaved in that one file and `log_paths` names
   it twice; the shim keeps writing it with no agent around, which FIFOs would not allow.
+- **Network.** With the node's instance network (`orka.runtime.network`), each container
+  joins a namespace of its own on the bridge (the spec's network namespace is its path), with
+  an address and its host ports mapped; remove gives both back (CNI DEL). Re-adoption reads
+  them from the network's records. Without a network, or where the host cannot have one, a
+  container has loopback only and one asking for ports is refused at admission.
   `Tasks.Wait` is awaited per task; exit codes come from it.
 - **Stop.** `Tasks.Kill` SIGTERM, then SIGKILL (to every process) after the grace period.
   **Remove.** `Tasks.Delete`, `Containers.Delete`, `Snapshots.Remove`, and the log directory.
