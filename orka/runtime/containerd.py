@@ -263,8 +263,11 @@ class ContainerdDriver(TrackingDriver[_Task]):
             if existing is not None:
                 if not existing.done.is_set():
                     raise AlreadyExists(f"containerd: instance {instance!r} is already running")
-                # A restart of an exited instance: clear the old container, keep the logs.
-                await self._delete(instance, existing.snapshotter, keep_logs=True)
+                # A restart of an exited instance: clear the old container, keep the logs and
+                # the network (the same address and host ports; its namespace outlives it).
+                await self._delete(
+                    instance, existing.snapshotter, keep_logs=True, keep_network=True
+                )
             snapshotter = await self._resolve_snapshotter()
             started = time.monotonic()
             task = await self._create_and_start(run, snapshotter)
@@ -903,7 +906,9 @@ class ContainerdDriver(TrackingDriver[_Task]):
             if _code(err) not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise RuntimeFailure(f"containerd: kill {instance!r}: {err.details()}") from None
 
-    async def _delete(self, instance: str, snapshotter: str, keep_logs: bool) -> None:
+    async def _delete(
+        self, instance: str, snapshotter: str, keep_logs: bool, keep_network: bool = False
+    ) -> None:
         """Task, container and snapshot, each ignoring "not found" so it is idempotent."""
         task = self._tasks.pop(instance, None)
         if task is not None and task.watcher is not None:
@@ -924,7 +929,8 @@ class ContainerdDriver(TrackingDriver[_Task]):
                     raise RuntimeFailure(
                         f"containerd: removing {instance!r}: {err.details()}"
                     ) from None
-        await self._disconnect(instance)
+        if not keep_network:
+            await self._disconnect(instance)
         if not keep_logs:
             await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
 

@@ -381,3 +381,21 @@ async def test_agent_restart_keeps_a_containers_address_and_host_port(
     finally:
         await cluster.stop()
         containerd.clean_namespace()
+
+
+async def test_a_restarted_container_keeps_its_address_and_host_port(
+    stack: tuple[ContainerdDriver, CniNetwork, HostPorts], containerd: Containerd, net: Net
+) -> None:
+    driver, network, _ = stack
+    spec = web_spec(containerd.image)
+    brief = spec.model_copy(update={"command": ["sh", "-c", "sleep 0.1; exit 1"]})
+    first = await driver.start(RunSpec(instance="web-r", workload="web", spec=brief))
+    assert (await asyncio.wait_for(driver.wait("web-r"), 30)).exit_code == 1
+    # What the supervisor does for a restart: start the exited instance again.
+    again = await driver.start(RunSpec(instance="web-r", workload="web", spec=spec))
+    assert (again.address, again.ports) == (first.address, first.ports) != ("", [])
+    await answers(again.address, 8080, "web-r")
+    await answers("127.0.0.1", again.ports[0].host_port, "web-r")
+    await driver.remove("web-r")
+    assert_gone(net, again)
+    assert network.attachment("web-r") is None
