@@ -450,6 +450,30 @@ class CniNetwork:
         record.config = {"cniVersion": cni.CNI_VERSION, "name": self.name, "plugins": plugins}
         # No namespace of its own: host-local and portmap only need a valid one to be named.
         await self._add_list(record, "/proc/self/ns/net", IFNAME)
+        if self.masquerade:
+            # What the bridge plugin's ipMasq does for a container, for the VM's address.
+            record.config["masquerade"] = True
+            await _run(
+                "iptables", "-w", "-t", "nat", "-A", *self._masq_rule(record), timeout=self._timeout
+            )
+
+    def _masq_rule(self, record: _Record) -> list[str]:
+        """POSTROUTING: the VM's traffic leaving its subnet goes out as the node."""
+        att = record.attachment
+        return [
+            "POSTROUTING",
+            "-s",
+            f"{att.address}/32",
+            "!",
+            "-d",
+            str(self.subnet),
+            "-m",
+            "comment",
+            "--comment",
+            f"orka {self.name} {att.instance}"[:250],
+            "-j",
+            "MASQUERADE",
+        ]
 
     async def _add_list(self, record: _Record, netns: str, ifname: str) -> None:
         """ADD each plugin of the list in order, each given the previous one's result."""
@@ -497,6 +521,17 @@ class CniNetwork:
                 )
             except RuntimeFailure as exc:
                 errors.append(exc.message)
+        if record.config.get("masquerade") and record.attachment.address:
+            with contextlib.suppress(RuntimeFailure):  # gone already: what DEL wanted
+                await _run(
+                    "iptables",
+                    "-w",
+                    "-t",
+                    "nat",
+                    "-D",
+                    *self._masq_rule(record),
+                    timeout=self._timeout,
+                )
         if record.netns_name and await asyncio.to_thread(
             os.path.exists, NETNS_DIR / record.netns_name
         ):

@@ -84,7 +84,7 @@ def scrub(net: Net) -> None:
         ["iptables-save", "-t", "nat"], capture_output=True, text=True, check=False
     ).stdout
     for line in rules.splitlines():
-        if line.startswith("-A ") and f'name: \\"orka-{net.bridge}\\"' in line:
+        if line.startswith("-A ") and f"orka-{net.bridge}" in line:
             args = shlex.split(line)
             subprocess.run(["iptables", "-t", "nat", "-D", *args[1:]], check=False)
             chain = args[-1]
@@ -294,6 +294,7 @@ async def test_vm_attachment_makes_the_bridge_and_forwards_its_host_port(net: Ne
     container made it), the host port forwarded; detach gives all of it back."""
     ports = HostPorts(*PORT_RANGE)
     network = net.network(ports)
+    network.masquerade = True
     try:
         got = await network.attach_vm("vm-0", [PortSpec(name="ssh", port=22)])
         subnet = ipaddress.ip_network(net.subnet)
@@ -303,6 +304,8 @@ async def test_vm_attachment_makes_the_bridge_and_forwards_its_host_port(net: Ne
         assert f"{subnet[1]}/24" in addrs and "UP" in flags.split(",")
         _, rules = host_state()
         assert f"{got.address}:22" in rules and '\\"vm-0\\"' in rules
+        masq = f"-A POSTROUTING -s {got.address}/32 ! -d {net.subnet}"
+        assert masq in rules and "-j MASQUERADE" in rules
         # Another agent process on the same records sees it unchanged.
         assert net.network(HostPorts(*PORT_RANGE)).attachment("vm-0") == got
         await network.detach("vm-0")
