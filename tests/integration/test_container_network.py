@@ -357,7 +357,21 @@ async def test_agent_restart_keeps_a_containers_address_and_host_port(
         for driver in agent.drivers.values():
             await driver.close()
         agent.host_ports.close()  # what the kernel does for a killed process
+        # An attachment whose instance went away while no agent ran: the next agent sweeps it.
+        ghost_ports = HostPorts(*PORT_RANGE)
+        stale = CniNetwork(
+            tmp_path / "agents" / "node-1" / "network",
+            node="node-1",
+            host_ports=ghost_ports,
+            bridge=net.bridge,
+            subnet=net.subnet,
+        )
+        ghost = await stale.attach_netns("ghost-0", [])
+        ghost_ports.close()
         revived = await cluster.add_agent("node-1", **opts)
+        assert revived.network is not None
+        assert revived.network.instances() == [inst.name]
+        assert not os.path.exists(ghost.netns)
         (task,) = await revived.drivers["containerd"].list()
         assert (task.address, [p.host_port for p in task.ports]) == (inst.address, [host_port])
         await answers(inst.address, 8080, inst.name)
