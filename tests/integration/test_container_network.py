@@ -371,7 +371,7 @@ async def test_agent_restart_keeps_a_containers_address_and_host_port(
         revived = await cluster.add_agent("node-1", **opts)
         assert revived.network is not None
         assert revived.network.instances() == [inst.name]
-        assert not os.path.exists(ghost.netns)
+        assert not await asyncio.to_thread(os.path.exists, ghost.netns)
         (task,) = await revived.drivers["containerd"].list()
         assert (task.address, [p.host_port for p in task.ports]) == (inst.address, [host_port])
         await answers(inst.address, 8080, inst.name)
