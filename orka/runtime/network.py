@@ -372,7 +372,15 @@ class CniNetwork:
         async with self._locks[instance]:
             existing = self._records.get(instance)
             if existing is not None:
-                return existing.attachment
+                netns = existing.attachment.netns
+                if not netns or await asyncio.to_thread(os.path.exists, netns):
+                    return existing.attachment
+                # Its namespace is gone (the host rebooted: /run is a tmpfs): start afresh.
+                log.info("network.netns_gone", instance=instance, netns=netns)
+                await self._teardown(existing)
+                self._records.pop(instance, None)
+                await asyncio.to_thread(self._record_path(instance).unlink, True)
+                self._ports.release(instance)
             bindings = await asyncio.to_thread(self._ports.reserve, instance, ports, True)
             record = _Record(
                 attachment=Attachment(

@@ -416,3 +416,25 @@ async def test_a_restarted_container_keeps_its_address_and_host_port(
     await driver.remove("web-r")
     assert_gone(net, again)
     assert network.attachment("web-r") is None
+
+
+async def test_an_attachment_whose_namespace_vanished_is_made_afresh(net: Net) -> None:
+    """After a reboot /run/netns is empty while the records remain: the next attach of that
+    instance gives back the old address and rules and makes a working namespace."""
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    try:
+        old = await network.attach_netns("web-n", HTTP)
+        await asyncio.to_thread(
+            subprocess.run, ["ip", "netns", "delete", Path(old.netns).name], check=True
+        )
+        new = await network.attach_netns("web-n", HTTP)
+        assert await asyncio.to_thread(os.path.exists, new.netns)
+        assert new.address != old.address  # a fresh lease; the old one is given back
+        allocated = {p.name for p in (net.dir / "ipam" / network.name).iterdir()}
+        assert new.address in allocated and old.address not in allocated
+        _, rules = host_state()
+        assert f"{new.address}:8080" in rules and f"{old.address}:8080" not in rules
+        await network.detach("web-n")
+    finally:
+        ports.close()
