@@ -122,3 +122,10 @@ def test_containerd_admits_ports_only_with_a_usable_network(
 ) -> None:
     driver = ContainerdDriver(tmp_path, network=network)
     assert driver.admit(spec(ports)) == reason
+
+
+def test_the_agent_hands_the_network_to_the_drivers_that_take_one() -> None:
+    from orka.runtime.registry import takes
+
+    assert takes("containerd", "network") and takes("process", "network")
+    assert not takes("fake", "network") and not takes("nope", "network")
