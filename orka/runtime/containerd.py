@@ -251,8 +251,7 @@ class ContainerdDriver(TrackingDriver[_Task]):
 
     def _network_problem(self) -> str | None:
         """Why the configured network cannot attach instances on this host, or None."""
-        check = getattr(self._network, "unavailable", None)
-        return check() if check is not None else None
+        return self._network.unavailable() if self._network is not None else None
 
     async def start(self, run: RunSpec) -> TaskInfo:
         instance = check_instance(run.instance)

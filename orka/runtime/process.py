@@ -174,8 +174,12 @@ class ProcessDriver(TrackingDriver[_Task]):
             self._policy.resolve(spec)
         except IdentityRefused as exc:
             return str(exc)
-        if spec.own_network and self._network is None:
-            return "network: bridge needs an instance network, and this node has none"
+        if spec.own_network:
+            if self._network is None:
+                return "network: bridge needs an instance network, and this node has none"
+            problem = self._network.unavailable()
+            if problem:
+                return f"network: bridge needs the node's instance network: {problem}"
         return None
 
     @property

@@ -26,7 +26,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from orka.api import controller_pb2 as pb
-from orka.models import PortSpec, RestartPolicy, WorkloadKind, WorkloadSpec
+from orka.models import NetworkMode, PortSpec, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
 from orka.runtime.cni import find_plugin
 from orka.runtime.containerd import ContainerdDriver
@@ -39,6 +39,7 @@ from orka.runtime.network import (
     host_routes,
     netns_name,
 )
+from orka.runtime.process import ProcessDriver
 from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, crash, eventually
 
@@ -438,3 +439,59 @@ async def test_an_attachment_whose_namespace_vanished_is_made_afresh(net: Net) -
         await network.detach("web-n")
     finally:
         ports.close()
+
+
+async def test_a_process_on_the_bridge_answers_at_its_address_and_host_port(
+    net: Net, tmp_path: Path
+) -> None:
+    """`network: bridge`: the process gets a namespace of its own from the same network as
+    containers; ORKA_PORT_HTTP is the port inside, ORKA_HOST_PORT_HTTP the one on the node."""
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        pytest.skip("busybox-static is not installed")
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    driver = ProcessDriver(
+        tmp_path / "process", host_ports=ports, host_ip="127.0.0.1", network=network
+    )
+    spec = WorkloadSpec(
+        name="pweb",
+        kind=WorkloadKind.PROCESS,
+        network=NetworkMode.BRIDGE,
+        command=[
+            "sh",
+            "-c",
+            'echo "hello from $ORKA_INSTANCE $ORKA_PORT_HTTP $ORKA_HOST_PORT_HTTP" > index.html'
+            f' && exec {busybox} httpd -f -p "$ORKA_PORT_HTTP" -h .',
+        ],
+        ports=HTTP,
+        restart_policy=RestartPolicy.NEVER,
+        stop_grace_seconds=1.0,
+    )
+    assert driver.admit(spec) is None
+    info = await driver.start(RunSpec(instance="pweb-1", workload="pweb", spec=spec))
+    try:
+        assert ipaddress.ip_address(info.address) in ipaddress.ip_network(net.subnet)
+        (binding,) = info.ports
+        assert (binding.name, binding.port) == ("http", 8080)
+        assert PORT_RANGE[0] <= binding.host_port <= PORT_RANGE[1]
+        await answers(info.address, 8080, "pweb-1")
+        await answers("127.0.0.1", binding.host_port, "pweb-1")
+        text = await asyncio.to_thread(get, "127.0.0.1", binding.host_port)
+        assert text.strip() == f"hello from pweb-1 8080 {binding.host_port}"
+        # Not on the host's network: nothing listens on the host's 8080 for it.
+        ss = await asyncio.to_thread(
+            subprocess.run,
+            ["ss", "-Htlnp", "sport = :8080"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert "busybox" not in ss.stdout, ss.stdout
+    finally:
+        await driver.stop("pweb-1", grace=1.0)
+        await driver.remove("pweb-1")
+        await driver.close()
+        ports.close()
+    assert network.attachment("pweb-1") is None
+    assert_gone(net, info)
