@@ -58,6 +58,22 @@ HOST_PORTS_FIRST = 20000
 HOST_PORTS_PER_AGENT = 10000 // MAX_AGENTS
 
 
+def network_line() -> str:
+    """What instances get here: their own address on each agent's bridge, or why not."""
+    from orka.runtime.network import host_unavailable
+
+    why = host_unavailable()
+    if why is None:
+        return (
+            "Instances with a network of their own (containers, processes with network: bridge)"
+            " get an address on their agent's bridge."
+        )
+    return (
+        f"Instances get no address of their own here: {why}. Host ports (ports: in a spec)"
+        " still work."
+    )
+
+
 def host_port_range(index: int) -> str:
     """The `--host-port-range` of the index-th agent (from 0) of `orka up`."""
     first = HOST_PORTS_FIRST + index * HOST_PORTS_PER_AGENT
@@ -205,6 +221,9 @@ class Cluster:
                     "127.0.0.1",
                     "--host-port-range",
                     host_port_range(i),
+                    # Where the host allows it, instances that have a network of their own
+                    # (containers, processes with network: bridge) reach out through the host.
+                    "--network-masquerade",
                 ],
                 self.logs / f"{name}.log",
             )
@@ -419,6 +438,7 @@ class Cluster:
         ]
         if first is not None:
             lines.append(f"  kill -9 {first.pid}    # lose {first.name}; watch its instances move")
+        lines += ["", network_line()]
         lines += [
             "",
             "Ctrl-C stops the cluster (so does closing this terminal); `orka up` again resumes it.",

@@ -228,6 +228,24 @@ class _Record:
         )
 
 
+def host_unavailable(bin_dirs: list[Path] | None = None) -> str | None:
+    """Why this host cannot give instances a network of their own, or None when it can."""
+    dirs = list(bin_dirs) if bin_dirs else list(DEFAULT_BIN_DIRS)
+    if os.geteuid() != 0:
+        return "the instance network needs root (network namespaces, bridges, iptables)"
+    missing = [p for p in PLUGINS if cni.find_plugin(p, dirs) is None]
+    if missing:
+        where = ", ".join(str(d) for d in dirs)
+        return (
+            f"CNI plugins {', '.join(missing)} not found in {where}"
+            " (apt-get install containernetworking-plugins, or --cni-bin-dir)"
+        )
+    for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
+        if shutil.which(tool) is None:
+            return f"{tool!r} is not installed (apt-get install {package})"
+    return None
+
+
 class CniNetwork:
     """`orka.runtime.base.InstanceNetwork` over the CNI plugins; one per agent."""
 
@@ -269,19 +287,7 @@ class CniNetwork:
         return self._unavailable
 
     def _check(self) -> str | None:
-        if os.geteuid() != 0:
-            return "the instance network needs root (network namespaces, bridges, iptables)"
-        missing = [p for p in PLUGINS if cni.find_plugin(p, self.bin_dirs) is None]
-        if missing:
-            where = ", ".join(str(d) for d in self.bin_dirs)
-            return (
-                f"CNI plugins {', '.join(missing)} not found in {where}"
-                " (apt-get install containernetworking-plugins, or --cni-bin-dir)"
-            )
-        for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
-            if shutil.which(tool) is None:
-                return f"{tool!r} is not installed (apt-get install {package})"
-        return None
+        return host_unavailable(self.bin_dirs)
 
     def _choose_subnet(self, node: str, subnet: str) -> ipaddress.IPv4Network:
         """The flag's; else the one this data dir used before (a restart keeps it); else the
