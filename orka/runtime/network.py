@@ -163,15 +163,19 @@ def conflist(
         }
     ]
     if bindings:
-        plugins.append(
-            {
-                "type": "portmap",
-                "snat": True,
-                "capabilities": {"portMappings": True},
-                "runtimeConfig": {"portMappings": port_mappings(bindings)},
-            }
-        )
+        plugins.append(portmap(bindings))
     return {"cniVersion": cni.CNI_VERSION, "name": name, "plugins": plugins}
+
+
+def portmap(bindings: list[PortBinding]) -> dict[str, Any]:
+    """The portmap plugin's entry: the host ports DNAT'd to the instance, with SNAT so that
+    127.0.0.1:<host port> works too."""
+    return {
+        "type": "portmap",
+        "snat": True,
+        "capabilities": {"portMappings": True},
+        "runtimeConfig": {"portMappings": port_mappings(bindings)},
+    }
 
 
 def ipam(subnet: ipaddress.IPv4Network, ipam_dir: Path) -> dict[str, Any]:
@@ -453,14 +457,7 @@ class CniNetwork:
             {"type": "host-local", "ipam": ipam(self.subnet, self._ipam_dir)}
         ]
         if bindings:
-            plugins.append(
-                {
-                    "type": "portmap",
-                    "snat": True,
-                    "capabilities": {"portMappings": True},
-                    "runtimeConfig": {"portMappings": port_mappings(bindings)},
-                }
-            )
+            plugins.append(portmap(bindings))
         record.config = {"cniVersion": cni.CNI_VERSION, "name": self.name, "plugins": plugins}
         # No namespace of its own: host-local and portmap only need a valid one to be named.
         await self._add_list(record, "/proc/self/ns/net", IFNAME)

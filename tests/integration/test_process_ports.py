@@ -31,6 +31,17 @@ SERVE = (
 )
 
 
+def web_spec(replicas: int) -> pb.WorkloadSpec:
+    return spec(
+        "web", replicas=replicas, command=["sh", "-c", SERVE], ports=[pb.PortSpec(name="http")]
+    )
+
+
+async def scale(c: Cluster, replicas: int) -> None:
+    assert c.api is not None
+    await call(c.api.UpdateWorkload, pb.UpdateWorkloadRequest(spec=web_spec(replicas)))
+
+
 @pytest.fixture
 async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[tuple[Cluster, int]]:
     first = free_block(4)
@@ -53,13 +64,7 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
 ) -> None:
     c, first = cluster
     assert c.api is not None
-    web = spec(
-        "web",
-        replicas=2,
-        command=["sh", "-c", SERVE],
-        ports=[pb.PortSpec(name="http")],
-    )
-    await call(c.api.CreateWorkload, pb.CreateWorkloadRequest(spec=web))
+    await call(c.api.CreateWorkload, pb.CreateWorkloadRequest(spec=web_spec(2)))
 
     async def both_running() -> list[pb.Instance] | None:
         running = await c.running("web")
@@ -124,14 +129,7 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
             http_get, "127.0.0.1", inst.ports[0].host_port, "/name"
         )
         assert (status, body.decode().strip()) == (200, inst.name)
-    await call(
-        c.api.UpdateWorkload,
-        pb.UpdateWorkloadRequest(
-            spec=spec(
-                "web", replicas=3, command=["sh", "-c", SERVE], ports=[pb.PortSpec(name="http")]
-            )
-        ),
-    )
+    await scale(c, 3)
 
     async def three_running() -> list[pb.Instance] | None:
         now = await c.running("web")
@@ -145,14 +143,7 @@ async def test_two_replicas_on_one_node_serve_on_their_own_host_ports(
     assert len(third) == 1 and third[0].ports[0].host_port not in ports, third
 
     # Scaled to one: the stopped replicas' endpoints go, the one left stays as it was.
-    await call(
-        c.api.UpdateWorkload,
-        pb.UpdateWorkloadRequest(
-            spec=spec(
-                "web", replicas=1, command=["sh", "-c", SERVE], ports=[pb.PortSpec(name="http")]
-            )
-        ),
-    )
+    await scale(c, 1)
 
     async def one_endpoint() -> list[pb.Endpoint] | None:
         resp = await call(c.api.ListEndpoints, pb.ListEndpointsRequest(workload="web"))

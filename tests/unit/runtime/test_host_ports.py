@@ -10,24 +10,7 @@ import pytest
 from orka.errors import Invalid, RuntimeFailure
 from orka.models import PortBinding, PortProtocol, PortSpec
 from orka.runtime.host_ports import HostPorts, in_use, parse_range
-
-
-def free_block(size: int) -> int:
-    """The first of `size` consecutive ports nothing on this host holds now."""
-    for first in range(41000, 60000, size):
-        socks = []
-        try:
-            for port in range(first, first + size):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("0.0.0.0", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no free block of ports")
+from tests.ports import free_block
 
 
 def bindable(port: int, kind: int = socket.SOCK_STREAM) -> bool:
