@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "heartbeat": ("heartbeat", ()),
     "healing": ("healing", ()),
     "paging": ("paging", ()),
+    "network": ("network", ()),
 }
 FULL_ONLY = {"placement_5000_nodes"}
 

@@ -32,7 +32,19 @@ def test_run_all_smoke() -> None:
     # The one target that is a count, not a speed.
     assert summary["targets"]["heartbeat_false_not_ready==0"] is True
     results = summary["results"]
-    assert set(results) == {"echo", "decisions", "placement", "heartbeat", "healing", "paging"}
+    assert set(results) == {
+        "echo",
+        "decisions",
+        "placement",
+        "heartbeat",
+        "healing",
+        "paging",
+        "network",
+    }
+    # The instance network: every attachment given back (or, on a host without the plugins
+    # or root, why it was not measured).
+    network = results["network"]
+    assert network.get("skipped") or (network["repeat"], network["leaked_attachments"]) == (3, 0)
     # 1,000 instances listed whole at every page size: the default size takes two pages.
     paging = results["paging"]["listings"]
     assert {k: v["objects"] for k, v in paging.items()} == {
