@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from orka.errors import RuntimeFailure
-from orka.models import Resources, VmSpec, WorkloadKind, WorkloadSpec
-from orka.runtime.base import RunSpec
+from orka.models import PortBinding, Resources, VmSpec, WorkloadKind, WorkloadSpec
+from orka.runtime.base import Attachment, RunSpec
 from orka.runtime.libvirt import (
     DEFAULT_MEMORY,
     MIB,
@@ -21,9 +21,13 @@ from orka.runtime.libvirt import (
     LibvirtDriver,
     build_domain_xml,
     disk_format,
+    guest_network_args,
+    mac_for,
     memory_for,
     parse_task_metadata,
+    tap_for,
     vcpus_for,
+    with_network,
 )
 
 
@@ -159,3 +163,66 @@ async def test_missing_initrd_is_named(tmp_path: Path) -> None:
             await driver.start(RunSpec(instance="vm-1", workload="vm", spec=spec(vm=vm)))
     finally:
         await driver.close()
+
+
+def attachment(instance: str = "web-1") -> Attachment:
+    return Attachment(
+        instance=instance,
+        address="10.88.0.7",
+        prefix_len=24,
+        gateway="10.88.0.1",
+        bridge="orka0",
+        ports=[PortBinding(name="http", port=8080, host_port=30080)],
+    )
+
+
+def test_a_network_gives_the_domain_one_virtio_nic_on_the_bridge() -> None:
+    cfg = with_network(
+        config(kernel=Path("/k/vmlinuz"), cmdline="console=ttyS0 quiet"), attachment()
+    )
+    root = ET.fromstring(build_domain_xml(cfg))
+    (iface,) = root.findall("devices/interface")
+    assert iface.get("type") == "bridge"
+    assert iface.find("source").get("bridge") == "orka0"  # type: ignore[union-attr]
+    assert iface.find("model").get("type") == "virtio"  # type: ignore[union-attr]
+    assert iface.find("mac").get("address") == mac_for("web-1")  # type: ignore[union-attr]
+    assert iface.find("target").get("dev") == tap_for("web-1")  # type: ignore[union-attr]
+    # The guest learns its address from its command line, after what the spec asked for.
+    assert root.findtext("os/cmdline") == (
+        "console=ttyS0 quiet orka.ip=10.88.0.7/24 orka.gw=10.88.0.1"
+    )
+
+
+def test_without_a_network_there_is_no_nic_and_the_cmdline_is_the_specs() -> None:
+    root = ET.fromstring(build_domain_xml(config(kernel=Path("/k"), cmdline="console=ttyS0")))
+    assert root.find("devices/interface") is None
+    assert root.findtext("os/cmdline") == "console=ttyS0"
+
+
+def test_guest_args_alone_when_the_spec_has_no_cmdline() -> None:
+    cfg = with_network(config(kernel=Path("/k")), attachment())
+    assert cfg.cmdline == "orka.ip=10.88.0.7/24 orka.gw=10.88.0.1"
+    assert guest_network_args(attachment()) == cfg.cmdline
+
+
+def test_a_disk_booted_guest_gets_the_nic_but_no_cmdline() -> None:
+    # No kernel to hand words to: such a guest configures itself (DHCP is not served).
+    cfg = with_network(config(disk=Path("/img/a.qcow2")), attachment())
+    root = ET.fromstring(build_domain_xml(cfg))
+    assert root.find("os/cmdline") is None
+    assert root.find("devices/interface/source").get("bridge") == "orka0"  # type: ignore[union-attr]
+
+
+def test_mac_and_tap_name_are_stable_per_instance_and_valid() -> None:
+    names = ["web-1", "web-2", "a" * 253, "db-0"]
+    macs = [mac_for(n) for n in names]
+    taps = [tap_for(n) for n in names]
+    assert macs == [mac_for(n) for n in names]  # deterministic: a restart keeps them
+    assert len(set(macs)) == len(set(taps)) == len(names)
+    for mac, tap in zip(macs, taps, strict=True):
+        octets = [int(o, 16) for o in mac.split(":")]
+        assert len(octets) == 6 and octets[:3] == [0x52, 0x54, 0x00]
+        assert octets[0] & 0x02 and not octets[0] & 0x01  # locally administered, unicast
+        assert tap.startswith("orka") and len(tap) == 15  # IFNAMSIZ - 1
+        # Names libvirt treats as its own would be replaced by a generated one.
+        assert not tap.startswith(("vnet", "vif"))
