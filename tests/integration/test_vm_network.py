@@ -49,6 +49,8 @@ from tests.libvirt_env import (
 pytestmark = [needs_libvirt, pytest.mark.timeout(600)]
 
 BOOT_TIMEOUT = 180.0
+# From eth0 configured to httpd answering: the guest is up, so this fails fast when it never does.
+ANSWER_TIMEOUT = 30.0
 GUEST_PORT = 8080
 
 
@@ -190,6 +192,20 @@ async def http_get(address: str, port: int) -> str | None:
     return body if head.startswith("HTTP/1.") and " 200 " in head.split("\r\n")[0] else None
 
 
+async def console_shows(path: Path, text: str) -> str:
+    """The console log's content once the line holding `text` is complete."""
+
+    async def check() -> str | None:
+        try:
+            content = await asyncio.to_thread(path.read_text, errors="replace")
+        except FileNotFoundError:
+            return None
+        at = content.find(text)
+        return content if at >= 0 and "\n" in content[at:] else None
+
+    return await eventually(check, timeout=BOOT_TIMEOUT, interval=0.1)
+
+
 def tap_master(tap: str) -> str | None:
     (link,) = json.loads(ip("-j", "link", "show", "dev", tap))
     return link.get("master")
@@ -245,17 +261,20 @@ async def test_vm_answers_at_its_address_on_the_bridge(
     }
     assert tap_master(tap) == network.bridge
 
+    # Booted and eth0 configured (what the guest's `ip addr` says) before any traffic is sent.
+    console, _ = first.log_paths(instance)
+    text = await console_shows(console, NET_MARKER)
+    assert f"inet {address}/{network.subnet.prefixlen}" in text
+
     async def answers() -> str | None:
         return await http_get(address, GUEST_PORT)
 
-    body = await eventually(answers, timeout=BOOT_TIMEOUT, interval=0.2)
+    body = await eventually(answers, timeout=ANSWER_TIMEOUT, interval=0.1)
     answered_after = time.monotonic() - began
     print(f"\nVM start→first HTTP answer at {address}:{GUEST_PORT} {answered_after:.2f}s")
     # The page is the guest's own: its kernel release and the address its init configured.
     assert f"{MARKER} kernel=6." in body
     assert f"ip={address}/{network.subnet.prefixlen}" in body
-    console, _ = first.log_paths(instance)
-    assert NET_MARKER in console.read_text(errors="replace")
     await first.close()  # the agent goes away; the VM keeps running
 
     second = make_driver(data_dir, libvirt_daemons.uri, network)
