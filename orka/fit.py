@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from orka.models import FAKE_DRIVER, KIND_DRIVER, NodeState, WorkloadKind
+from orka.models import FAKE_DRIVER, KIND_DRIVER, NodeState, PortProtocol, WorkloadKind
 
 
 class Code(StrEnum):
@@ -38,6 +38,7 @@ class Code(StrEnum):
     MEMORY_ABOVE_CAPACITY = "MEMORY_ABOVE_CAPACITY"
     INSUFFICIENT_CPU = "INSUFFICIENT_CPU"
     INSUFFICIENT_MEMORY = "INSUFFICIENT_MEMORY"
+    HOST_PORT_IN_USE = "HOST_PORT_IN_USE"
     NODE_SELECTOR_MISMATCH = "NODE_SELECTOR_MISMATCH"
     SPREAD_LIMIT = "SPREAD_LIMIT"
     OFFER_REFUSED = "OFFER_REFUSED"
@@ -58,6 +59,7 @@ RESOLVABLE: Mapping[Code, bool] = {
     Code.MEMORY_ABOVE_CAPACITY: False,
     Code.INSUFFICIENT_CPU: True,  # instances end and free room
     Code.INSUFFICIENT_MEMORY: True,
+    Code.HOST_PORT_IN_USE: True,  # the instance holding the port may end
     Code.NODE_SELECTOR_MISMATCH: False,
     Code.SPREAD_LIMIT: True,  # a replica on that node may end
     # An agent's own check (image present, disk free, driver healthy) may pass later.
@@ -142,12 +144,23 @@ def spread_limit(count: int) -> Reason:
     return reason(Code.SPREAD_LIMIT, f"spread: {count} {noun} already on node")
 
 
+@functools.lru_cache(maxsize=1024)
+def host_port_in_use(port: int, protocol: PortProtocol) -> Reason:
+    # tcp is what nearly every port is, so only udp is spelled out ("host port 53/udp in use").
+    name = str(port) if protocol is PortProtocol.TCP else f"{port}/{protocol.value}"
+    return reason(Code.HOST_PORT_IN_USE, f"host port {name} in use")
+
+
 def refused(why: str) -> Reason:
     """An agent said no to an offer; `why` is its own words."""
     return reason(Code.OFFER_REFUSED, f"refused: {why}")
 
 
 # ---- the rule ----
+
+# A fixed host port as a node resource: (port, protocol). One instance on a node binds it.
+HostPort = tuple[int, PortProtocol]
+NO_HOST_PORTS: frozenset[HostPort] = frozenset()
 
 
 class Amount(Protocol):
@@ -159,7 +172,14 @@ class Amount(Protocol):
     def memory_bytes(self) -> int: ...
 
 
-class Need(Amount, Protocol):
+class Ports(Protocol):
+    """Fixed host ports asked for (a spec's `fixed_host_ports`; empty for most)."""
+
+    @property
+    def host_ports(self) -> Collection[HostPort]: ...
+
+
+class Need(Amount, Ports, Protocol):
     """What an instance asks of a node (the scheduler's PlacementRequest)."""
 
     @property
@@ -183,6 +203,10 @@ class Capacity(Protocol):
     def cpu_used(self) -> int: ...
     @property
     def mem_used(self) -> int: ...
+    @property
+    def host_ports(self) -> Collection[HostPort]:
+        """Fixed host ports taken by the instances assigned to, reserved on or running on it."""
+        ...
 
 
 class Offer(Capacity, Protocol):
@@ -208,13 +232,15 @@ class Room:
     mem_allocatable: int
     cpu_used: int
     mem_used: int
+    host_ports: Collection[HostPort] = NO_HOST_PORTS
 
 
 def fit(need: Need, node: Offer) -> Reason | None:
     """The whole rule: None when the node can take the instance, else the first reason not.
 
     The order is the precedence of reasons users see: a lost node reports "lost", not
-    "insufficient cpu". The scheduler's filters are these aspects one by one, in this order.
+    "insufficient cpu"; a node the selector rules out names the label (no waiting helps), not
+    a host port taken. The scheduler's filters are these aspects one by one, in this order.
     """
     return (
         ready(need, node)
@@ -222,6 +248,7 @@ def fit(need: Need, node: Offer) -> Reason | None:
         or driver(need, node)
         or resources(need, node)
         or selector(need, node)
+        or host_ports(need, node)
         or spread(need, node)
     )
 
@@ -275,6 +302,30 @@ def resources(need: Amount, node: Capacity) -> Reason | None:
     if mem > mem_alloc - node.mem_used:
         return INSUFFICIENT_MEMORY
     return None
+
+
+def host_ports(need: Ports, node: Capacity) -> Reason | None:
+    """None of the request's fixed host ports is taken on the node (Kubernetes' NodePorts).
+
+    A request without fixed host ports (host_port 0: the agent picks one) asks nothing of the
+    node, and is answered before the node is even looked at.
+    """
+    wanted = need.host_ports
+    if not wanted:
+        return None
+    return ports_taken(wanted, node.host_ports)
+
+
+def ports_taken(wanted: Collection[HostPort], used: Collection[HostPort]) -> Reason | None:
+    """The reason when one of `wanted` is in `used`: the lowest such port is named, so the same
+    collision always reads the same."""
+    if not wanted or not used:
+        return None
+    taken = [p for p in wanted if p in used]
+    if not taken:
+        return None
+    port, protocol = min(taken)
+    return host_port_in_use(port, protocol)
 
 
 def most_used_that_fits(share: float) -> float:

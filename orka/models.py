@@ -226,8 +226,22 @@ class PortSpec(BaseModel):
 
     @property
     def env_name(self) -> str:
-        """The variable a process reads its host port from: ORKA_PORT_<NAME>."""
+        """The variable a process reads the port it listens on from: ORKA_PORT_<NAME>."""
         return "ORKA_PORT_" + self.name.upper().replace("-", "_")
+
+    @property
+    def host_env_name(self) -> str:
+        """Where it is reached on its node: ORKA_HOST_PORT_<NAME>."""
+        return "ORKA_HOST_PORT_" + self.name.upper().replace("-", "_")
+
+
+class NetworkMode(StrEnum):
+    """Where an instance's network lives: the node's own (processes by default) or a
+    namespace of its own on the node's bridge, with its own address (containers and VMs
+    always; processes when they ask)."""
+
+    HOST = "host"
+    BRIDGE = "bridge"
 
 
 class PortBinding(BaseModel):
@@ -284,6 +298,8 @@ class WorkloadSpec(BaseModel):
     secret_env_files: dict[str, str] = Field(default_factory=dict)
     # Ports the instance serves (see PortSpec); fixed host ports are a node resource.
     ports: list[PortSpec] = Field(default_factory=list, max_length=MAX_PORTS)
+    # None: the kind's own (host for a process, bridge for containers and VMs).
+    network: NetworkMode | None = None
 
     @field_validator("name")
     @classmethod
@@ -371,8 +387,13 @@ class WorkloadSpec(BaseModel):
             raise ValueError("image is required for a CONTAINER workload")
         if self.kind is WorkloadKind.VM and not self.image and not (self.vm and self.vm.kernel):
             raise ValueError("image or vm.kernel is required for a VM workload")
+        if self.kind is not WorkloadKind.PROCESS and self.network is NetworkMode.HOST:
+            raise ValueError(
+                "network: host is for PROCESS workloads only; containers and VMs always get a"
+                " network of their own"
+            )
         for i, p in enumerate(self.ports):
-            if self.kind is WorkloadKind.PROCESS:
+            if not self.own_network:
                 if p.port is not None and p.port != p.host_port:
                     raise ValueError(
                         f"ports[{i}].port: a host-network process listens on its host port;"
@@ -380,8 +401,8 @@ class WorkloadSpec(BaseModel):
                     )
             elif p.port is None:
                 raise ValueError(
-                    f"ports[{i}].port: required for a {self.kind.value} workload (where the"
-                    " instance listens inside its own network)"
+                    f"ports[{i}].port: required where an instance has a network of its own"
+                    f" ({self.kind.value}, network: bridge): where it listens there"
                 )
         both = sorted(self.env.keys() & self.secret_env.keys())
         if both:
@@ -393,6 +414,13 @@ class WorkloadSpec(BaseModel):
                 " variable once"
             )
         return self
+
+    @property
+    def own_network(self) -> bool:
+        """Whether an instance gets a network (and an address) of its own on the bridge."""
+        if self.kind is WorkloadKind.PROCESS:
+            return self.network is NetworkMode.BRIDGE
+        return True
 
     @property
     def fixed_host_ports(self) -> frozenset[tuple[int, PortProtocol]]:
@@ -454,8 +482,10 @@ class Instance(BaseModel):
     scheduled_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
-    # The instance's IP in its node's instance network (empty: host network or not started).
+    # The instance's IP in its node's instance network (empty: host network or not started),
+    # its node's address (where host ports are reached) and the ports it got.
     address: str = ""
+    host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)
 
     @property
@@ -565,7 +595,7 @@ class Instance(BaseModel):
         if self.terminal and r.phase not in TERMINAL_PHASES:
             return None
         update: dict[str, object] = {}
-        for field in ("phase", "reason", "exit_code", "restarts", "started_at", "finished_at"):
+        for field in _REPORTED:
             value = getattr(r, field)
             if getattr(self, field) != value:
                 update[field] = value
@@ -575,6 +605,30 @@ class Instance(BaseModel):
             return None
         update["updated_at"] = now
         return self.model_copy(update=update)
+
+
+class Endpoint(BaseModel):
+    """Where a RUNNING instance of a workload is reached (ListEndpoints)."""
+
+    instance: str
+    node: str = ""
+    address: str = ""
+    host_ip: str = ""
+    ports: list[PortBinding] = Field(default_factory=list)
+
+
+# What an instance record takes from its node's reports as they are.
+_REPORTED = (
+    "phase",
+    "reason",
+    "exit_code",
+    "restarts",
+    "started_at",
+    "finished_at",
+    "address",
+    "host_ip",
+    "ports",
+)
 
 
 class Node(BaseModel):
@@ -610,4 +664,5 @@ class InstanceReport(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     address: str = ""
+    host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)

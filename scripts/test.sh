@@ -21,6 +21,10 @@ APT_PACKAGES=(
   containerd
   runc
   busybox-static
+  # The instance network (orka.runtime.network): the CNI plugins, ip netns/link, iptables.
+  containernetworking-plugins
+  iproute2
+  iptables
   # The libvirt driver's tests: real libvirtd + virtlogd, QEMU (TCG when there is no KVM),
   # libvirt-python's build deps, and busybox for the guest's initramfs.
   libvirt-daemon-system

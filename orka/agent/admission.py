@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from google.rpc import code_pb2
@@ -45,6 +46,15 @@ def node_files(spec: WorkloadSpec) -> list[tuple[str, str]]:
     return files
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What an accepted offer holds on this node until its start comes or `deadline` passes."""
+
+    resources: Resources
+    deadline: float
+    host_ports: frozenset[fit.HostPort] = fit.NO_HOST_PORTS
+
+
 def driver_name(healthy: Mapping[str, Driver], kind: WorkloadKind) -> str | None:
     """The healthy driver that runs `kind` here (the fake one runs every kind)."""
     wanted = KIND_DRIVER[kind]
@@ -57,8 +67,9 @@ def driver_name(healthy: Mapping[str, Driver], kind: WorkloadKind) -> str | None
 
 class Admission:
     """Answers offers: accepted only when a healthy driver runs the kind, its files are under
-    the allowed paths, and the node has room beside what runs and what is reserved; an
-    accepted offer reserves its room until the start comes or the hold runs out."""
+    the allowed paths, and the node has room and the fixed host ports free beside what runs
+    and what is reserved; an accepted offer reserves them until the start comes or the hold
+    runs out."""
 
     def __init__(
         self,
@@ -75,8 +86,8 @@ class Admission:
         self.instances = instances
         self.shutting_down = shutting_down
         self.send = send
-        # instance -> (resources, deadline): accepted offers not yet started.
-        self.reservations: dict[str, tuple[Resources, float]] = {}
+        # Accepted offers not yet started, by instance.
+        self.reservations: dict[str, Reservation] = {}
 
     def allocated(self) -> Resources:
         cpu = mem = 0
@@ -84,15 +95,29 @@ class Admission:
             if inst.holds_resources:
                 cpu += inst.resources.cpu_millis
                 mem += inst.resources.memory_bytes
-        for res, _ in self.reservations.values():
-            cpu += res.cpu_millis
-            mem += res.memory_bytes
+        for r in self.reservations.values():
+            cpu += r.resources.cpu_millis
+            mem += r.resources.memory_bytes
         return Resources(cpu_millis=cpu, memory_bytes=mem)
+
+    def host_ports(self, besides: str) -> set[fit.HostPort]:
+        """The host ports held here by instances that run or start (those they fix, and those
+        the node picked for them) and by accepted offers, apart from `besides`' own
+        reservation."""
+        used: set[fit.HostPort] = set()
+        for inst in self.instances.values():
+            if inst.holds_resources:
+                used.update(inst.spec.fixed_host_ports)
+                used.update((b.host_port, b.protocol) for b in inst.ports)
+        for name, r in self.reservations.items():
+            if name != besides:
+                used.update(r.host_ports)
+        return used
 
     def expire(self) -> None:
         now = time.monotonic()
-        for name, (_, deadline) in list(self.reservations.items()):
-            if deadline < now:
+        for name, r in list(self.reservations.items()):
+            if r.deadline < now:
                 del self.reservations[name]
 
     def release(self, instance: str) -> None:
@@ -110,14 +135,22 @@ class Admission:
             return refusal
         used = self.allocated()
         if name in self.reservations:
-            used = used - self.reservations[name][0]
+            used = used - self.reservations[name].resources
         outside = self._outside_allowed(spec)
         if outside is not None:
             return outside
         cap = self.capacity
         room = fit.Room(cap.cpu_millis, cap.memory_bytes, used.cpu_millis, used.memory_bytes)
         reason = fit.resources(spec.resources, room)
-        return None if reason is None else fit.explain_resources(reason, spec.resources, room)
+        if reason is not None:
+            return fit.explain_resources(reason, spec.resources, room)
+        # The same order as the scheduler's rule: resources, then host ports.
+        wanted = spec.fixed_host_ports
+        if wanted:
+            taken = fit.ports_taken(wanted, self.host_ports(besides=name))
+            if taken is not None:
+                return taken.message
+        return None
 
     def _outside_allowed(self, spec: WorkloadSpec) -> str | None:
         """Files a driver opens on this node (VM disks, kernels, initrds, OCI archives) must
@@ -145,7 +178,9 @@ class Admission:
             code = code_pb2.INVALID_ARGUMENT
         if reason is None and spec is not None and name not in self.instances:
             hold = offer.hold_seconds or DEFAULT_HOLD_SECONDS
-            self.reservations[name] = (spec.resources, time.monotonic() + hold)
+            self.reservations[name] = Reservation(
+                spec.resources, time.monotonic() + hold, spec.fixed_host_ports
+            )
         status = convert.ok_status() if reason is None else convert.error_status(code, reason)
         self.send(
             apb.AgentMessage(offer_reply=apb.OfferReply(offer_id=offer.offer_id, status=status))

@@ -42,8 +42,10 @@ class Runner:
         ack: Ack,
         on_change: Callable[[Supervised], None],
         instances: dict[str, Supervised] | None = None,
+        host_ip: str = "",
     ) -> None:
         self.node = node
+        self.host_ip = host_ip
         self.drivers = drivers
         self.healthy = healthy
         self.state_file = state_file
@@ -90,7 +92,9 @@ class Runner:
     def new_instance(
         self, name: str, generation: int, spec: WorkloadSpec, driver: Driver
     ) -> Supervised:
-        inst = Supervised(name, generation, spec, driver, self.changed, self.secret_files)
+        inst = Supervised(
+            name, generation, spec, driver, self.changed, self.secret_files, host_ip=self.host_ip
+        )
         self.instances[name] = inst
         return inst
 

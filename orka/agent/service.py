@@ -34,8 +34,10 @@ from orka.errors import Invalid
 from orka.models import Resources
 from orka.rpc import convert
 from orka.runtime.base import Driver
+from orka.runtime.host_ports import DEFAULT_RANGE, HostPorts
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
-from orka.runtime.registry import make_driver
+from orka.runtime.network import DEFAULT_BIN_DIRS, CniNetwork
+from orka.runtime.registry import make_driver, takes
 from orka.security.tls import TlsFiles
 from orka.supervision import PartFailed, Parts
 from orka.validation import RESERVED_LABEL_PREFIX, reserved_labels
@@ -68,6 +70,17 @@ class AgentConfig:
     # Directories VM images, kernels, initrds and oci-archive: images may come from; a spec
     # naming a file elsewhere is refused at admission. None: `<data dir>/images`.
     allowed_paths: list[Path] | None = None
+    # The node's address (instances' ORKA_HOST_IP, where their host ports are reached) and
+    # the range host ports are picked from for ports that ask for none.
+    host_ip: str = "127.0.0.1"
+    host_port_range: tuple[int, int] = DEFAULT_RANGE
+    # The node's instance network (orka.runtime.network): its bridge and subnet ("": derived
+    # from the node name and data dir), masquerade for traffic leaving the node, and where
+    # the CNI plugins are.
+    network_bridge: str = ""
+    network_subnet: str = ""
+    network_masquerade: bool = False
+    cni_bin_dirs: list[Path] = field(default_factory=lambda: list(DEFAULT_BIN_DIRS))
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -117,6 +130,10 @@ class Agent:
         self.healthy: dict[str, Driver] = {}
         self.instances: dict[str, Supervised] = {}
         self.state_file = StateFile(config.data_dir / "agent-state.json")
+        # One allocator for every driver: a process and a container must not share a port.
+        self.host_ports = HostPorts(*config.host_port_range)
+        # Built in start(), once the data dir exists; shared by every driver like the ports.
+        self.network: CniNetwork | None = None
         self.stream = self.stream_class(
             schedulers=config.schedulers,
             tls=tls,
@@ -149,6 +166,7 @@ class Agent:
             ack=self.stream.ack,
             on_change=self.stream.instance_changed,
             instances=self.instances,
+            host_ip=config.host_ip,
         )
         self.connected = self.stream.connected
         self.parts = Parts("agent", self._fail)
@@ -167,6 +185,23 @@ class Agent:
         self.config.data_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         self.config.data_dir.chmod(0o711)
         (self.config.data_dir / "runtime").mkdir(mode=0o711, exist_ok=True)
+        c = self.config
+        self.network = CniNetwork(
+            c.data_dir / "network",
+            node=self.name,
+            host_ports=self.host_ports,
+            bridge=c.network_bridge,
+            subnet=c.network_subnet,
+            masquerade=c.network_masquerade,
+            bin_dirs=c.cni_bin_dirs,
+        )
+        problem = self.network.unavailable()
+        if problem:
+            log.warning("instance network unavailable", reason=problem)
+        else:
+            log.info(
+                "instance network", bridge=self.network.bridge, subnet=str(self.network.subnet)
+            )
         for name in self.config.runtimes:
             driver = make_driver(
                 name, self.config.data_dir / "runtime" / name, **self._driver_options(name)
@@ -181,7 +216,18 @@ class Agent:
             raise Invalid(f"--runtime: no healthy driver among {', '.join(self.config.runtimes)}")
         self.parts.watch("state file", self.state_file.writer())
         await self.runner.adopt()
+        await self._sweep_network()
         self.parts.start("stream", self.stream.run)
+
+    async def _sweep_network(self) -> None:
+        """Tear down the attachments of instances gone while no agent ran; only when every
+        driver can say what it has (one that cannot might still run some of them)."""
+        if self.network is None or len(self.healthy) != len(self.config.runtimes):
+            return
+        existing: set[str] = set(self.instances)
+        for driver in self.healthy.values():
+            existing.update(t.instance for t in await driver.list())
+        await self.network.sweep(existing)
 
     def _driver_options(self, name: str) -> dict[str, Any]:
         options = dict(self.config.driver_options.get(name, {}))
@@ -191,6 +237,10 @@ class Agent:
             options.setdefault("group", c.workload_group)
             options.setdefault("allow_root", c.allow_root_workloads)
             options.setdefault("cgroup_parent", c.cgroup_parent or f"orka/{self.name}")
+            options.setdefault("host_ports", self.host_ports)
+            options.setdefault("host_ip", c.host_ip)
+        if self.network is not None and takes(name, "network"):
+            options.setdefault("network", self.network)
         return options
 
     async def run(self) -> None:
@@ -230,6 +280,10 @@ class Agent:
             for d in self.drivers.values():
                 with contextlib.suppress(Exception):
                     await d.close()
+            if self.network is not None:
+                with contextlib.suppress(Exception):
+                    await self.network.close()
+            self.host_ports.close()
             log.info("agent stopped", node=self.name)
 
     async def _leave(self) -> None:

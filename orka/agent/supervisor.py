@@ -15,6 +15,7 @@ from orka.models import (
     TERMINAL_PHASES,
     InstancePhase,
     InstanceReport,
+    PortBinding,
     Resources,
     RestartPolicy,
     WorkloadSpec,
@@ -39,6 +40,7 @@ class Supervised:
         on_change: Callable[[Supervised], None],
         secret_files: SecretFiles | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        host_ip: str = "",
     ) -> None:
         self.name = name
         self.generation = generation
@@ -55,6 +57,10 @@ class Supervised:
         self.restarts = 0
         self.started_at: float | None = None
         self.finished_at: float | None = None
+        # Where it is reached: its node's address, and what its driver gave it once running.
+        self.host_ip = host_ip
+        self.address = ""
+        self.ports: list[PortBinding] = []
         self.stopping = False
         self._task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
@@ -82,6 +88,9 @@ class Supervised:
             restarts=self.restarts,
             started_at=self.started_at,
             finished_at=self.finished_at,
+            address=self.address,
+            host_ip=self.host_ip,
+            ports=self.ports,
         )
 
     def _set(self, phase: InstancePhase, reason: str = "", message: str = "") -> None:
@@ -125,6 +134,7 @@ class Supervised:
                         continue
                 if info.state is TaskState.RUNNING:
                     self.started_at = info.started_at
+                    self.address, self.ports = info.address, info.ports
                     self.exit_code = None
                     self.finished_at = None
                     self._set(InstancePhase.RUNNING)

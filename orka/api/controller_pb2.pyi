@@ -30,8 +30,40 @@ class VmSpec(_message.Message):
     cmdline: str
     def __init__(self, kernel: _Optional[str] = ..., initrd: _Optional[str] = ..., cmdline: _Optional[str] = ...) -> None: ...
 
+class PortSpec(_message.Message):
+    __slots__ = ("name", "port", "host_port", "protocol")
+    class Protocol(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PROTOCOL_UNSPECIFIED: _ClassVar[PortSpec.Protocol]
+        TCP: _ClassVar[PortSpec.Protocol]
+        UDP: _ClassVar[PortSpec.Protocol]
+    PROTOCOL_UNSPECIFIED: PortSpec.Protocol
+    TCP: PortSpec.Protocol
+    UDP: PortSpec.Protocol
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_PORT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    port: int
+    host_port: int
+    protocol: PortSpec.Protocol
+    def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., host_port: _Optional[int] = ..., protocol: _Optional[_Union[PortSpec.Protocol, str]] = ...) -> None: ...
+
+class PortBinding(_message.Message):
+    __slots__ = ("name", "port", "host_port", "protocol")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_PORT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    port: int
+    host_port: int
+    protocol: PortSpec.Protocol
+    def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., host_port: _Optional[int] = ..., protocol: _Optional[_Union[PortSpec.Protocol, str]] = ...) -> None: ...
+
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -52,6 +84,14 @@ class WorkloadSpec(_message.Message):
     ALWAYS: WorkloadSpec.RestartPolicy
     ON_FAILURE: WorkloadSpec.RestartPolicy
     NEVER: WorkloadSpec.RestartPolicy
+    class NetworkMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NETWORK_MODE_UNSPECIFIED: _ClassVar[WorkloadSpec.NetworkMode]
+        HOST: _ClassVar[WorkloadSpec.NetworkMode]
+        BRIDGE: _ClassVar[WorkloadSpec.NetworkMode]
+    NETWORK_MODE_UNSPECIFIED: WorkloadSpec.NetworkMode
+    HOST: WorkloadSpec.NetworkMode
+    BRIDGE: WorkloadSpec.NetworkMode
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +137,8 @@ class WorkloadSpec(_message.Message):
     GROUP_FIELD_NUMBER: _ClassVar[int]
     SECRET_ENV_FIELD_NUMBER: _ClassVar[int]
     SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -114,7 +156,9 @@ class WorkloadSpec(_message.Message):
     group: str
     secret_env: _containers.ScalarMap[str, str]
     secret_env_files: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    ports: _containers.RepeatedCompositeFieldContainer[PortSpec]
+    network: WorkloadSpec.NetworkMode
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
     __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message")
@@ -155,7 +199,7 @@ class Workload(_message.Message):
     def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "revision")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "revision")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -192,6 +236,9 @@ class Instance(_message.Message):
     SCHEDULE_TIME_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_IP_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
@@ -207,8 +254,11 @@ class Instance(_message.Message):
     schedule_time: _timestamp_pb2.Timestamp
     start_time: _timestamp_pb2.Timestamp
     end_time: _timestamp_pb2.Timestamp
+    address: str
+    host_ip: str
+    ports: _containers.RepeatedCompositeFieldContainer[PortBinding]
     revision: int
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "last_heartbeat_time", "etag", "revision")
@@ -346,6 +396,42 @@ class GetInstanceRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListEndpointsRequest(_message.Message):
+    __slots__ = ("workload", "page_size", "page_token")
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    workload: str
+    page_size: int
+    page_token: str
+    def __init__(self, workload: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class Endpoint(_message.Message):
+    __slots__ = ("instance", "node", "address", "host_ip", "ports", "revision")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_IP_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    node: str
+    address: str
+    host_ip: str
+    ports: _containers.RepeatedCompositeFieldContainer[PortBinding]
+    revision: int
+    def __init__(self, instance: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class ListEndpointsResponse(_message.Message):
+    __slots__ = ("endpoints", "next_page_token", "revision")
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    next_page_token: str
+    revision: int
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ("page_size", "page_token")

@@ -70,6 +70,11 @@ class ControllerStub:
                 request_serializer=controller__pb2.GetInstanceRequest.SerializeToString,
                 response_deserializer=controller__pb2.Instance.FromString,
                 _registered_method=True)
+        self.ListEndpoints = channel.unary_unary(
+                '/orka.v1.Controller/ListEndpoints',
+                request_serializer=controller__pb2.ListEndpointsRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListEndpointsResponse.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/orka.v1.Controller/ListNodes',
                 request_serializer=controller__pb2.ListNodesRequest.SerializeToString,
@@ -147,6 +152,12 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetInstance(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEndpoints(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +245,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.GetInstance,
                     request_deserializer=controller__pb2.GetInstanceRequest.FromString,
                     response_serializer=controller__pb2.Instance.SerializeToString,
+            ),
+            'ListEndpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEndpoints,
+                    request_deserializer=controller__pb2.ListEndpointsRequest.FromString,
+                    response_serializer=controller__pb2.ListEndpointsResponse.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
@@ -460,6 +476,33 @@ class Controller:
             '/orka.v1.Controller/GetInstance',
             controller__pb2.GetInstanceRequest.SerializeToString,
             controller__pb2.Instance.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListEndpoints',
+            controller__pb2.ListEndpointsRequest.SerializeToString,
+            controller__pb2.ListEndpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,7 @@ import grpc
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.errors import Invalid, NotLeader, OrkaError, Unavailable
-from orka.models import Instance, InstancePhase, Node, Workload, WorkloadSpec
+from orka.models import Endpoint, Instance, InstancePhase, Node, Workload, WorkloadSpec
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.pages import list_all
@@ -202,6 +202,11 @@ class AdminClient:
             req.phase = convert.phase_to_pb(phase)
         items = await self._list("ListInstances", req, "instances")
         return [convert.instance_from_pb(i) for i in items]  # type: ignore[arg-type]
+
+    async def list_endpoints(self, workload: str) -> list[Endpoint]:
+        req = pb.ListEndpointsRequest(workload=workload)
+        items = await self._list("ListEndpoints", req, "endpoints")
+        return [convert.endpoint_from_pb(e) for e in items]  # type: ignore[arg-type]
 
     async def get_instance(self, name: str) -> Instance:
         msg = await self._call("GetInstance", pb.GetInstanceRequest(name=name))

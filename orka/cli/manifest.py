@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
-from orka.models import MAX_STOP_GRACE_SECONDS, VmSpec, WorkloadKind, WorkloadSpec
+from orka.models import MAX_STOP_GRACE_SECONDS, PortSpec, VmSpec, WorkloadKind, WorkloadSpec
 from orka.rpc.convert import invalid_from
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])([A-Z])")
@@ -85,6 +85,17 @@ def _resources(value: Any, where: str) -> dict[str, int]:
     return out
 
 
+def _port(value: Any, where: str) -> Any:
+    """`{name: http, port: 8080, hostPort: 0, protocol: TCP}`: keys in either case, the
+    protocol in any case; anything else is left for the model to name."""
+    if not isinstance(value, dict):
+        return value
+    data = _normalise_keys(value, set(PortSpec.model_fields), where)
+    if isinstance(data.get("protocol"), str):
+        data["protocol"] = data["protocol"].strip().lower()
+    return data
+
+
 def _kind(value: Any, where: str) -> str:
     names = ", ".join(k.value.lower() for k in WorkloadKind)
     if not isinstance(value, str) or value.strip().upper() not in WorkloadKind.__members__:
@@ -115,6 +126,10 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
         data["stop_grace_seconds"] = grace
     if isinstance(data.get("vm"), dict):
         data["vm"] = _normalise_keys(data["vm"], set(VmSpec.model_fields), f"{where}: vm")
+    if isinstance(data.get("network"), str):
+        data["network"] = data["network"].strip().lower()
+    if isinstance(data.get("ports"), list):
+        data["ports"] = [_port(p, f"{where}: ports[{i}]") for i, p in enumerate(data["ports"])]
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from orka.cli.units import format_cpu, format_duration, format_memory
 from orka.etags import node_etag
-from orka.models import Instance, Node, Resources, Workload
+from orka.models import Endpoint, Instance, Node, PortBinding, PortProtocol, Resources, Workload
 
 FORMATS = ("table", "json", "yaml")
 _GAP = "   "
@@ -125,6 +125,17 @@ def workloads_table(items: Sequence[Workload], now: float | None = None) -> str:
     return table(("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "AGE"), rows)
 
 
+def port_text(b: PortBinding) -> str:
+    """Like docker ps: `20001->8080` (host port -> the instance's own), `20001` when they are
+    one (a host-network process), `/udp` for UDP."""
+    text = f"{b.host_port}->{b.port}" if b.port and b.port != b.host_port else f"{b.host_port}"
+    return text + ("/udp" if b.protocol is PortProtocol.UDP else "")
+
+
+def ports_text(ports: Sequence[PortBinding]) -> str:
+    return ",".join(port_text(b) for b in ports) or NONE
+
+
 def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
     rows = [
         (
@@ -132,13 +143,26 @@ def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
             i.workload,
             i.node or NONE,
             i.phase.value,
+            i.address or NONE,
+            ports_text(i.ports),
             i.restarts,
             age(i.created_at, now),
             _one_line(i.message or i.reason),
         )
         for i in items
     ]
-    return table(("NAME", "WORKLOAD", "NODE", "PHASE", "RESTARTS", "AGE", "MESSAGE"), rows)
+    return table(
+        ("NAME", "WORKLOAD", "NODE", "PHASE", "ADDRESS", "PORTS", "RESTARTS", "AGE", "MESSAGE"),
+        rows,
+    )
+
+
+def endpoints_table(items: Sequence[Endpoint]) -> str:
+    rows = [
+        (e.instance, e.node, e.address or NONE, e.host_ip or NONE, ports_text(e.ports))
+        for e in items
+    ]
+    return table(("INSTANCE", "NODE", "ADDRESS", "HOST IP", "PORTS"), rows)
 
 
 def schedulable(n: Node) -> str:
@@ -249,8 +273,14 @@ def describe_instance(i: Instance, now: float | None = None) -> str:
         ("Scheduled", timestamp(i.scheduled_at, now)),
         ("Started", timestamp(i.started_at, now)),
         ("Finished", timestamp(i.finished_at, now)),
+        ("Address", i.address or NONE),
+        ("Host IP", i.host_ip or NONE),
     ]
-    return fields(pairs)
+    out = fields(pairs)
+    if not i.ports:
+        return out + f"\nPorts:  {NONE}"
+    rows = [(b.name, b.port or NONE, b.host_port, b.protocol.value) for b in i.ports]
+    return out + "\n" + _section("Ports", table(("NAME", "PORT", "HOST PORT", "PROTOCOL"), rows))
 
 
 def describe_node(n: Node, instances: Sequence[Instance], now: float | None = None) -> str:

@@ -17,6 +17,7 @@ ALIASES: dict[str, str] = {
     **dict.fromkeys(("workloads", "workload", "wl", "wls"), "workloads"),
     **dict.fromkeys(("instances", "instance", "inst", "insts"), "instances"),
     **dict.fromkeys(("nodes", "node", "no"), "nodes"),
+    **dict.fromkeys(("endpoints", "endpoint", "ep"), "endpoints"),
 }
 
 
@@ -25,7 +26,8 @@ def resource_kind(value: str) -> str:
         return ALIASES[value.lower()]
     except KeyError:
         raise UsageError(
-            f"unknown resource {value!r}; use workloads (wl), instances (inst) or nodes (no)"
+            f"unknown resource {value!r}; use workloads (wl), instances (inst), nodes (no) or"
+            " endpoints (ep)"
         ) from None
 
 
@@ -66,6 +68,9 @@ async def _get(args: argparse.Namespace) -> str:
             )
             items.sort(key=lambda i: (i.workload, i.name))
             return output.dump(items, fmt) if fmt != "table" else output.instances_table(items)
+        if kind == "endpoints":
+            eps = sorted(await c.list_endpoints(args.name), key=lambda e: e.instance)
+            return output.dump(eps, fmt) if fmt != "table" else output.endpoints_table(eps)
         if args.name:
             n = await c.get_node(args.name)
             return output.dump(n, fmt) if fmt != "table" else output.nodes_table([n])
@@ -74,7 +79,9 @@ async def _get(args: argparse.Namespace) -> str:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    resource_kind(args.resource)  # a usage error before any connection attempt
+    # Usage errors before any connection attempt.
+    if resource_kind(args.resource) == "endpoints" and not args.name:
+        raise UsageError("get endpoints: name the workload (orka get endpoints WORKLOAD)")
     if args.output not in output.FORMATS:
         raise UsageError(f"-o/--output: {args.output!r} is not one of {', '.join(output.FORMATS)}")
     text = asyncio.run(_get(args))
@@ -104,7 +111,8 @@ async def _describe(args: argparse.Namespace) -> str:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    resource_kind(args.resource)
+    if resource_kind(args.resource) == "endpoints":
+        raise UsageError("describe: endpoints are listed, not described (orka get endpoints W)")
     print(asyncio.run(_describe(args)))
     return 0
 
@@ -177,8 +185,8 @@ def cmd_node_action(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    resources = "workloads|instances|nodes"
-    p = sub.add_parser("get", help="list workloads, instances or nodes")
+    resources = "workloads|instances|nodes|endpoints"
+    p = sub.add_parser("get", help="list workloads, instances, nodes or a workload's endpoints")
     p.add_argument("resource", metavar=resources, help="also wl, inst, no, or singular")
     p.add_argument("name", nargs="?", help="one object by name")
     add_flag(p, "--output", "-o", default="table", help="table, json or yaml", metavar="FORMAT")

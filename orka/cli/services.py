@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import signal
 import socket
 import sys
@@ -364,6 +365,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     workload_group = _account("--workload-group", args.workload_group or "")
     cgroup_parent = _cgroup_parent(args.cgroup_parent or "")
     secret_dirs = _secret_dirs(args.secret_dir)
+    host_ip = _host_ip(args.host_ip)
+    host_port_range = _host_port_range(args.host_port_range)
+    network = _network_options(args)
     data_dir = resolve_data_dir(args.data_dir)
     tls = check_tls(resolve_certs(args.certs, data_dir), "agent", name, args.tls_reload_interval)
     log.configure(level=args.log_level, service=f"agent/{name}")
@@ -384,6 +388,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
         cgroup_parent=cgroup_parent,
         secret_dirs=secret_dirs,
         allowed_paths=_allowed_paths(args.allowed_paths),
+        host_ip=host_ip,
+        host_port_range=host_port_range,
+        **network,
     )
 
     notifier = Notifier()
@@ -413,6 +420,53 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except PartFailed as e:
         return _failed(e)
     return 0
+
+
+def _host_ip(value: str | None) -> str:
+    from orka.runtime.host_ports import default_host_ip
+
+    if not value:
+        return default_host_ip()
+    try:
+        return str(ipaddress.ip_address(value.strip()))
+    except ValueError:
+        raise UsageError(f"--host-ip: {value[:100]!r} is not an IP address") from None
+
+
+def _network_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The instance network's flags as `AgentConfig` fields, checked before anything starts."""
+    from orka.runtime.network import check_bridge, parse_subnet
+
+    bridge = args.network_bridge or ""
+    subnet = args.network_subnet or ""
+    try:
+        if bridge:
+            check_bridge(bridge)
+        if subnet:
+            parse_subnet(subnet)
+    except Invalid as e:
+        raise UsageError(e.message) from None
+    options: dict[str, Any] = {
+        "network_bridge": bridge,
+        "network_subnet": subnet,
+        "network_masquerade": bool(args.network_masquerade),
+    }
+    if args.cni_bin_dir:
+        dirs = [Path(d).expanduser() for d in parse_list(args.cni_bin_dir, "--cni-bin-dir")]
+        for d in dirs:
+            if not d.is_absolute():
+                raise UsageError(f"--cni-bin-dir: {str(d)!r} must be an absolute path")
+        options["cni_bin_dirs"] = dirs
+    return options
+
+
+def _host_port_range(value: str) -> tuple[int, int]:
+    from orka.runtime.host_ports import parse_range
+
+    try:
+        return parse_range(value or "20000-32767")
+    except Invalid as e:
+        raise UsageError(f"--host-port-range: {e.message}") from None
 
 
 def _account(flag: str, value: str) -> str:
@@ -646,6 +700,46 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR[,...]",
         help="directories VM images, kernels and oci-archive: images may be read from"
         " (default <data dir>/images)",
+    )
+    add_flag(
+        p,
+        "--host-ip",
+        metavar="IP",
+        help="this node's address, where instances' host ports are reached (default: the"
+        " address of the default route's interface, else 127.0.0.1)",
+    )
+    add_flag(
+        p,
+        "--host-port-range",
+        default="20000-32767",
+        metavar="FIRST-LAST",
+        help="host ports picked for ports that ask for none (20000-32767)",
+    )
+    add_flag(
+        p,
+        "--network-bridge",
+        metavar="NAME",
+        help="the bridge instances join (default orka-<hash of the node name and data dir>)",
+    )
+    add_flag(
+        p,
+        "--network-subnet",
+        metavar="CIDR",
+        help="the instances' IPv4 subnet (default: a /24 of 10.64.0.0/10 chosen by the same"
+        " hash, clear of the host's routes)",
+    )
+    add_flag(
+        p,
+        "--network-masquerade",
+        action="store_true",
+        default=False,
+        help="masquerade instance traffic leaving the node (off by default)",
+    )
+    add_flag(
+        p,
+        "--cni-bin-dir",
+        metavar="DIR[,...]",
+        help="where the CNI plugins are (default /usr/lib/cni, then /opt/cni/bin)",
     )
     add_flag(
         p,

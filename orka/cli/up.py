@@ -53,6 +53,31 @@ STALE_STOP_GRACE = 20.0
 # Signals that stop the cluster gracefully, like Ctrl-C.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 MAX_AGENTS = 50
+# Host ports of a local cluster's agents: 20000-29999, a slice of its own for each agent.
+HOST_PORTS_FIRST = 20000
+HOST_PORTS_PER_AGENT = 10000 // MAX_AGENTS
+
+
+def network_line() -> str:
+    """What instances get here: their own address on each agent's bridge, or why not."""
+    from orka.runtime.network import host_unavailable
+
+    why = host_unavailable()
+    if why is None:
+        return (
+            "Instances with a network of their own (containers, processes with network: bridge)"
+            " get an address on their agent's bridge."
+        )
+    return (
+        f"Instances get no address of their own here: {why}. Host ports (ports: in a spec)"
+        " still work."
+    )
+
+
+def host_port_range(index: int) -> str:
+    """The `--host-port-range` of the index-th agent (from 0) of `orka up`."""
+    first = HOST_PORTS_FIRST + index * HOST_PORTS_PER_AGENT
+    return f"{first}-{first + HOST_PORTS_PER_AGENT - 1}"
 
 
 @dataclass
@@ -190,10 +215,19 @@ class Cluster:
                     "--data-dir",
                     str(data_dir / "agents" / name),
                     *certs("agent", name),
+                    # A local cluster is reached on this machine, and its agents share one
+                    # host: each picks host ports from a range of its own.
+                    "--host-ip",
+                    "127.0.0.1",
+                    "--host-port-range",
+                    host_port_range(i),
+                    # Where the host allows it, instances that have a network of their own
+                    # (containers, processes with network: bridge) reach out through the host.
+                    "--network-masquerade",
                 ],
                 self.logs / f"{name}.log",
             )
-            for name in self.node_names
+            for i, name in enumerate(self.node_names)
         ]
         self.stop_requested = asyncio.Event()
         self.signals = 0
@@ -404,6 +438,7 @@ class Cluster:
         ]
         if first is not None:
             lines.append(f"  kill -9 {first.pid}    # lose {first.name}; watch its instances move")
+        lines += ["", network_line()]
         lines += [
             "",
             "Ctrl-C stops the cluster (so does closing this terminal); `orka up` again resumes it.",

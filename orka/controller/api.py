@@ -102,6 +102,7 @@ def _name(value: str, field: str = "name") -> str:
     DeleteWorkload=(unary(roles=ADMIN), leader_only),
     ListInstances=(unary(roles=READERS), leader_only),
     GetInstance=(unary(roles=READERS), leader_only),
+    ListEndpoints=(unary(roles=READERS), leader_only),
     ListNodes=(unary(roles=READERS), leader_only),
     GetNode=(unary(roles=READERS), leader_only),
     CordonNode=(unary(roles=ADMIN), leader_only),
@@ -342,6 +343,45 @@ class ControllerApi(pb_grpc.ControllerServicer):
         page, last = paging.take_page(keys, size, pick, pb.Instance.ByteSize)
         return pb.ListInstancesResponse(
             instances=page,
+            next_page_token=paging.encode_token(last, filters) if last else "",
+            revision=self.repo.revision,
+        )
+
+    async def ListEndpoints(
+        self, request: pb.ListEndpointsRequest, who: Identity
+    ) -> pb.ListEndpointsResponse:
+        """The workload's RUNNING instances and where each is reached: one range of the
+        instance index (sorted by workload first), like ListInstances with a workload."""
+        if not request.workload:
+            raise Invalid.at("workload", "is required")
+        workload = _name(request.workload, "workload")
+        if workload not in self.repo.workloads:
+            raise NotFound(f"workload {quote(workload)} not found")
+        size = paging.page_size(request.page_size)
+        filters = paging.fingerprint("endpoints", workload)
+        start = paging.decode_token(request.page_token, filters, (str, float, str))
+        instances = self.repo.instances
+
+        def pick(key: paging.Key) -> pb.Endpoint | None:
+            i = instances.get(key[2])
+            if i is None or i.phase is not InstancePhase.RUNNING:
+                return None
+            return pb.Endpoint(
+                instance=i.name,
+                node=i.node,
+                address=i.address,
+                host_ip=i.host_ip,
+                ports=[convert.binding_to_pb(b) for b in i.ports],
+                revision=self.repo.revision_of("instances", i.name),
+            )
+
+        keys = itertools.takewhile(
+            lambda k: k[0] == workload,
+            paging.after(self.repo.order["instances"], start, lower=(workload,)),
+        )
+        page, last = paging.take_page(keys, size, pick, pb.Endpoint.ByteSize)
+        return pb.ListEndpointsResponse(
+            endpoints=page,
             next_page_token=paging.encode_token(last, filters) if last else "",
             revision=self.repo.revision,
         )

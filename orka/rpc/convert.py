@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -19,18 +20,26 @@ from orka.api import controller_pb2 as pb
 from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.etags import node_etag
 from orka.models import (
+    MAX_PORT_NAME,
+    MAX_PORTS,
     MAX_STOP_GRACE_SECONDS,
     REDACTED,
+    Endpoint,
     Instance,
     InstancePhase,
     InstanceReport,
+    NetworkMode,
     Node,
     NodeState,
+    PortBinding,
+    PortProtocol,
+    PortSpec,
     Resources,
     RestartPolicy,
     Workload,
     WorkloadSpec,
     WorkloadStatus,
+    check_name,
 )
 from orka.validation import MAX_SPEC_BYTES, quote
 
@@ -232,6 +241,14 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         "secret_env": dict(msg.secret_env),
         "secret_env_files": dict(msg.secret_env_files),
     }
+    if msg.ports:
+        data["ports"] = [_port_spec(p, f"spec.ports[{i}]") for i, p in enumerate(msg.ports)]
+    if msg.network:
+        if msg.network not in _NETWORK_FROM_PB:
+            raise Invalid.at(
+                "spec.network", f"unknown network mode {msg.network}; use HOST or BRIDGE"
+            )
+        data["network"] = _NETWORK_FROM_PB[msg.network]
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
     if msg.HasField("stop_grace_period"):
@@ -246,6 +263,63 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:
         raise invalid_from(err, "spec.") from None
+
+
+_PROTOCOL_FROM_PB = {
+    pb.PortSpec.PROTOCOL_UNSPECIFIED: PortProtocol.TCP,
+    pb.PortSpec.TCP: PortProtocol.TCP,
+    pb.PortSpec.UDP: PortProtocol.UDP,
+}
+_PROTOCOL_TO_PB = {PortProtocol.TCP: pb.PortSpec.TCP, PortProtocol.UDP: pb.PortSpec.UDP}
+
+
+_NETWORK_FROM_PB = {
+    pb.WorkloadSpec.HOST: NetworkMode.HOST,
+    pb.WorkloadSpec.BRIDGE: NetworkMode.BRIDGE,
+}
+_NETWORK_TO_PB = {mode: number for number, mode in _NETWORK_FROM_PB.items()}
+
+
+def protocol_to_pb(protocol: PortProtocol) -> int:
+    return _PROTOCOL_TO_PB[protocol]
+
+
+def _protocol(value: int, field: str) -> PortProtocol:
+    protocol = _PROTOCOL_FROM_PB.get(value)  # type: ignore[call-overload]
+    if protocol is None:
+        raise Invalid.at(field, f"unknown protocol {value}; use TCP or UDP")
+    return protocol
+
+
+def _port_spec(msg: pb.PortSpec, field: str) -> dict[str, object]:
+    return {
+        "name": msg.name,
+        "port": msg.port if msg.HasField("port") else None,
+        "host_port": msg.host_port,
+        "protocol": _protocol(msg.protocol, f"{field}.protocol"),
+    }
+
+
+def port_spec_to_pb(p: PortSpec) -> pb.PortSpec:
+    msg = pb.PortSpec(name=p.name, host_port=p.host_port, protocol=_PROTOCOL_TO_PB[p.protocol])
+    if p.port is not None:
+        msg.port = p.port
+    return msg
+
+
+def binding_to_pb(b: PortBinding) -> pb.PortBinding:
+    return pb.PortBinding(
+        name=b.name, port=b.port, host_port=b.host_port, protocol=_PROTOCOL_TO_PB[b.protocol]
+    )
+
+
+def binding_from_pb(msg: pb.PortBinding) -> PortBinding:
+    return PortBinding(
+        name=msg.name,
+        port=msg.port,
+        host_port=msg.host_port,
+        protocol=_PROTOCOL_FROM_PB.get(msg.protocol, PortProtocol.TCP),  # type: ignore[call-overload]
+    )
 
 
 def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
@@ -269,6 +343,8 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         group=spec.group,
         secret_env=secrets,
         secret_env_files=spec.secret_env_files,
+        ports=[port_spec_to_pb(p) for p in spec.ports],
+        network=_NETWORK_TO_PB[spec.network] if spec.network else None,
     )
     if spec.vm is not None:
         msg.vm.CopyFrom(
@@ -359,6 +435,12 @@ def instance_fields(i: Instance) -> dict[str, object]:
     }
     if i.exit_code is not None:
         fields["exit_code"] = i.exit_code
+    if i.address:
+        fields["address"] = i.address
+    if i.host_ip:
+        fields["host_ip"] = i.host_ip
+    if i.ports:
+        fields["ports"] = [binding_to_pb(b) for b in i.ports]
     return fields
 
 
@@ -382,6 +464,19 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         scheduled_at=seconds_from_pb(msg.schedule_time),
         started_at=seconds_from_pb(msg.start_time),
         finished_at=seconds_from_pb(msg.end_time),
+        address=msg.address,
+        host_ip=msg.host_ip,
+        ports=[binding_from_pb(b) for b in msg.ports],
+    )
+
+
+def endpoint_from_pb(msg: pb.Endpoint) -> Endpoint:
+    return Endpoint(
+        instance=msg.instance,
+        node=msg.node,
+        address=msg.address,
+        host_ip=msg.host_ip,
+        ports=[binding_from_pb(b) for b in msg.ports],
     )
 
 
@@ -503,6 +598,9 @@ class StatusSource(Protocol):
     restarts: int
     started_at: float | None
     finished_at: float | None
+    address: str
+    host_ip: str
+    ports: list[PortBinding]
 
 
 def instance_status_to_pb(
@@ -521,6 +619,12 @@ def instance_status_to_pb(
     )
     if i.exit_code is not None:
         msg.exit_code = i.exit_code
+    if i.address:
+        msg.address = i.address
+    if i.host_ip:
+        msg.host_ip = i.host_ip
+    if i.ports:
+        msg.ports.extend(binding_to_pb(b) for b in i.ports)
     if resources is not None:
         msg.resources.cpu_millis = resources.cpu_millis
         msg.resources.memory_bytes = resources.memory_bytes
@@ -557,7 +661,51 @@ def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
         restarts=msg.restarts,
         started_at=_time(msg.started_at, f"instance status {msg.name}: started_at"),
         finished_at=_time(msg.finished_at, f"instance status {msg.name}: finished_at"),
+        address=_ip(msg.address, f"instance status {name}: address"),
+        host_ip=_ip(msg.host_ip, f"instance status {name}: host_ip"),
+        ports=_reported_ports(msg.ports, name) if msg.ports else [],
     )
+
+
+def _ip(text: str, what: str) -> str:
+    """An address an agent reports: an IP or nothing; it is shown to users and dialled by
+    them, so nothing else (a name, a URL) passes."""
+    if not text:
+        return ""
+    if len(text) > MAX_IP_TEXT:
+        raise Invalid(f"{what}: not an IP address (over {MAX_IP_TEXT} characters)")
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise Invalid(f"{what}: {quote(text)} is not an IP address") from None
+
+
+MAX_IP_TEXT = 45  # the longest IPv6 text form
+
+
+def _reported_ports(ports: Iterable[pb.PortBinding], name: str) -> list[PortBinding]:
+    out = []
+    for i, msg in enumerate(ports):
+        what = f"instance status {name}: ports[{i}]"
+        if i >= MAX_PORTS:
+            raise Invalid(f"instance status {name}: ports: at most {MAX_PORTS}")
+        if not 0 <= msg.port <= 65535 or not 0 <= msg.host_port <= 65535:
+            raise Invalid(f"{what}: port and host_port must be 0-65535")
+        try:
+            check_name(msg.name, "name")
+        except ValueError as err:
+            raise Invalid(f"{what}: {err}") from None
+        if len(msg.name) > MAX_PORT_NAME:
+            raise Invalid(f"{what}: name must be at most {MAX_PORT_NAME} characters")
+        out.append(
+            PortBinding(
+                name=msg.name,
+                port=msg.port,
+                host_port=msg.host_port,
+                protocol=_protocol(msg.protocol, f"{what}.protocol"),
+            )
+        )
+    return out
 
 
 def _time(seconds: float, what: str) -> float | None:

@@ -108,6 +108,10 @@ class InstanceNetwork(Protocol):
         """What `instance` holds now (also one attached by an earlier agent), or None."""
         ...
 
+    def unavailable(self) -> str | None:
+        """Why this host cannot attach instances (not root, plugins missing...), or None."""
+        ...
+
 
 class DriverHealth(BaseModel):
     healthy: bool

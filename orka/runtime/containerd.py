@@ -22,6 +22,11 @@ Everything goes over containerd's socket (`grpc.aio`, namespace `orka` in the
   runc v2 shim of containerd 1.6 opens only the stdout URI of a `file://` task and sends both
   streams there, so stdout and stderr are interleaved in that one file and `log_paths` names
   it twice; the shim keeps writing it with no agent around, which FIFOs would not allow.
+- **Network.** With the node's instance network (`orka.runtime.network`), each container
+  joins a namespace of its own on the bridge (the spec's network namespace is its path), with
+  an address and its host ports mapped; remove gives both back (CNI DEL). Re-adoption reads
+  them from the network's records. Without a network, or where the host cannot have one, a
+  container has loopback only and one asking for ports is refused at admission.
   `Tasks.Wait` is awaited per task; exit codes come from it.
 - **Stop.** `Tasks.Kill` SIGTERM, then SIGKILL (to every process) after the grace period.
   **Remove.** `Tasks.Delete`, `Containers.Delete`, `Snapshots.Remove`, and the log directory.
@@ -79,10 +84,12 @@ from orka.api.containerd.services.version.v1 import version_pb2_grpc as vgrpc
 from orka.api.containerd.types import descriptor_pb2 as descpb
 from orka.api.containerd.types.task import task_pb2 as taskpb
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
-from orka.models import WorkloadKind
+from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime import oci
 from orka.runtime.base import (
+    Attachment,
     DriverHealth,
+    InstanceNetwork,
     RunSpec,
     TaskInfo,
     TrackedTask,
@@ -154,6 +161,7 @@ class ContainerdDriver(TrackingDriver[_Task]):
         ctr: str = "ctr",
         rpc_timeout: float = 30.0,
         pull_timeout: float = 600.0,
+        network: InstanceNetwork | None = None,
     ) -> None:
         self._root = Path(data_dir).resolve() / "instances"
         self.socket = socket
@@ -170,6 +178,10 @@ class ContainerdDriver(TrackingDriver[_Task]):
         # One import/unpack per image at a time; replicas starting together share the work.
         self._image_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._closed = False
+        # The node's instance network: each container joins a namespace of its own on it.
+        # None: containers keep a namespace with loopback only (and ports are refused).
+        self._network = network
+        self._warned_loopback = False
 
     # -- connection --------------------------------------------------------------------------
 
@@ -227,6 +239,20 @@ class ContainerdDriver(TrackingDriver[_Task]):
         log.debug("containerd.healthy", version=version.version, snapshotter=snapshotter)
         return DriverHealth(healthy=True, kinds=kinds)
 
+    def admit(self, spec: WorkloadSpec) -> str | None:
+        if not spec.ports:
+            return None
+        if self._network is None:
+            return "ports need the node's instance network, and this node has none"
+        problem = self._network_problem()
+        if problem:
+            return f"ports need the node's instance network: {problem}"
+        return None
+
+    def _network_problem(self) -> str | None:
+        """Why the configured network cannot attach instances on this host, or None."""
+        return self._network.unavailable() if self._network is not None else None
+
     async def start(self, run: RunSpec) -> TaskInfo:
         instance = check_instance(run.instance)
         if len(instance) > _MAX_ID:
@@ -236,8 +262,11 @@ class ContainerdDriver(TrackingDriver[_Task]):
             if existing is not None:
                 if not existing.done.is_set():
                     raise AlreadyExists(f"containerd: instance {instance!r} is already running")
-                # A restart of an exited instance: clear the old container, keep the logs.
-                await self._delete(instance, existing.snapshotter, keep_logs=True)
+                # A restart of an exited instance: clear the old container, keep the logs and
+                # the network (the same address and host ports; its namespace outlives it).
+                await self._delete(
+                    instance, existing.snapshotter, keep_logs=True, keep_network=True
+                )
             snapshotter = await self._resolve_snapshotter()
             started = time.monotonic()
             task = await self._create_and_start(run, snapshotter)
@@ -302,10 +331,47 @@ class ContainerdDriver(TrackingDriver[_Task]):
 
     # -- start -------------------------------------------------------------------------------
 
+    async def _connect(self, run: RunSpec) -> Attachment | None:
+        """A namespace of its own on the node's bridge; loopback only without a network."""
+        if self._network is None:
+            if run.spec.ports:
+                raise RuntimeFailure(
+                    "containerd: ports need the node's instance network, and this node has none"
+                )
+            return None
+        problem = self._network_problem()
+        if problem:
+            if run.spec.ports:
+                raise RuntimeFailure(
+                    f"containerd: ports need the node's instance network: {problem}"
+                )
+            if not self._warned_loopback:
+                self._warned_loopback = True
+                log.warning("containerd.loopback_only", reason=problem)
+            return None
+        return await self._network.attach_netns(run.instance, run.spec.ports)
+
+    async def _disconnect(self, instance: str) -> None:
+        if self._network is not None and self._network.attachment(instance) is not None:
+            await self._network.detach(instance)
+
     async def _create_and_start(self, run: RunSpec, snapshotter: str) -> _Task:
-        instance = run.instance
         image = await self._ensure_image(run.spec.image, snapshotter)
-        spec = oci.build_spec(run, image.config, self.cgroups_path(instance))
+        attachment = await self._connect(run)
+        try:
+            return await self._create_task(run, snapshotter, image, attachment)
+        except BaseException:
+            # A start that failed half-way gives back its address and host ports.
+            with contextlib.suppress(Exception):
+                await self._disconnect(run.instance)
+            raise
+
+    async def _create_task(
+        self, run: RunSpec, snapshotter: str, image: _Image, attachment: Attachment | None
+    ) -> _Task:
+        instance = run.instance
+        netns = attachment.netns if attachment else ""
+        spec = oci.build_spec(run, image.config, self.cgroups_path(instance), netns)
         task_dir = self._root / instance
         await asyncio.to_thread(task_dir.mkdir, parents=True, exist_ok=True)
         stdout, _ = self.log_paths(instance)
@@ -365,6 +431,8 @@ class ContainerdDriver(TrackingDriver[_Task]):
             snapshotter=snapshotter,
             started_at=started_at,
             pid=created.pid,
+            address=attachment.address if attachment else "",
+            ports=list(attachment.ports) if attachment else [],
         )
         self._tasks[instance] = task
         task.watcher = asyncio.create_task(self._watch(task), name=f"watch-{instance}")
@@ -759,6 +827,11 @@ class ContainerdDriver(TrackingDriver[_Task]):
             snapshotter=container.snapshotter,
             started_at=started_at,
         )
+        # Its address and host ports are the network's records (kept across agent restarts).
+        attachment = self._network.attachment(instance) if self._network is not None else None
+        if attachment is not None:
+            task.address = attachment.address
+            task.ports = list(attachment.ports)
         try:
             got = await self._task_api().Get(
                 tpb.GetRequest(container_id=instance), metadata=self._md(), timeout=self._timeout
@@ -832,7 +905,9 @@ class ContainerdDriver(TrackingDriver[_Task]):
             if _code(err) not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 raise RuntimeFailure(f"containerd: kill {instance!r}: {err.details()}") from None
 
-    async def _delete(self, instance: str, snapshotter: str, keep_logs: bool) -> None:
+    async def _delete(
+        self, instance: str, snapshotter: str, keep_logs: bool, keep_network: bool = False
+    ) -> None:
         """Task, container and snapshot, each ignoring "not found" so it is idempotent."""
         task = self._tasks.pop(instance, None)
         if task is not None and task.watcher is not None:
@@ -853,6 +928,8 @@ class ContainerdDriver(TrackingDriver[_Task]):
                     raise RuntimeFailure(
                         f"containerd: removing {instance!r}: {err.details()}"
                     ) from None
+        if not keep_network:
+            await self._disconnect(instance)
         if not keep_logs:
             await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
 

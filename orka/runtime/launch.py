@@ -6,6 +6,7 @@ fast and imports nothing from the workload's environment. It is a fresh single-t
 which is what makes the privileged steps safe here (a `preexec_fn` in the multi-threaded agent
 is not). In order, each before the workload's first instruction:
 
+0. `--netns PATH`: join the instance's own network namespace (a process with `network: bridge`);
 1. join the instance's cgroup(s): write our pid to each `--cgroup-procs` file;
 2. `--private-tmp`: a mount namespace of our own with a fresh tmpfs on /tmp (skipped quietly
    where the platform refuses; the driver probes this once and logs it);
@@ -13,7 +14,7 @@ is not). In order, each before the workload's first instruction:
    no_new_privs so no setuid binary can take the privileges back;
 4. exec the command (an absolute path the agent resolved) with the environment we were given.
 
-A failure in steps 1 or 3 is fatal (the command must not run with less isolation than asked):
+A failure in steps 0, 1 or 3 is fatal (the command must not run with less isolation than asked):
 it prints `orka-launch: ...` to stderr, which is the instance's stderr log, and exits 126.
 """
 
@@ -27,6 +28,7 @@ EXIT_SETUP_FAILED = 126
 EXIT_NOT_FOUND = 127
 
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWNET = 0x40000000
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _MS_REC = 0x4000
@@ -52,6 +54,16 @@ def private_tmp(size: int) -> bool:
     return libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
 
 
+def join_netns(path: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
+
+
 def drop_privileges(uid: int, gid: int) -> None:
     os.setgroups([])
     os.setgid(gid)
@@ -67,6 +79,7 @@ def main(args: list[str]) -> None:
     tmp = False
     tmp_size = 0
     probe = False
+    netns = ""
     while args and args[0] != "--":
         flag = args.pop(0)
         if flag == "--cgroup-procs":
@@ -79,6 +92,8 @@ def main(args: list[str]) -> None:
             tmp = True
         elif flag == "--tmp-size":
             tmp_size = int(args.pop(0))
+        elif flag == "--netns":
+            netns = args.pop(0)
         elif flag == "--probe":
             probe = True
         else:
@@ -89,6 +104,11 @@ def main(args: list[str]) -> None:
         os._exit(0 if private_tmp(0) else 1)
     if not argv:
         _fail("no command")
+    if netns:
+        try:
+            join_netns(netns)
+        except OSError as exc:
+            _fail(f"cannot join network namespace {netns}: {exc.strerror or exc}")
     pid = str(os.getpid())
     for path in procs:
         try:

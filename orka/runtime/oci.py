@@ -147,7 +147,18 @@ def _merge_env(base: list[str], extra: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
-def build_spec(run: RunSpec, image_config: dict[str, Any], cgroups_path: str) -> dict[str, Any]:
+def namespaces(netns: str = "") -> list[dict[str, str]]:
+    """Fresh namespaces of every kind, but the network one given by path when the instance
+    has its own on the node's bridge (a fresh one has only loopback)."""
+    spaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network", "cgroup")]
+    if netns:
+        spaces[4] = {"type": "network", "path": netns}
+    return spaces
+
+
+def build_spec(
+    run: RunSpec, image_config: dict[str, Any], cgroups_path: str, netns: str = ""
+) -> dict[str, Any]:
     """The OCI runtime spec of one instance: the workload's command, env and limits applied
     over what the image declares, with the usual namespaces, mounts and masked paths."""
     spec = run.spec
@@ -231,9 +242,7 @@ def build_spec(run: RunSpec, image_config: dict[str, Any], cgroups_path: str) ->
             },
         ],
         "linux": {
-            "namespaces": [
-                {"type": t} for t in ("pid", "ipc", "uts", "mount", "network", "cgroup")
-            ],
+            "namespaces": namespaces(netns),
             "cgroupsPath": cgroups_path,
             "resources": resources,
             "maskedPaths": _MASKED,

@@ -56,10 +56,12 @@ import psutil
 import structlog
 
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
-from orka.models import WorkloadKind, WorkloadSpec
+from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 from orka.runtime import launch
 from orka.runtime.base import (
+    Attachment,
     DriverHealth,
+    InstanceNetwork,
     RunSpec,
     TaskInfo,
     TrackedTask,
@@ -72,6 +74,7 @@ from orka.runtime.base import (
     write_json,
 )
 from orka.runtime.cgroups import Cgroups, detect
+from orka.runtime.host_ports import HostPorts
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER, Identity, IdentityRefused, UserPolicy
 
 log = structlog.get_logger(__name__)
@@ -123,8 +126,17 @@ class ProcessDriver(TrackingDriver[_Task]):
         allow_root: bool = False,
         cgroup_parent: str = "orka",
         private_tmp: bool = True,
+        host_ports: HostPorts | None = None,
+        host_ip: str = "",
+        network: InstanceNetwork | None = None,
     ) -> None:
         self._data = Path(data_dir)
+        # Processes share the host's network: each gets its ports from the node's allocator
+        # (shared with the other drivers) in ORKA_PORT_<NAME>, and the node's address.
+        self._ports = host_ports if host_ports is not None else HostPorts()
+        self._host_ip = host_ip
+        # Processes with `network: bridge` get a namespace of their own on it (None: refused).
+        self._network = network
         self._root = self._data / "instances"
         self._work = self._data / "work"
         self._policy = UserPolicy(default_user=user, default_group=group, allow_root=allow_root)
@@ -162,6 +174,12 @@ class ProcessDriver(TrackingDriver[_Task]):
             self._policy.resolve(spec)
         except IdentityRefused as exc:
             return str(exc)
+        if spec.own_network:
+            if self._network is None:
+                return "network: bridge needs an instance network, and this node has none"
+            problem = self._network.unavailable()
+            if problem:
+                return f"network: bridge needs the node's instance network: {problem}"
         return None
 
     @property
@@ -216,10 +234,19 @@ class ProcessDriver(TrackingDriver[_Task]):
             except OSError as exc:
                 raise RuntimeFailure(f"process: data dir: {exc}") from None
             task_dir = self._root / instance
-            argv, cwd, env = await asyncio.to_thread(
-                _prepare, run, task_dir, self._work / instance, identity
-            )
-            argv = await asyncio.to_thread(self._isolate, run, identity, argv)
+            attachment = await self._connect(run)
+            ports = attachment.ports if attachment else self._ports.bindings(instance)
+            try:
+                argv, cwd, env = await asyncio.to_thread(
+                    _prepare, run, task_dir, self._work / instance, identity
+                )
+                env.update(self._network_env(run.spec.ports, ports))
+                argv = await asyncio.to_thread(
+                    self._isolate, run, identity, argv, attachment.netns if attachment else ""
+                )
+            except BaseException:
+                await self._disconnect(instance)
+                raise
             out, err = _open_logs(task_dir)
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -237,6 +264,7 @@ class ProcessDriver(TrackingDriver[_Task]):
                     start_new_session=True,
                 )
             except OSError as exc:
+                await self._disconnect(instance)
                 if self._cgroups is not None:
                     await asyncio.to_thread(self._cgroups.remove, instance)
                 raise RuntimeFailure(f"process: cannot start {argv[0]!r}: {exc}") from exc
@@ -256,6 +284,8 @@ class ProcessDriver(TrackingDriver[_Task]):
                 started_at=time.time(),
                 proc=proc,
                 memory_limit=run.spec.resources.memory_bytes,
+                ports=ports,
+                address=attachment.address if attachment else "",
             )
             record = {
                 "instance": instance,
@@ -267,6 +297,8 @@ class ProcessDriver(TrackingDriver[_Task]):
                 "user": identity.user,
                 "uid": identity.uid,
                 "command": argv,
+                "ports": [b.model_dump(mode="json") for b in ports],
+                "address": task.address,
             }
             await asyncio.to_thread(write_json, task_dir / TASK_FILE, record)
             self._tasks[instance] = task
@@ -276,12 +308,44 @@ class ProcessDriver(TrackingDriver[_Task]):
             )
             return task.info()
 
-    def _isolate(self, run: RunSpec, identity: Identity, argv: list[str]) -> list[str]:
+    async def _connect(self, run: RunSpec) -> Attachment | None:
+        """The instance's network: its own namespace on the bridge (network: bridge), or the
+        host's, with its host ports checked free and kept from other instances."""
+        if not run.spec.own_network:
+            await asyncio.to_thread(self._ports.reserve, run.instance, run.spec.ports, False)
+            return None
+        if self._network is None:
+            raise RuntimeFailure(
+                "process: network: bridge needs an instance network, and this node has none"
+            )
+        return await self._network.attach_netns(run.instance, run.spec.ports)
+
+    async def _disconnect(self, instance: str) -> None:
+        self._ports.release(instance)
+        if self._network is not None and self._network.attachment(instance) is not None:
+            await self._network.detach(instance)
+
+    def _network_env(self, specs: list[PortSpec], ports: list[PortBinding]) -> dict[str, str]:
+        """After the spec's own env: the node decides these, a workload cannot override them.
+
+        ORKA_PORT_<NAME> is where the instance listens (in its own network, or the host port
+        on the host's), ORKA_HOST_PORT_<NAME> where it is reached on its node."""
+        env = {}
+        for spec, b in zip(specs, ports, strict=True):
+            env[spec.env_name] = str(b.port or b.host_port)
+            env[spec.host_env_name] = str(b.host_port)
+        if self._host_ip:
+            env["ORKA_HOST_IP"] = self._host_ip
+        return env
+
+    def _isolate(
+        self, run: RunSpec, identity: Identity, argv: list[str], netns: str = ""
+    ) -> list[str]:
         """The command behind the launcher that sets up its cgroup, /tmp and user (blocking).
 
         Without anything to set up (an unprivileged agent, no cgroups), the command as is.
         """
-        prefix: list[str] = []
+        prefix: list[str] = ["--netns", netns] if netns else []
         cg = self._cgroups
         if cg is not None:
             try:
@@ -351,6 +415,7 @@ class ProcessDriver(TrackingDriver[_Task]):
         tracked = self._tasks.pop(instance, None)
         if tracked is not None and tracked.watcher is not None:
             tracked.watcher.cancel()
+        await self._disconnect(instance)
         if self._cgroups is not None:
             await asyncio.to_thread(self._cgroups.remove, instance)
         await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
@@ -405,8 +470,14 @@ class ProcessDriver(TrackingDriver[_Task]):
             start_ticks=record.get("start_ticks"),
             started_at=float(record.get("started_at", 0.0)),
             memory_limit=int(record.get("memory_limit") or 0),
+            ports=_record_ports(record),
+            address=str(record.get("address") or ""),
         )
         self._tasks[instance] = task
+        # Its ports stay its own until it is removed, even once it exited (it may restart);
+        # those of one with a namespace of its own are the network's (kept on its records).
+        if not task.address:
+            self._ports.adopt(instance, task.ports, hold=False)
         exit_record = record.get("exit")
         if exit_record is not None:
             task.exit_code = exit_record.get("exit_code")
@@ -522,6 +593,16 @@ def _prepare(
     for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):
         (task_dir / name).unlink(missing_ok=True)
     return argv, cwd, env
+
+
+def _record_ports(record: dict[str, Any]) -> list[PortBinding]:
+    """The ports a record names; a record from before ports existed (or a damaged entry) has
+    none, which only means they are not held against other instances."""
+    out = []
+    for item in record.get("ports") or []:
+        with contextlib.suppress(ValueError, TypeError):
+            out.append(PortBinding.model_validate(item))
+    return out
 
 
 def _resolve(command: str, path: str, cwd: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +27,9 @@ def make_driver(name: str, data_dir: Path, **opts: Any) -> Driver:
         known = ", ".join(sorted(DRIVERS))
         raise Invalid(f"unknown runtime driver {name!r}; known: {known}")
     return cls(data_dir, **opts)  # type: ignore[call-arg]
+
+
+def takes(name: str, option: str) -> bool:
+    """Whether driver `name` has a keyword option `option` (e.g. "network", "host_ports")."""
+    cls = DRIVERS.get(name)
+    return cls is not None and option in inspect.signature(cls.__init__).parameters

@@ -309,6 +309,12 @@ def node_labels(announced: Mapping[str, str], node: str) -> dict[str, str]:
 _PHASES = {convert.phase_to_pb(p): p for p in InstancePhase}
 
 
+def _ports_differ(status: apb.InstanceStatus, old: InstanceReport) -> bool:
+    return [(p.name, p.port, p.host_port, p.protocol) for p in status.ports] != [
+        (b.name, b.port, b.host_port, convert.protocol_to_pb(b.protocol)) for b in old.ports
+    ]
+
+
 def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus) -> bool:
     """True when `status` says exactly what `old` (the stored report) says, and applying it
     again would change nothing: compared on the raw message, before building any model."""
@@ -322,6 +328,9 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
         or (status.started_at or None) != old.started_at
         or (status.finished_at or None) != old.finished_at
         or (status.exit_code if status.HasField("exit_code") else None) != old.exit_code
+        or status.address != old.address
+        or status.host_ip != old.host_ip
+        or ((status.ports or old.ports) and _ports_differ(status, old))
     ):
         return False
     hold = node.holds.get(status.name)

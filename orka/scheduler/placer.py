@@ -9,7 +9,7 @@ from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
-from orka.models import WorkloadKind
+from orka.models import PortProtocol, WorkloadKind
 from orka.rpc.place_reasons import place_result_to_pb
 from orka.scheduler.pipeline import Pipeline
 from orka.scheduler.registry import NodeRecord, Registry
@@ -26,6 +26,11 @@ PLACE_CHUNK = 256
 _Held = list[tuple[AgentSession, apb.SchedulerMessage]]
 
 _KINDS = {pb.WorkloadSpec.Kind.Value(k.value): k for k in WorkloadKind}
+_PROTOCOLS = {
+    pb.PortSpec.PROTOCOL_UNSPECIFIED: PortProtocol.TCP,
+    pb.PortSpec.TCP: PortProtocol.TCP,
+    pb.PortSpec.UDP: PortProtocol.UDP,
+}
 
 
 def request_of(a: apb.Assignment) -> PlacementRequest:
@@ -41,7 +46,26 @@ def request_of(a: apb.Assignment) -> PlacementRequest:
         memory_bytes=spec.resources.memory_bytes,
         node_selector=dict(spec.node_selector),
         max_per_node=spec.max_per_node,
+        host_ports=_fixed_host_ports(a) if spec.ports else fit.NO_HOST_PORTS,
     )
+
+
+def _fixed_host_ports(a: apb.Assignment) -> frozenset[fit.HostPort]:
+    """The host ports the assignment's instance binds on its node: those it fixes (0: the
+    agent picks one, which asks nothing of the scheduler)."""
+    fixed = []
+    for i, p in enumerate(a.spec.ports):
+        if not p.host_port:
+            continue
+        protocol = _PROTOCOLS.get(p.protocol)
+        if protocol is None or not 0 < p.host_port <= 65535:
+            what = "protocol" if protocol is None else "host_port"
+            raise Invalid(
+                f"assignment {a.instance}: spec.ports[{i}].{what}: {getattr(p, what)} is not a"
+                " port the controller accepts"
+            )
+        fixed.append((p.host_port, protocol))
+    return frozenset(fixed)
 
 
 def release_message(instance: str) -> apb.SchedulerMessage:

@@ -35,6 +35,8 @@ class Hold:
     memory_bytes: int
     # Reservations expire if the controller never commits them (it crashed, the agent left).
     expires_at: float | None = None
+    # The host ports it binds: the fixed ones it asked for, and those its agent reports bound.
+    host_ports: frozenset[fit.HostPort] = fit.NO_HOST_PORTS
 
 
 @dataclass(slots=True)
@@ -58,6 +60,9 @@ class NodeRecord:
     reports: dict[str, InstanceReport] = field(default_factory=dict)
     cpu_used: int = 0
     mem_used: int = 0
+    # Host port -> how many holds bind it (more than one only when agents say so: a
+    # reservation never takes a port in use). Empty on nodes whose instances fix none.
+    port_users: dict[fit.HostPort, int] = field(default_factory=dict)
     message: str = ""
 
     def free(self) -> tuple[int, int]:
@@ -71,9 +76,15 @@ class NodeRecord:
         if old is not None:
             self.cpu_used -= old.cpu_millis
             self.mem_used -= old.memory_bytes
+            if old.host_ports:
+                self._unbind(old.host_ports)
         self.holds[instance] = hold
         self.cpu_used += hold.cpu_millis
         self.mem_used += hold.memory_bytes
+        if hold.host_ports:
+            users = self.port_users
+            for port in hold.host_ports:
+                users[port] = users.get(port, 0) + 1
 
     def drop_hold(self, instance: str) -> bool:
         old = self.holds.pop(instance, None)
@@ -81,7 +92,23 @@ class NodeRecord:
             return False
         self.cpu_used -= old.cpu_millis
         self.mem_used -= old.memory_bytes
+        if old.host_ports:
+            self._unbind(old.host_ports)
         return True
+
+    def _unbind(self, ports: frozenset[fit.HostPort]) -> None:
+        users = self.port_users
+        for port in ports:
+            left = users.get(port, 0) - 1
+            if left > 0:
+                users[port] = left
+            else:
+                users.pop(port, None)
+
+    @property
+    def host_ports(self) -> frozenset[fit.HostPort]:
+        """The host ports bound on the node by the instances it holds."""
+        return frozenset(self.port_users) if self.port_users else fit.NO_HOST_PORTS
 
     def view(self) -> NodeView:
         counts: dict[str, int] = {}
@@ -99,6 +126,7 @@ class NodeRecord:
             mem_used=self.mem_used,
             workload_counts=counts,
             total_instances=len(self.holds),
+            host_ports=frozenset(self.port_users) if self.port_users else fit.NO_HOST_PORTS,
         )
 
     @property
@@ -165,6 +193,11 @@ class _Live:
     @property
     def mem_used(self) -> int:
         return self._rec.mem_used
+
+    @property
+    def host_ports(self) -> dict[fit.HostPort, int]:
+        # Read only when the request fixes a host port; the rule asks only `port in` it.
+        return self._rec.port_users
 
     @property
     def workload_counts(self) -> dict[str, int]:
@@ -264,6 +297,7 @@ class Registry:
                 cpu_millis=req.cpu_millis,
                 memory_bytes=req.memory_bytes,
                 expires_at=time.monotonic() + hold_seconds,
+                host_ports=req.host_ports,
             ),
         )
         self.changed(node)
@@ -281,9 +315,13 @@ class Registry:
             self.release(node, report.name)
         else:
             hold = node.holds.get(report.name)
+            # Host ports the agent says it bound beyond those the hold has (ports it picked
+            # itself, or fixed ones of an instance this scheduler did not place): usually none.
+            more = _bound_ports(report, hold)
             if (
                 hold is not None
                 and hold.expires_at is not None
+                and not more
                 and hold.workload == report.workload
                 and hold.cpu_millis == resources.cpu_millis
                 and hold.memory_bytes == resources.memory_bytes
@@ -291,11 +329,15 @@ class Registry:
                 # The reservation becomes the bound hold as it is: no view of the node changes,
                 # so the snapshot (and its index) stays valid.
                 hold.expires_at = None
-            elif hold is None or hold.expires_at is not None:
-                node.add_hold(
-                    report.name,
-                    Hold(report.workload, resources.cpu_millis, resources.memory_bytes),
+            elif hold is None or hold.expires_at is not None or more:
+                # A bound hold keeps its resources; a reservation's fixed ports stay with it.
+                cpu, mem = (
+                    (resources.cpu_millis, resources.memory_bytes)
+                    if hold is None or hold.expires_at is not None
+                    else (hold.cpu_millis, hold.memory_bytes)
                 )
+                ports = more if hold is None else hold.host_ports | more
+                node.add_hold(report.name, Hold(report.workload, cpu, mem, host_ports=ports))
                 self.changed(node)
         if old is None:
             return True
@@ -328,3 +370,11 @@ class Registry:
         if expired:
             self.changed()
         return expired
+
+
+def _bound_ports(report: InstanceReport, hold: Hold | None) -> frozenset[fit.HostPort]:
+    """The host ports `report` says its instance bound that `hold` does not count yet."""
+    if not report.ports:
+        return fit.NO_HOST_PORTS
+    bound = frozenset((b.host_port, b.protocol) for b in report.ports if b.host_port)
+    return bound - hold.host_ports if hold is not None else bound

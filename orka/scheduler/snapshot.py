@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeVar
 
+from orka.fit import NO_HOST_PORTS, HostPort
 from orka.models import NodeState, WorkloadKind
 
 if TYPE_CHECKING:
@@ -50,11 +51,15 @@ class NodeView:
     # Instances (reservations included) per workload on this node.
     workload_counts: Mapping[str, int]
     total_instances: int
+    # Fixed host ports its instances (reservations included) bind: a node resource.
+    host_ports: frozenset[HostPort] = NO_HOST_PORTS
 
     def __post_init__(self) -> None:
         # object.__setattr__ is the only way to normalise fields of a frozen dataclass.
         if not isinstance(self.drivers, frozenset):
             object.__setattr__(self, "drivers", frozenset(self.drivers))
+        if not isinstance(self.host_ports, frozenset):
+            object.__setattr__(self, "host_ports", frozenset(self.host_ports))
         object.__setattr__(self, "labels", _frozen_mapping(self.labels))
         object.__setattr__(self, "workload_counts", _frozen_mapping(self.workload_counts))
 
@@ -120,6 +125,10 @@ class PlacementRequest:
     node_selector: Mapping[str, str] = field(default_factory=dict)
     # Spread rule: at most this many instances of the workload per node; 0 means no limit.
     max_per_node: int = 0
+    # The fixed host ports the instance binds (the spec's `fixed_host_ports`).
+    host_ports: frozenset[HostPort] = NO_HOST_PORTS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_selector", _frozen_mapping(self.node_selector))
+        if not isinstance(self.host_ports, frozenset):
+            object.__setattr__(self, "host_ports", frozenset(self.host_ports))

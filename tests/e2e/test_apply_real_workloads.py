@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,12 +25,16 @@ from typing import Any
 
 import pytest
 
+from orka.api import controller_pb2 as pb
 from orka.runtime.libvirt import domain_name
+from orka.runtime.network import default_bridge
 from tests.containerd_env import Containerd, needs_containerd
 from tests.e2e.procs import ProcessCluster, nodes_ready
 from tests.e2e.procs import run_orka as orka
 from tests.integration.cluster import eventually
+from tests.integration.test_container_network import Net, scrub
 from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
+from tests.ports import http_get
 
 pytestmark = [
     pytest.mark.e2e,
@@ -61,6 +66,8 @@ async def cluster(
     c.start_agent(
         NODE,
         *containerd.agent_flags(),
+        "--host-ip",
+        "127.0.0.1",
         "--libvirt-uri",
         libvirt_daemons.uri,
         "--libvirt-domain-type",
@@ -77,9 +84,13 @@ async def cluster(
         raise
     finally:
         await c.close()
-        # A killed agent leaves its containers and domains running by design (re-adoption).
+        # A killed agent leaves its containers and domains running by design (re-adoption),
+        # and with them their namespaces, forwarding rules and the agent's bridge.
         containerd.clean_namespace()
         libvirt_daemons.cleanup_domains()
+        network = (tmp_path / "agents" / NODE / "network").resolve()
+        bridge = default_bridge(f"{NODE}@{network}")
+        scrub(Net(bridge=bridge, subnet="", dir=network))
 
 
 async def instances(c: ProcessCluster, workload: str) -> list[dict[str, Any]]:
@@ -117,6 +128,19 @@ async def apply_and_time(
     return instance, to_running, to_then, apply_wall
 
 
+async def http_answers(host: str, port: int, text: str, timeout: float) -> None:
+    """Wait until GET / at host:port answers with `text` (loopback or the agent's bridge)."""
+
+    async def check() -> bool:
+        try:
+            _, body = await asyncio.to_thread(http_get, host, port, "/", 2.0)
+        except (OSError, ValueError, IndexError):
+            return False
+        return body.decode(errors="replace").strip() == text
+
+    await eventually(check, timeout=timeout, interval=0.02)
+
+
 async def file_shows(path: Path, text: str, timeout: float) -> None:
     async def check() -> bool:
         try:
@@ -149,36 +173,63 @@ async def test_container_and_vm_through_orka_apply(
     agent_data = tmp_path / "agents" / NODE
     box, vm = f"box-{RUN}", f"vm-{RUN}"
 
-    # ---- a container from an OCI archive built by the test (no registry) ----
+    # ---- a container from an OCI archive built by the test (no registry), serving HTTP ----
     box_file = tmp_path / "box.yaml"
     box_file.write_text(
         f"""name: {box}
 kind: container
 image: {containerd.image}
-command: ["sh", "-c", "echo {CONTAINER_MARKER} from $ORKA_INSTANCE; trap 'exit 0' TERM; \
-while :; do sleep 1; done"]
+command: ["sh", "-c", "echo {CONTAINER_MARKER} from $ORKA_INSTANCE; mkdir -p /www; \
+echo hello from $ORKA_INSTANCE > /www/index.html; exec httpd -f -p 8080 -h /www"]
 replicas: 1
 resources: {{cpu: 100m, memory: 32Mi}}
 restartPolicy: Always
 stopGracePeriod: 5s
+ports:
+  - {{name: http, port: 8080}}
 """
     )
     box_log: list[Path] = []
 
-    async def container_logged(instance: str) -> None:
+    async def container_answers(instance: str) -> None:
         log = agent_data / "runtime" / "containerd" / "instances" / instance / "stdout.log"
         box_log.append(log)
-        await file_shows(log, f"{CONTAINER_MARKER} from {instance}", timeout=60)
+        (inst,) = await cluster.running(box)
+        await http_answers(inst.address, 8080, f"hello from {instance}", timeout=60)
 
-    box_inst, box_running, box_logged, box_apply = await apply_and_time(
-        cluster, box_file, box, container_logged
+    box_inst, box_running, box_answered, box_apply = await apply_and_time(
+        cluster, box_file, box, container_answers
     )
     print(
-        f"\ncontainer: apply→RUNNING {box_running:.2f}s, apply→output {box_logged:.2f}s"
-        f" (`orka apply --wait` returned after {box_apply:.2f}s)"
+        f"\ncontainer: apply→RUNNING {box_running:.2f}s, apply→first HTTP answer at its address"
+        f" {box_answered:.2f}s (`orka apply --wait` returned after {box_apply:.2f}s)"
     )
     assert box_inst in containerd.ids("containers", "ls", "-q")
     assert box_inst in containerd.ids("tasks", "ls", "-q")
+    await file_shows(box_log[0], f"{CONTAINER_MARKER} from {box_inst}", timeout=30)
+    (before,) = await cluster.running(box)
+    (binding,) = before.ports
+    assert (binding.name, binding.port) == ("http", 8080) and binding.host_port > 0
+    assert before.host_ip == "127.0.0.1"
+    await http_answers("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
+
+    # ---- the agent SIGKILLed and started again: same address, same host port, still serving --
+    agent = cluster.services[NODE]
+    agent.signal(signal.SIGKILL)
+    await asyncio.to_thread(agent.wait)
+    await http_answers(before.address, 8080, f"hello from {box_inst}", timeout=10)
+    agent.start()
+
+    async def readopted() -> pb.Instance | None:
+        running = await cluster.running(box)
+        again = [i for i in running if i.name == box_inst and i.ports]
+        nodes = await cluster.nodes()
+        return again[0] if again and nodes.get(NODE) == pb.Node.READY else None
+
+    after = await eventually(readopted, timeout=60, interval=0.2)
+    assert (after.address, list(after.ports)) == (before.address, list(before.ports))
+    await http_answers(before.address, 8080, f"hello from {box_inst}", timeout=30)
+    await http_answers("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
 
     # ---- a VM booted straight from a kernel and initramfs ----
     vm_file = tmp_path / "vm.yaml"

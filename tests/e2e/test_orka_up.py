@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import ipaddress
 import json
 import os
 import re
@@ -34,11 +35,14 @@ import psutil
 import pytest
 from cryptography import x509
 
+from orka.cli.up import host_port_range
+from orka.runtime.network import host_unavailable
 from orka.security.issue import init_certs, issue_cert
 from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
 from tests.integration.test_grpcurl import Result, _json_stream
+from tests.ports import http_get
 
 pytestmark = pytest.mark.e2e
 
@@ -368,6 +372,57 @@ async def test_orka_up_tour(tour: Tour) -> None:
     rows = {line.split()[0]: line.split()[1] for line in nodes_table.splitlines()[1:] if line}
     assert rows.get("node-1") == "READY" and rows.get("node-2") == "READY", nodes_table
     timings["apply hello --wait"] = time.monotonic() - t
+
+    # 2b. A web workload, reached where `orka get endpoints` says it answers.
+    t = time.monotonic()
+    await tour.orka("apply", "-f", str(EXAMPLES / "web.yaml"), "--wait", timeout=60)
+    table = await tour.orka("get", "endpoints", "web")
+    header, *rows = table.splitlines()
+    assert header.split() == ["INSTANCE", "NODE", "ADDRESS", "HOST", "IP", "PORTS"], table
+    web = {i["name"]: i for i in await tour.running("web")}
+    assert len(rows) == 2 and {r.split()[0] for r in rows} == set(web), table
+    for row in rows:
+        instance, node, _, host_ip, port = row.split()
+        # node-1 picks from the first agent's slice, node-2 from the second's.
+        first = int(host_port_range(int(node.removeprefix("node-")) - 1).split("-")[0])
+        assert host_ip == "127.0.0.1" and first <= int(port) < first + 200, table
+
+        async def answers(p: int = int(port)) -> bytes | None:
+            try:
+                return (await asyncio.to_thread(http_get, "127.0.0.1", p))[1]
+            except OSError:
+                return None
+
+        assert (await _soon(answers, timeout=20)).decode().strip() == f"hello from {instance}"
+    await tour.orka("delete", "workload", "web", "--wait", timeout=60)
+    timings["apply web --wait -> answers at its endpoints"] = time.monotonic() - t
+
+    # 2c. The same with network: bridge: an address of its own, and a host port mapped to it.
+    if host_unavailable() is None:
+        t = time.monotonic()
+        await tour.orka("apply", "-f", str(EXAMPLES / "web-bridge.yaml"), "--wait", timeout=60)
+        table = await tour.orka("get", "endpoints", "web-bridge")
+        rows = table.splitlines()[1:]
+        assert len(rows) == 2, table
+        for row in rows:
+            instance, _, address, host_ip, port = row.split()
+            host_port, _, inner = port.partition("->")
+            assert inner == "8080" and host_ip == "127.0.0.1", table
+            assert ipaddress.ip_address(address).is_private, table
+            for host, p in ((address, 8080), ("127.0.0.1", int(host_port))):
+
+                async def bridged(h: str = host, n: int = p) -> bytes | None:
+                    try:
+                        return (await asyncio.to_thread(http_get, h, n))[1]
+                    except OSError:
+                        return None
+
+                body = await _soon(bridged, timeout=20)
+                assert body.decode().strip() == f"hello from {instance}", (host, p)
+        await tour.orka("delete", "workload", "web-bridge", "--wait", timeout=60)
+        timings["apply web-bridge --wait -> answers at address and host port"] = (
+            time.monotonic() - t
+        )
 
     # 3. A workload that does not fit, and why.
     t = time.monotonic()

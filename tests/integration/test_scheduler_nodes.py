@@ -24,7 +24,7 @@ from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
-from orka.models import NodeState
+from orka.models import NodeState, PortProtocol
 from orka.rpc import convert
 from orka.rpc.client import secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
@@ -75,9 +75,13 @@ class HandAgent:
         self.task: asyncio.Task[None] | None = None
 
     async def register(
-        self, labels: dict[str, str] | None = None, running: tuple[str, ...] = ()
+        self,
+        labels: dict[str, str] | None = None,
+        running: tuple[str, ...] = (),
+        ports: tuple[pb.PortBinding, ...] = (),
     ) -> apb.SchedulerMessage:
-        """Register, announcing `running` as instances of "web" that use 100 m / 64 MiB."""
+        """Register, announcing `running` as instances of "web" that use 100 m / 64 MiB (and
+        have bound `ports`)."""
         res = pb.Resources(cpu_millis=1000, memory_bytes=1024 * MIB)
         instances = [
             apb.InstanceStatus(
@@ -85,6 +89,7 @@ class HandAgent:
                 workload="web",
                 phase=pb.Instance.RUNNING,
                 resources=pb.Resources(cpu_millis=100, memory_bytes=64 * MIB),
+                ports=ports,
             )
             for name in running
         ]
@@ -820,6 +825,73 @@ async def test_max_per_node_counts_the_instances_of_the_same_workload(
         {},
     )
     assert agents[0].messages("offer") == []
+
+
+def fixing(instance: str, *ports: tuple[int, int]) -> apb.Assignment:
+    """An assignment of "web" whose instance fixes these (host port, protocol) on its node."""
+    spec = pb.WorkloadSpec()
+    spec.CopyFrom(WEB)
+    spec.ports.extend(
+        pb.PortSpec(name=f"p{i}", host_port=port, protocol=protocol)
+        for i, (port, protocol) in enumerate(ports)
+    )
+    return apb.Assignment(instance=instance, spec=spec)
+
+
+async def test_fixed_host_ports_of_assignments_and_of_reports_are_taken_once_per_node(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 re-announces an instance that bound 53/udp; 53/tcp is another port (protocol
+    left out means tcp), and a batch's reservations count as they are made."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+    ]
+    dns = pb.PortBinding(name="dns", port=53, host_port=53, protocol=pb.PortSpec.UDP)
+    await agents[0].register(running=("dns-old",), ports=(dns,))
+    await agents[1].register()
+    udp, tcp, unset = pb.PortSpec.UDP, pb.PortSpec.TCP, pb.PortSpec.PROTOCOL_UNSPECIFIED
+    items = [
+        fixing("dns-0", (53, udp)),
+        fixing("dns-1", (53, udp), (8080, tcp)),
+        fixing("tcp-0", (53, unset)),
+        fixing("tcp-1", (53, tcp)),
+        fixing("tcp-2", (53, tcp)),
+        fixing("any-0", (0, udp)),  # host_port 0: the agent picks, nothing to reserve
+    ]
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=items)
+        results = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    got = {r.instance: (r.node, reasons_text(r)) for r in results}
+    assert got["dns-0"] == ("node-2", "")
+    assert got["dns-1"] == ("", "2 nodes: host port 53/udp in use")
+    assert {got["tcp-0"][0], got["tcp-1"][0]} == {"node-1", "node-2"}
+    assert got["tcp-2"] == ("", "2 nodes: host port 53 in use")
+    assert got["any-0"][0] in ("node-1", "node-2")
+    node1 = scheduler.registry.get("node-1")
+    assert node1 is not None
+    assert node1.host_ports >= {(53, PortProtocol.UDP), (53, PortProtocol.TCP)}
+
+
+@pytest.mark.parametrize(
+    ("port", "protocol", "field", "value"),
+    [
+        (70000, pb.PortSpec.TCP, "host_port", 70000),
+        (-1, pb.PortSpec.TCP, "host_port", -1),
+        (80, 9, "protocol", 9),
+    ],
+)
+async def test_an_assignment_with_a_host_port_no_controller_sends_is_refused_by_name(
+    scheduler: Scheduler, certs_dir: Path, port: int, protocol: int, field: str, value: int
+) -> None:
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=[fixing("web-0", (80, pb.PortSpec.TCP), (port, protocol))])
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await apb_grpc.SchedulerStub(channel).Place(req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == (
+        f"assignment web-0: spec.ports[1].{field}: {value} is not a port the controller accepts"
+    )
 
 
 async def test_an_assignment_without_a_kind_is_refused_by_name(

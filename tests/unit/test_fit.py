@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from orka import fit
-from orka.agent.admission import Admission
-from orka.models import NodeState, Resources, WorkloadKind, WorkloadSpec
+from orka.agent.admission import Admission, Reservation
+from orka.models import NodeState, PortProtocol, PortSpec, Resources, WorkloadKind, WorkloadSpec
 from orka.rpc.place_reasons import place_result_to_pb, reasons_from_pb
 from orka.scheduler.filters import FILTERS
 from orka.scheduler.index import SnapshotIndex
@@ -22,6 +22,8 @@ from orka.scheduler.pipeline import Decision, Pipeline, PipelineConfig, filter_n
 from orka.scheduler.registry import Hold, Registry
 from orka.scheduler.snapshot import Snapshot
 from tests.unit.scheduler.builders import GIB, node, request
+
+TCP, UDP = PortProtocol.TCP, PortProtocol.UDP
 
 # ---- the rule, one reason at a time ----
 
@@ -63,6 +65,44 @@ RULE: list[tuple[str, dict[str, Any], dict[str, Any], fit.Reason | None, bool | 
     ),
     # Precedence: a lost node says lost, not full.
     ("lost-and-full", {"state": NodeState.LOST, "cpu_used": 4000}, {}, fit.LOST, True),
+    (
+        "host-port-in-use",
+        {"host_ports": {(8080, TCP)}},
+        {"host_ports": {(8080, TCP)}},
+        fit.host_port_in_use(8080, TCP),
+        True,
+    ),
+    (
+        "host-port-other-protocol",
+        {"host_ports": {(8080, UDP)}},
+        {"host_ports": {(8080, TCP)}},
+        None,
+        None,
+    ),
+    ("host-port-none-asked", {"host_ports": {(8080, TCP)}}, {}, None, None),
+    # Precedence: the node's resources, then its labels (no waiting helps), then its ports,
+    # then the spread limit.
+    (
+        "full-before-port",
+        {"cpu_used": 4000, "host_ports": {(8080, TCP)}},
+        {"host_ports": {(8080, TCP)}},
+        fit.INSUFFICIENT_CPU,
+        True,
+    ),
+    (
+        "selector-before-port",
+        {"labels": {"zone": "us"}, "host_ports": {(8080, TCP)}},
+        {"node_selector": {"zone": "eu"}, "host_ports": {(8080, TCP)}},
+        fit.selector_mismatch("zone", "eu"),
+        False,
+    ),
+    (
+        "port-before-spread",
+        {"workload_counts": {"web": 1}, "host_ports": {(8080, TCP)}},
+        {"max_per_node": 1, "host_ports": {(8080, TCP)}},
+        fit.host_port_in_use(8080, TCP),
+        True,
+    ),
 ]
 
 
@@ -94,6 +134,9 @@ def test_rule(
         (fit.refused("disk full"), "OFFER_REFUSED", "refused: disk full"),
         (fit.OFFER_TIMED_OUT, "OFFER_TIMED_OUT", "offer timed out"),
         (fit.GONE, "NODE_GONE", "gone"),
+        (fit.host_port_in_use(8080, TCP), "HOST_PORT_IN_USE", "host port 8080 in use"),
+        (fit.host_port_in_use(53, UDP), "HOST_PORT_IN_USE", "host port 53/udp in use"),
+        (fit.host_port_in_use(65535, UDP), "HOST_PORT_IN_USE", "host port 65535/udp in use"),
         (fit.SHUTTING_DOWN, "NODE_SHUTTING_DOWN", "node is shutting down"),
     ],
 )
@@ -286,6 +329,10 @@ class _Admits:
         return None
 
 
+# Host ports drawn from a few neighbours: the same port on the other protocol and the ports
+# one below and above are where a wrong comparison would show.
+_PORTS = [(8080, TCP), (8080, UDP), (8079, TCP), (8081, TCP), (53, UDP)]
+
 _DRIVER_SETS = [
     frozenset({"process"}),
     frozenset({"containerd"}),
@@ -310,6 +357,7 @@ def _cases(draw: st.DrawFn) -> tuple[Any, Any]:
         mem_allocatable=mem_alloc,
         cpu_used=draw(st.integers(0, cpu_alloc) | st.integers(0, cpu_alloc + 10)),
         mem_used=draw(st.integers(0, mem_alloc) | st.integers(0, mem_alloc + 10)),
+        host_ports=draw(st.frozensets(st.sampled_from(_PORTS), max_size=3)),
     )
     # Boundaries are where wordings of the rule used to differ: exactly the free amount, one
     # more, exactly the capacity, one more; plus anything.
@@ -326,6 +374,10 @@ def _cases(draw: st.DrawFn) -> tuple[Any, Any]:
             st.sampled_from(mem_edges) | st.integers(0, free_mem) | st.integers(0, 4200)
         ),
         node_selector=draw(st.sampled_from([{}, {}, {"zone": "eu"}])),
+        # Mostly none, as most workloads fix no host port.
+        host_ports=draw(
+            st.just(frozenset()) | st.frozensets(st.sampled_from(_PORTS), min_size=1, max_size=3)
+        ),
     )
     return view, req
 
@@ -345,7 +397,7 @@ def _by_registry(req: Any, view: Any) -> fit.Reason | None:
     rec.labels = dict(view.labels)
     rec.allocatable = Resources(cpu_millis=view.cpu_allocatable, memory_bytes=view.mem_allocatable)
     rec.session = object()  # type: ignore[assignment]
-    rec.add_hold("other", Hold("db", view.cpu_used, view.mem_used))
+    rec.add_hold("other", Hold("db", view.cpu_used, view.mem_used, host_ports=view.host_ports))
     return reg.try_reserve(rec, req, 30.0)
 
 
@@ -376,15 +428,23 @@ def _by_agent(req: Any, view: Any, tmp: Path) -> str | None:
         send=lambda msg: None,
     )
     used = Resources(cpu_millis=view.cpu_used, memory_bytes=view.mem_used)
-    admission.reservations["other"] = (used, time.monotonic() + 60)
+    admission.reservations["other"] = Reservation(
+        used, time.monotonic() + 60, frozenset(view.host_ports)
+    )
     kind = req.kind
+    container = kind is WorkloadKind.CONTAINER
     spec = WorkloadSpec(
         name="web",
         kind=kind,
         command=["sleep", "1"],
-        image="busybox" if kind is WorkloadKind.CONTAINER else "",
+        image="busybox" if container else "",
         resources=Resources(cpu_millis=req.cpu_millis, memory_bytes=req.memory_bytes),
+        ports=[
+            PortSpec(name=f"p{i}", port=80 if container else None, host_port=hp, protocol=proto)
+            for i, (hp, proto) in enumerate(sorted(req.host_ports))
+        ],
     )
+    assert spec.fixed_host_ports == req.host_ports
     return admission.admit("web-0", spec)
 
 
@@ -400,6 +460,23 @@ def _by_agent(req: Any, view: Any, tmp: Path) -> str | None:
 @example(case=(node(cpu_used=2000, mem_used=4 * GIB), request(cpu_millis=2001, memory_bytes=GIB)))
 @example(case=(node(), request(cpu_millis=4000, memory_bytes=8 * GIB)))
 @example(case=(node(), request(cpu_millis=1, memory_bytes=8 * GIB + 1)))
+# Host ports: the very port taken, the same number on the other protocol, the neighbours, and
+# a taken port on a node the selector rules out (the label is named, as no waiting helps).
+@example(case=(node(host_ports={(8080, TCP)}), request(host_ports={(8080, TCP)})))
+@example(case=(node(host_ports={(8080, UDP)}), request(host_ports={(8080, TCP)})))
+@example(case=(node(host_ports={(8079, TCP), (8081, TCP)}), request(host_ports={(8080, TCP)})))
+@example(
+    case=(
+        node(host_ports={(8080, TCP), (53, UDP)}),
+        request(host_ports={(8081, TCP), (53, UDP), (8080, TCP)}),
+    )
+)
+@example(
+    case=(
+        node(labels={"zone": "us"}, host_ports={(8080, TCP)}),
+        request(node_selector={"zone": "eu"}, host_ports={(8080, TCP)}),
+    )
+)
 def test_filters_index_registry_and_agent_agree(case: tuple[Any, Any], tmp_path: Path) -> None:
     view, req = case
     rule = fit.fit(req, view)
@@ -415,8 +492,8 @@ def test_filters_index_registry_and_agent_agree(case: tuple[Any, Any], tmp_path:
         assert found is True
     else:
         assert found is not False
-    # The agent asks the same rule of what it knows: drivers and resources.
-    agent_rule = fit.driver(req, view) or fit.resources(req, view)
+    # The agent asks the same rule of what it knows: drivers, resources and host ports.
+    agent_rule = fit.driver(req, view) or fit.resources(req, view) or fit.host_ports(req, view)
     said = _by_agent(req, view, tmp_path)
     if agent_rule is None:
         assert said is None
@@ -432,4 +509,5 @@ _AGENT_KNOWS = {
     fit.Code.MEMORY_ABOVE_CAPACITY,
     fit.Code.INSUFFICIENT_CPU,
     fit.Code.INSUFFICIENT_MEMORY,
+    fit.Code.HOST_PORT_IN_USE,
 }

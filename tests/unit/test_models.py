@@ -31,6 +31,13 @@ VALID = [
     spec(stop_grace_seconds=0),
     spec(stop_grace_seconds=3600),
     spec(resources={"cpu_millis": 0, "memory_bytes": 0}),
+    spec(ports=[{"name": "http"}, {"name": "dns", "host_port": 53, "protocol": "udp"}]),
+    spec(ports=[{"name": "http", "port": 8080, "host_port": 8080}]),
+    spec(ports=[{"name": "a", "host_port": 53}, {"name": "b", "host_port": 53, "protocol": "udp"}]),
+    spec(network="bridge", ports=[{"name": "http", "port": 8080}]),
+    spec(kind="CONTAINER", command=[], image="x", ports=[{"name": "a-b", "port": 1}]),
+    spec(kind="CONTAINER", command=[], image="x", network="bridge"),
+    spec(ports=[{"name": f"p{i}"} for i in range(32)]),
 ]
 
 
@@ -88,6 +95,49 @@ INVALID = [
     ("negative max_per_node", spec(max_per_node=-1), "max_per_node", "greater than"),
     ("unknown field", spec(color="red"), "color", "not permitted"),
     ("bad restart policy", spec(restart_policy="SOMETIMES"), "restart_policy", "ALWAYS"),
+    (
+        "duplicate port name",
+        spec(ports=[{"name": "a", "host_port": 1}, {"name": "a", "host_port": 2}]),
+        "ports",
+        "[1].name: 'a' is given twice",
+    ),
+    (
+        "same fixed host port twice",
+        spec(ports=[{"name": "a", "host_port": 80}, {"name": "b", "host_port": 80}]),
+        "ports",
+        "[1].host_port: 80/tcp is given twice",
+    ),
+    ("port 0", spec(ports=[{"name": "a", "port": 0}]), "ports.0.port", "greater than or equal"),
+    ("port 65536", spec(ports=[{"name": "a", "host_port": 65536}]), "ports.0.host_port", "less"),
+    ("port name too long", spec(ports=[{"name": "a" * 16}]), "ports.0.name", "at most 15"),
+    ("port name case", spec(ports=[{"name": "Http"}]), "ports.0.name", "lowercase"),
+    ("sctp", spec(ports=[{"name": "a", "protocol": "sctp"}]), "ports.0.protocol", "'tcp'"),
+    ("33 ports", spec(ports=[{"name": f"p{i}"} for i in range(33)]), "ports", "at most 32"),
+    (
+        "host process with its own port",
+        spec(ports=[{"name": "a", "port": 80}]),
+        "",
+        "ports[0].port: a host-network process listens on its host port",
+    ),
+    (
+        "container port missing",
+        spec(kind="CONTAINER", command=[], image="x", ports=[{"name": "a", "host_port": 80}]),
+        "",
+        "ports[0].port: required where an instance has a network of its own",
+    ),
+    (
+        "bridge process port missing",
+        spec(network="bridge", ports=[{"name": "a"}]),
+        "",
+        "ports[0].port: required",
+    ),
+    (
+        "container on the host network",
+        spec(kind="CONTAINER", command=[], image="x", network="host"),
+        "",
+        "network: host is for PROCESS workloads only",
+    ),
+    ("unknown network", spec(network="overlay"), "network", "'host' or 'bridge'"),
 ]
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from orka import fit
 from orka.scheduler.filters.driver import DriverFilter
+from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
@@ -43,6 +44,7 @@ FILTERS: tuple[Filter, ...] = (
     DriverFilter(),
     ResourcesFilter(),
     NodeSelectorFilter(),
+    HostPortsFilter(),
     SpreadFilter(),
 )
 

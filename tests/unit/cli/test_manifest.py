@@ -6,7 +6,7 @@ import pytest
 
 from orka.cli.manifest import load_manifests, parse_manifests
 from orka.errors import Invalid
-from orka.models import RestartPolicy, WorkloadKind
+from orka.models import PortProtocol, RestartPolicy, WorkloadKind
 
 FLAT = """
 name: web
@@ -113,12 +113,37 @@ def test_stop_grace_period_is_a_duration(value: str, seconds: float) -> None:
             r"unknown key 'stop_grace_seconds'.*stop_grace_period",
         ),
         ("", r"no workloads found"),
+        (
+            "name: a\nkind: container\nimage: b\nports: [{name: h, port: 1}, {name: h, port: 2}]\n",
+            r"ports\[1\]\.name: 'h' is given twice",
+        ),
+        (
+            "name: a\nkind: container\nimage: b\nports: [{name: h, port: 1, proto: tcp}]\n",
+            r"ports\[0\]: unknown key 'proto'",
+        ),
+        (
+            "name: a\nkind: process\ncommand: [x]\nports: [{name: h, port: 80}]\n",
+            r"ports\[0\]\.port: a host-network process listens on its host port",
+        ),
     ],
 )
 def test_errors_name_the_problem(text: str, expected: str) -> None:
     with pytest.raises(Invalid, match=expected) as info:
         parse_manifests(text, "bad.yaml")
     assert "bad.yaml" in info.value.message
+
+
+def test_ports_take_either_key_case_and_any_protocol_case() -> None:
+    (spec,) = parse_manifests(
+        "name: web\nkind: container\nimage: b\nports:\n"
+        "  - {name: http, port: 8080, hostPort: 8080}\n"
+        "  - {name: dns, port: 53, host_port: 0, protocol: UDP}\n"
+    )
+    assert [(p.name, p.port, p.host_port, p.protocol.value) for p in spec.ports] == [
+        ("http", 8080, 8080, "tcp"),
+        ("dns", 53, 0, "udp"),
+    ]
+    assert spec.fixed_host_ports == {(8080, PortProtocol.TCP)}
 
 
 def test_error_names_document_index() -> None:

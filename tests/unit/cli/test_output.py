@@ -6,7 +6,17 @@ import pytest
 import yaml
 
 from orka.cli import output
-from orka.models import Instance, InstancePhase, Node, Resources, Workload, WorkloadSpec
+from orka.models import (
+    Endpoint,
+    Instance,
+    InstancePhase,
+    Node,
+    PortBinding,
+    PortProtocol,
+    Resources,
+    Workload,
+    WorkloadSpec,
+)
 from orka.rpc import convert
 
 NOW = 1_000_000.0
@@ -143,3 +153,53 @@ def test_schedulable_column_names_why_not(
 ) -> None:
     n = Node(name="n1", schedulable=schedulable, draining=draining, leaving=leaving)
     assert output.schedulable(n) == shown
+
+
+def test_instances_show_their_address_and_ports() -> None:
+    inst = Instance(
+        name="web-1",
+        workload="web",
+        node="node-1",
+        phase=InstancePhase.RUNNING,
+        address="10.88.0.5",
+        host_ip="192.0.2.7",
+        ports=[
+            PortBinding(name="http", port=8080, host_port=20001),
+            PortBinding(name="dns", port=53, host_port=20002, protocol=PortProtocol.UDP),
+            PortBinding(name="admin", port=9000, host_port=9000),
+        ],
+    )
+    header, row = output.instances_table([inst], NOW).splitlines()
+    assert header.split()[4:6] == ["ADDRESS", "PORTS"]
+    assert row.split()[4:6] == ["10.88.0.5", "20001->8080,20002->53/udp,9000"]
+    text = output.describe_instance(inst, NOW)
+    assert "Address:" in text and "10.88.0.5" in text and "192.0.2.7" in text
+    ports = text.split("Ports:", 1)[1].splitlines()
+    assert [line.split() for line in ports if line.strip()] == [
+        ["NAME", "PORT", "HOST", "PORT", "PROTOCOL"],
+        ["http", "8080", "20001", "tcp"],
+        ["dns", "53", "20002", "udp"],
+        ["admin", "9000", "9000", "tcp"],
+    ]
+    bare = Instance(name="web-2", workload="web")
+    assert output.instances_table([bare], NOW).splitlines()[1].split()[4:6] == ["<none>", "<none>"]
+    assert "Ports:  <none>" in output.describe_instance(bare, NOW)
+
+
+def test_endpoints_table() -> None:
+    eps = [
+        Endpoint(
+            instance="web-1",
+            node="node-1",
+            address="10.88.0.5",
+            host_ip="127.0.0.1",
+            ports=[PortBinding(name="http", port=8080, host_port=20001)],
+        ),
+        Endpoint(instance="p-1", node="node-2", host_ip="127.0.0.1", ports=[]),
+    ]
+    header, *rows = output.endpoints_table(eps).splitlines()
+    assert header.split() == ["INSTANCE", "NODE", "ADDRESS", "HOST", "IP", "PORTS"]
+    assert [r.split() for r in rows] == [
+        ["web-1", "node-1", "10.88.0.5", "127.0.0.1", "20001->8080"],
+        ["p-1", "node-2", "<none>", "127.0.0.1", "<none>"],
+    ]

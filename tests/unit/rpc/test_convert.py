@@ -17,6 +17,9 @@ from orka.models import (
     InstanceReport,
     Node,
     NodeState,
+    PortBinding,
+    PortProtocol,
+    PortSpec,
     Resources,
     RestartPolicy,
     VmSpec,
@@ -492,3 +495,93 @@ def test_secret_env_file_paths_are_returned_as_they_are() -> None:
         "DB": "/etc/orka/secrets/db"
     }
     assert convert.spec_from_pb(convert.spec_to_pb(s)) == s
+
+
+# ---- ports ----
+
+WEB_PORTS = [
+    PortSpec(name="http", port=8080),
+    PortSpec(name="dns", port=53, host_port=5353, protocol=PortProtocol.UDP),
+]
+
+
+def test_spec_ports_each_way() -> None:
+    spec = WorkloadSpec(name="w", kind="CONTAINER", image="busybox", ports=WEB_PORTS)
+    msg = convert.spec_to_pb(spec)
+    assert [(p.name, p.HasField("port"), p.host_port, p.protocol) for p in msg.ports] == [
+        ("http", True, 0, pb.PortSpec.TCP),
+        ("dns", True, 5353, pb.PortSpec.UDP),
+    ]
+    assert convert.spec_from_pb(msg) == spec
+    # A host-network process leaves `port` out: unset on the wire, None in the model.
+    proc = WorkloadSpec(name="p", kind="PROCESS", command=["x"], ports=[PortSpec(name="http")])
+    back = convert.spec_from_pb(convert.spec_to_pb(proc))
+    assert not convert.spec_to_pb(proc).ports[0].HasField("port")
+    assert back.ports[0].port is None and back == proc
+
+
+def test_an_unspecified_protocol_is_tcp() -> None:
+    msg = pb.WorkloadSpec(
+        name="w", kind=pb.WorkloadSpec.CONTAINER, image="b", ports=[pb.PortSpec(name="a", port=1)]
+    )
+    assert convert.spec_from_pb(msg).ports[0].protocol is PortProtocol.TCP
+
+
+def test_report_carries_where_the_instance_is_reached() -> None:
+    report = InstanceReport(
+        name="a",
+        workload="w",
+        node="n1",
+        phase=InstancePhase.RUNNING,
+        address="10.88.0.5",
+        host_ip="192.0.2.7",
+        ports=[PortBinding(name="http", port=8080, host_port=20001)],
+    )
+    msg = convert.instance_status_to_pb(report)
+    assert convert.report_from_pb(msg, "n1") == report
+    inst = Instance(name="a", workload="w", phase=InstancePhase.RUNNING)
+    updated = inst.reported(report, now=5.0)
+    assert updated is not None
+    assert (updated.address, updated.host_ip, updated.ports) == (
+        "10.88.0.5",
+        "192.0.2.7",
+        report.ports,
+    )
+    back = convert.instance_from_pb(convert.instance_to_pb(updated))
+    assert (back.address, back.host_ip, back.ports) == ("10.88.0.5", "192.0.2.7", report.ports)
+    # Reported again unchanged: nothing to write.
+    assert updated.reported(report, now=6.0) is None
+
+
+def _status(**fields: object) -> apb.InstanceStatus:
+    return apb.InstanceStatus(name="a", phase=pb.Instance.RUNNING, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("msg", "fragment"),
+    [
+        (_status(address="evil.example"), "address: 'evil.example' is not an IP address"),
+        (_status(host_ip="1.2.3"), "host_ip: '1.2.3' is not an IP address"),
+        (_status(address="1" * 100), "address: not an IP address (over 45 characters)"),
+        (
+            _status(ports=[pb.PortBinding(name="a", port=70000)]),
+            "ports[0]: port and host_port must be 0-65535",
+        ),
+        (_status(ports=[pb.PortBinding(name="A B")]), "ports[0]: name 'A B' must be"),
+        (_status(ports=[pb.PortBinding(name="a" * 16)]), "ports[0]: name must be at most 15"),
+        (_status(ports=[pb.PortBinding(name="a", protocol=9)]), "ports[0].protocol: unknown"),
+        (_status(ports=[pb.PortBinding(name="a")] * 33), "ports: at most 32"),
+    ],
+)
+def test_report_from_pb_rejects_bad_addresses_and_ports(
+    msg: apb.InstanceStatus, fragment: str
+) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.report_from_pb(msg, "n1")
+    assert fragment in info.value.message
+    assert len(info.value.message) < 200
+
+
+def test_report_from_pb_normalises_addresses() -> None:
+    r = convert.report_from_pb(_status(address="fd00:0::5", host_ip="127.0.0.1"), "n1")
+    assert (r.address, r.host_ip) == ("fd00::5", "127.0.0.1")

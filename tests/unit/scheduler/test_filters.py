@@ -4,9 +4,10 @@ from typing import Any
 
 import pytest
 
-from orka.models import NodeState, WorkloadKind
+from orka.models import NodeState, PortProtocol, WorkloadKind
 from orka.scheduler.filters import FILTERS
 from orka.scheduler.filters.driver import DriverFilter
+from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
@@ -14,6 +15,7 @@ from orka.scheduler.filters.schedulable import SchedulableFilter
 from orka.scheduler.filters.spread import SpreadFilter
 from tests.unit.scheduler.builders import GIB, node, request
 
+TCP, UDP = PortProtocol.TCP, PortProtocol.UDP
 CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
     # id, filter, node overrides, request overrides, expected reason
     ("ready", ReadyFilter(), {}, {}, None),
@@ -127,6 +129,45 @@ CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
         {"max_per_node": 1},
         "spread: 1 replica already on node",
     ),
+    ("no-host-ports-asked", HostPortsFilter(), {"host_ports": {(8080, TCP)}}, {}, None),
+    ("host-port-free", HostPortsFilter(), {}, {"host_ports": {(8080, TCP)}}, None),
+    (
+        "host-port-taken",
+        HostPortsFilter(),
+        {"host_ports": {(8080, TCP)}},
+        {"host_ports": {(8080, TCP)}},
+        "host port 8080 in use",
+    ),
+    (
+        "udp-host-port-taken",
+        HostPortsFilter(),
+        {"host_ports": {(53, UDP), (80, TCP)}},
+        {"host_ports": {(53, UDP)}},
+        "host port 53/udp in use",
+    ),
+    # tcp and udp are two ports: a DNS server on udp leaves tcp 53 free.
+    (
+        "other-protocol-free",
+        HostPortsFilter(),
+        {"host_ports": {(53, UDP)}},
+        {"host_ports": {(53, TCP)}},
+        None,
+    ),
+    (
+        "neighbour-port-free",
+        HostPortsFilter(),
+        {"host_ports": {(8079, TCP), (8081, TCP)}},
+        {"host_ports": {(8080, TCP)}},
+        None,
+    ),
+    # Several taken: the lowest is named, whatever order the sets iterate in.
+    (
+        "lowest-taken-named",
+        HostPortsFilter(),
+        {"host_ports": {(9000, TCP), (443, UDP), (443, TCP), (80, UDP)}},
+        {"host_ports": {(9000, TCP), (443, TCP), (443, UDP), (8080, TCP)}},
+        "host port 443 in use",
+    ),
 ]
 
 
@@ -150,9 +191,16 @@ def test_filter(
 @pytest.mark.parametrize(
     ("req_overrides", "expected"),
     [
-        ({}, {"node_selector": False, "spread": False}),
-        ({"node_selector": {"zone": "eu"}}, {"node_selector": True, "spread": False}),
-        ({"max_per_node": 1}, {"node_selector": False, "spread": True}),
+        ({}, {"node_selector": False, "spread": False, "host_ports": False}),
+        (
+            {"node_selector": {"zone": "eu"}},
+            {"node_selector": True, "spread": False, "host_ports": False},
+        ),
+        ({"max_per_node": 1}, {"node_selector": False, "spread": True, "host_ports": False}),
+        (
+            {"host_ports": {(8080, TCP)}},
+            {"node_selector": False, "spread": False, "host_ports": True},
+        ),
     ],
 )
 def test_optional_filters_apply_only_when_asked(
@@ -172,6 +220,7 @@ def test_filter_table_is_explicit_and_ordered() -> None:
         "driver",
         "resources",
         "node_selector",
+        "host_ports",
         "spread",
     ]
 

@@ -8,7 +8,16 @@ from typing import Any
 import pytest
 
 from orka import fit
-from orka.models import InstancePhase, InstanceReport, NodeState, Resources
+from orka.models import (
+    InstancePhase,
+    InstanceReport,
+    NodeState,
+    PortBinding,
+    PortProtocol,
+    Resources,
+)
+from orka.scheduler.feed import Feed
+from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import Hold, NodeRecord, Registry
 from tests.unit.scheduler.builders import GIB, request
 
@@ -501,3 +510,109 @@ def test_a_node_removed_from_the_registry_leaves_the_snapshot(seen: bool) -> Non
     reg.changed(gone)
     assert [v.name for v in reg.snapshot().nodes] == ["n1", "n2"]
     assert "gone" not in reg.snapshot().by_name
+
+
+# ---- host ports: a node resource held and freed like cpu and memory ----
+
+HTTP = (8080, PortProtocol.TCP)
+DNS = (53, PortProtocol.UDP)
+
+
+def _ports(reg: Registry) -> frozenset[fit.HostPort]:
+    return reg.snapshot().by_name["n1"].host_ports
+
+
+def test_a_reserved_host_port_refuses_the_next_reservation_until_released() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", host_ports={HTTP}), 60) is None
+    assert _ports(reg) == {HTTP}
+    # Another instance (of any workload) wanting the same port is refused; another port is not.
+    refused = reg.try_reserve(rec, request(instance="api-0", workload="api", host_ports={HTTP}), 60)
+    assert refused is fit.host_port_in_use(*HTTP)
+    assert str(refused) == "host port 8080 in use"
+    assert reg.try_reserve(rec, request(instance="dns-0", host_ports={DNS}), 60) is None
+    assert _ports(reg) == {HTTP, DNS}
+    reg.release(rec, "web-0")
+    assert _ports(reg) == {DNS}
+    assert reg.try_reserve(rec, request(instance="api-0", host_ports={HTTP}), 60) is None
+
+
+@pytest.mark.parametrize(
+    "free",
+    ["release", "forget", "expire", "terminal-report"],
+)
+def test_every_way_a_hold_ends_frees_its_host_ports(free: str) -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", host_ports={HTTP, DNS}), 5) is None
+    # Bound or not, each way out frees the ports (expiry only frees an unbound reservation).
+    if free != "expire":
+        reg.apply_report(rec, report(phase=InstancePhase.RUNNING), RES)
+        assert rec.holds["web-0"].expires_at is None
+        assert _ports(reg) == {HTTP, DNS}
+    if free == "release":
+        reg.release(rec, "web-0")
+    elif free == "forget":
+        reg.forget(rec, "web-0")
+    elif free == "expire":
+        assert reg.expire_reservations(time.monotonic() + 10) == [("n1", "web-0")]
+    else:
+        reg.apply_report(rec, report(phase=InstancePhase.STOPPED), RES)
+    assert (rec.port_users, _ports(reg)) == ({}, frozenset())
+    assert reg.try_reserve(rec, request(instance="web-1", host_ports={HTTP, DNS}), 5) is None
+
+
+def test_ports_an_agent_reports_bound_count_beside_the_fixed_ones() -> None:
+    reg, rec = registry_with()
+    assert reg.try_reserve(rec, request(instance="web-0", host_ports={HTTP}), 60) is None
+    # The agent picked 31000 for a host_port 0 port and reports both bindings.
+    bound = [
+        PortBinding(name="http", port=8080, host_port=8080),
+        PortBinding(name="admin", port=9000, host_port=31000),
+        PortBinding(name="none", port=9001, host_port=0),  # not bound on the host
+    ]
+    reg.apply_report(rec, report(phase=InstancePhase.RUNNING, ports=bound), RES)
+    assert _ports(reg) == {HTTP, (31000, PortProtocol.TCP)}
+    assert rec.holds["web-0"].expires_at is None
+    assert (rec.cpu_used, rec.mem_used) == (500, GIB)
+    got = reg.try_reserve(rec, request(instance="x-0", host_ports={(31000, PortProtocol.TCP)}), 1)
+    assert str(got) == "host port 31000 in use"
+    # The same report again changes nothing; the instance's end frees every port it bound.
+    snap = reg.snapshot()
+    reg.apply_report(rec, report(phase=InstancePhase.RUNNING, ports=bound), RES)
+    assert reg.snapshot() is snap
+    reg.apply_report(rec, report(phase=InstancePhase.SUCCEEDED, ports=bound), RES)
+    assert _ports(reg) == frozenset()
+
+
+def test_an_instance_reported_by_a_node_the_scheduler_did_not_place_holds_its_ports() -> None:
+    # After a scheduler restart agents re-announce what runs: its reported ports are taken.
+    reg, rec = registry_with()
+    bound = [PortBinding(name="dns", port=53, host_port=53, protocol=PortProtocol.UDP)]
+    reg.apply_report(rec, report(name="dns-0", ports=bound), RES)
+    assert rec.holds["dns-0"] == Hold("web", 500, GIB, host_ports=frozenset({DNS}))
+    assert reg.try_reserve(rec, request(host_ports={DNS}), 1) is fit.host_port_in_use(*DNS)
+
+
+def test_two_holds_on_one_port_free_it_only_when_both_end() -> None:
+    # Only agents' reports can make this (two instances said to bind one port): the port stays
+    # taken until the last of them ends.
+    rec = NodeRecord(name="n1")
+    rec.add_hold("a", Hold("web", 0, 0, host_ports=frozenset({HTTP})))
+    rec.add_hold("b", Hold("web", 0, 0, host_ports=frozenset({HTTP, DNS})))
+    assert rec.host_ports == {HTTP, DNS}
+    rec.drop_hold("b")
+    assert rec.host_ports == {HTTP}
+    rec.add_hold("a", Hold("web", 0, 0))  # replaced by a hold without ports
+    assert (rec.host_ports, rec.port_users) == (frozenset(), {})
+
+
+def test_a_lost_node_frees_its_host_ports() -> None:
+    reg, rec = registry_with()
+    reg.apply_report(rec, report(name="web-0", ports=[PortBinding(name="h", host_port=8080)]), RES)
+    assert reg.try_reserve(rec, request(instance="web-1", host_ports={DNS}), 60) is None
+    liveness = Liveness(reg, Feed(reg, 1.0), 1.0, node_lost_after=5.0, clock=time.monotonic)
+    rec.session = None  # its stream is gone
+    rec.last_seen = time.monotonic() - 6
+    liveness.check(time.monotonic())
+    assert rec.state is NodeState.LOST
+    assert (rec.port_users, rec.holds) == ({}, {})
