@@ -31,7 +31,8 @@ forwards the host ports) and reaches a direct-boot guest on its kernel command l
 node's bridge does not serve (it is not libvirt's own network with its dnsmasq): such a VM gets
 its NIC and its address in the instance status, but configuring the address is left to the
 image. `remove()` gives the address back (`detach`), as does a start that fails after it was
-attached. Without a network, a VM has no NIC at all.
+attached. Without a network (or where the host cannot have one: `unavailable()`), a VM has no
+NIC at all, and one with ports is refused at admission.
 
 Console. The first serial port writes to `<data_dir>/instances/<instance>/console.log`, which
 `log_paths()` returns as both stdout and stderr. libvirt opens that file itself (as root for
@@ -81,7 +82,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 import structlog
 
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
-from orka.models import WorkloadKind
+from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime.base import (
     Attachment,
     DriverHealth,
@@ -370,6 +371,7 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         self._owner = owner or str(Path(data_dir).resolve())
         # None: VMs get no NIC (an agent without an instance network).
         self._network = network
+        self._warned_no_nic = False
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="orka-libvirt")
         self._lib: ModuleType | None = None
         self._conn: Any = None
@@ -383,6 +385,18 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         self._closed = False
 
     # -- interface ---------------------------------------------------------------------------
+
+    def admit(self, spec: WorkloadSpec) -> str | None:
+        """Ports are forwarded by the node's instance network: refused at the offer without
+        one, rather than failing at the start."""
+        if not spec.ports:
+            return None
+        if self._network is None:
+            return "ports need the node's instance network, and this node has none"
+        problem = self._network.unavailable()
+        if problem:
+            return f"ports need the node's instance network: {problem}"
+        return None
 
     async def health(self) -> DriverHealth:
         kinds = [WorkloadKind.VM]
@@ -411,9 +425,8 @@ class LibvirtDriver(TrackingDriver[_Vm]):
             began = time.monotonic()
             attachment = None
             try:
-                if self._network is not None:
-                    # Idempotent: a restarted VM gets back the address it had.
-                    attachment = await self._network.attach_vm(instance, list(run.spec.ports))
+                attachment = await self._connect(run)
+                if attachment is not None:
                     cfg = with_network(cfg, attachment)
                 xml = build_domain_xml(cfg)
                 pending = asyncio.ensure_future(self._call(self._define_and_start, cfg.name, xml))
@@ -524,6 +537,25 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         # After the domain is gone (its TAP with it), and also for an unknown instance: an
         # agent that crashed between attach and define left an address behind.
         await self._detach(instance)
+
+    async def _connect(self, run: RunSpec) -> Attachment | None:
+        """An address on the node's bridge (idempotent: a restarted VM gets back the one it
+        had); no NIC at all without a network, or where the host cannot have one."""
+        if self._network is None:
+            if run.spec.ports:
+                raise RuntimeFailure(
+                    "libvirt: ports need the node's instance network, and this node has none"
+                )
+            return None
+        problem = self._network.unavailable()
+        if problem:
+            if run.spec.ports:
+                raise RuntimeFailure(f"libvirt: ports need the node's instance network: {problem}")
+            if not self._warned_no_nic:
+                self._warned_no_nic = True
+                log.warning("libvirt.no_nic", reason=problem)
+            return None
+        return await self._network.attach_vm(run.instance, list(run.spec.ports))
 
     async def _detach(self, instance: str) -> None:
         if self._network is None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orka.errors import RuntimeFailure
-from orka.models import PortBinding, Resources, VmSpec, WorkloadKind, WorkloadSpec
+from orka.models import PortBinding, PortSpec, Resources, VmSpec, WorkloadKind, WorkloadSpec
 from orka.runtime.base import Attachment, RunSpec
 from orka.runtime.libvirt import (
     DEFAULT_MEMORY,
@@ -226,3 +226,38 @@ def test_mac_and_tap_name_are_stable_per_instance_and_valid() -> None:
         assert tap.startswith("orka") and len(tap) == 15  # IFNAMSIZ - 1
         # Names libvirt treats as its own would be replaced by a generated one.
         assert not tap.startswith(("vnet", "vif"))
+
+
+class _Network:
+    """Just enough of an InstanceNetwork for admission: whether the host can have one."""
+
+    def __init__(self, problem: str | None) -> None:
+        self.problem = problem
+
+    def unavailable(self) -> str | None:
+        return self.problem
+
+
+@pytest.mark.parametrize(
+    ("network", "ports", "reason"),
+    [
+        (None, [], None),
+        (None, [PortSpec(name="http", port=80)], "this node has none"),
+        (_Network("not root"), [PortSpec(name="http", port=80)], "network: not root"),
+        (_Network("not root"), [], None),  # no ports: the VM runs, without a NIC
+        (_Network(None), [PortSpec(name="http", port=80)], None),
+    ],
+)
+async def test_ports_need_a_usable_network_at_admission(
+    tmp_path: Path, network: _Network | None, ports: list[PortSpec], reason: str | None
+) -> None:
+    driver = LibvirtDriver(tmp_path, network=network)  # type: ignore[arg-type]
+    try:
+        got = driver.admit(spec(vm=VmSpec(kernel="/k"), ports=ports))
+    finally:
+        await driver.close()
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith("ports need the node's instance network")
+        assert got.endswith(reason)
