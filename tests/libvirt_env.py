@@ -25,6 +25,16 @@ Kernel. Debian's `linux-image-cloud-amd64` names the current cloud kernel packag
 with `apt-get download` once, unpacked with `dpkg -x`, and only `vmlinuz` is kept under
 `$ORKA_TEST_CACHE` (default `~/.cache/orka-test`) so reruns need neither apt nor the network.
 `ORKA_TEST_KERNEL` points at a kernel to use instead.
+
+Guest network. The cloud kernel has virtio_net and what it needs as modules (checked in its
+config: VIRTIO, VIRTIO_PCI, VIRTIO_NET, FAILOVER, NET_FAILOVER all `=m`) and no CONFIG_IP_PNP, so
+the kernel cannot configure an address itself. The same package's modules are therefore
+unpacked next to `vmlinuz` (`NIC_MODULES`, in load order) and put in the initramfs, whose init
+loads them and configures eth0 from `orka.ip=ADDR/PREFIX orka.gw=GATEWAY` on the command line
+(what the driver appends for a VM on the instance network), then starts `busybox httpd` on the
+port `orka.httpd=PORT` names, serving a page that says who it is. With `ORKA_TEST_KERNEL`, the
+modules are looked up under `ORKA_TEST_KERNEL_MODULES` (a directory searched for the `.ko`
+files), and a guest without them has no network (`Guest.networking`).
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import contextlib
 import grp
 import gzip
 import io
+import lzma
 import os
 import shutil
 import stat
@@ -59,6 +70,20 @@ KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 MARKER = "orka-guest-hello"
 # The guest powers itself off when its kernel command line holds this word.
 POWEROFF_FLAG = "orka.poweroff"
+# The guest prints this with its address once eth0 is configured.
+NET_MARKER = "orka-guest-net"
+# virtio_net and its dependencies, each after the modules it depends on (their `depends=`
+# modinfo fields in the 6.1 cloud kernel); busybox insmod does not resolve dependencies.
+NIC_MODULES = (
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_modern_dev",
+    "virtio_pci_legacy_dev",
+    "virtio_pci",
+    "failover",
+    "net_failover",
+    "virtio_net",
+)
 # Every domain of this test run carries this token in its name (tests put it in workload and
 # instance names), so teardown finds this run's leftovers and nothing else.
 RUN = uuid.uuid4().hex[:6]
@@ -190,36 +215,88 @@ def _wait_for(check: object, timeout: float, what: str, log_dir: Path) -> None:
 # -- guest files -----------------------------------------------------------------------------
 
 
-def cloud_kernel() -> Path:
-    """A Debian cloud kernel's vmlinuz, fetched once and cached."""
+@dataclass(frozen=True)
+class KernelFiles:
+    vmlinuz: Path
+    # The NIC modules in load order; empty when unknown (the guest then has no network).
+    modules: list[Path]
+
+
+def cloud_kernel() -> KernelFiles:
+    """A Debian cloud kernel's vmlinuz and its NIC modules, fetched once and cached."""
     override = os.environ.get("ORKA_TEST_KERNEL")
     if override:
-        return Path(override)
+        return KernelFiles(Path(override), _override_modules())
     cache = cache_dir()
     package = _current_kernel_package()
     if package is None:
         cached = sorted(cache.glob("linux-image-*/vmlinuz"))
         if cached:
-            return cached[-1]
+            return KernelFiles(cached[-1], _cached_modules(cached[-1].parent))
         raise AssertionError(f"cannot resolve {KERNEL_META_PACKAGE} with apt-cache")
     target = cache / package / "vmlinuz"
-    if target.exists():
-        return target
+    modules = _cached_modules(target.parent)
+    if target.exists() and modules:
+        return KernelFiles(target, modules)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        subprocess.run(
-            ["apt-get", "download", package],
-            cwd=tmp,
-            check=True,
-            capture_output=True,
-        )
-        (deb,) = Path(tmp).glob("*.deb")
+        # A cache from before the guest had a network holds the .deb: no apt needed then.
+        debs = sorted((cache / package).glob("*.deb"))
+        if debs:
+            deb = debs[-1]
+        else:
+            subprocess.run(
+                ["apt-get", "download", package],
+                cwd=tmp,
+                check=True,
+                capture_output=True,
+            )
+            (deb,) = Path(tmp).glob("*.deb")
         subprocess.run(["dpkg", "-x", str(deb), f"{tmp}/x"], check=True, capture_output=True)
         (vmlinuz,) = Path(tmp, "x", "boot").glob("vmlinuz-*")
         target.parent.mkdir(parents=True, exist_ok=True)
+        _unpack_modules(Path(tmp, "x", "lib", "modules"), target.parent / "modules")
         shutil.copyfile(vmlinuz, f"{target}.tmp")
         os.replace(f"{target}.tmp", target)
-        shutil.copyfile(deb, cache / package / deb.name)
-    return target
+        if not debs:
+            shutil.copyfile(deb, cache / package / deb.name)
+    return KernelFiles(target, _cached_modules(target.parent))
+
+
+def _find_module(tree: Path, name: str) -> Path | None:
+    found = sorted(tree.rglob(f"{name}.ko")) + sorted(tree.rglob(f"{name}.ko.xz"))
+    return found[0] if found else None
+
+
+def _unpack_modules(tree: Path, into: Path) -> None:
+    """Copy the NIC modules out of a kernel's module tree, uncompressed (busybox insmod reads
+    plain .ko files; Debian 6.1 ships them plain, later kernels xz-compressed)."""
+    tmp = into.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in NIC_MODULES:
+        module = _find_module(tree, name)
+        if module is None:
+            raise AssertionError(f"kernel module {name} not found under {tree}")
+        data = module.read_bytes()
+        if module.name.endswith(".xz"):
+            data = lzma.decompress(data)
+        (tmp / f"{name}.ko").write_bytes(data)
+    shutil.rmtree(into, ignore_errors=True)
+    os.replace(tmp, into)
+
+
+def _cached_modules(package_dir: Path) -> list[Path]:
+    modules = [package_dir / "modules" / f"{name}.ko" for name in NIC_MODULES]
+    return modules if all(m.exists() for m in modules) else []
+
+
+def _override_modules() -> list[Path]:
+    tree = os.environ.get("ORKA_TEST_KERNEL_MODULES")
+    if not tree:
+        return []
+    into = cache_dir() / "override"
+    _unpack_modules(Path(tree), into / "modules")
+    return _cached_modules(into)
 
 
 def _current_kernel_package() -> str | None:
@@ -240,25 +317,62 @@ def _current_kernel_package() -> str | None:
 
 
 # Runs as PID 1: proves it is the guest talking (the kernel release is only known inside),
-# then idles, or powers off when asked on the kernel command line.
+# then idles, or powers off when asked on the kernel command line. Given `orka.ip=` it loads
+# the NIC modules and configures eth0; given `orka.httpd=PORT` it serves a page on that port.
 INIT = f"""#!/bin/busybox sh
-/bin/busybox mount -t proc proc /proc
-echo "{MARKER} kernel=$(/bin/busybox uname -r)"
-if /bin/busybox grep -q {POWEROFF_FLAG} /proc/cmdline; then
-  /bin/busybox poweroff -f
+bb=/bin/busybox
+$bb mount -t proc proc /proc
+$bb mount -t sysfs sysfs /sys
+echo "{MARKER} kernel=$($bb uname -r)"
+if $bb grep -q {POWEROFF_FLAG} /proc/cmdline; then
+  $bb poweroff -f
 fi
-while :; do /bin/busybox sleep 3600; done
+for word in $($bb cat /proc/cmdline); do
+  case "$word" in
+    orka.ip=*) ip="${{word#orka.ip=}}" ;;
+    orka.gw=*) gw="${{word#orka.gw=}}" ;;
+    orka.httpd=*) httpd="${{word#orka.httpd=}}" ;;
+  esac
+done
+if [ -n "$ip" ]; then
+  for module in $($bb cat /lib/modules/order); do
+    $bb insmod /lib/modules/$module.ko || echo "orka-guest: insmod $module failed"
+  done
+  # The PCI probe that names eth0 may finish after insmod returns: wait for it (5 s at most).
+  tries=50
+  while [ ! -e /sys/class/net/eth0 ] && [ $tries -gt 0 ]; do
+    $bb sleep 0.1
+    tries=$((tries - 1))
+  done
+  $bb ip link set lo up
+  $bb ip link set eth0 up
+  $bb ip addr add "$ip" dev eth0
+  if [ -n "$gw" ]; then $bb ip route add default via "$gw"; fi
+  echo "{NET_MARKER} $($bb ip -4 -o addr show dev eth0)"
+fi
+if [ -n "$httpd" ]; then
+  $bb mkdir -p /www
+  echo "{MARKER} kernel=$($bb uname -r) ip=$ip" > /www/index.html
+  $bb httpd -p "$httpd" -h /www
+fi
+while :; do $bb sleep 3600; done
 """
 
 
-def build_initramfs(path: Path) -> None:
-    """A gzipped newc cpio with a static busybox and `/init` (no cpio tool needed)."""
+def build_initramfs(path: Path, modules: list[Path] | None = None) -> None:
+    """A gzipped newc cpio with a static busybox, `/init` and the NIC modules (no cpio tool
+    needed)."""
     archive = _Cpio()
-    for d in ("bin", "dev", "proc", "sys"):
+    for d in ("bin", "dev", "proc", "sys", "lib", "lib/modules"):
         archive.add(d, stat.S_IFDIR | 0o755)
     archive.add("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1))
     archive.add("bin/busybox", stat.S_IFREG | 0o755, Path(BUSYBOX).read_bytes())
     archive.add("init", stat.S_IFREG | 0o755, INIT.encode())
+    modules = modules or []
+    for module in modules:
+        archive.add(f"lib/modules/{module.name}", stat.S_IFREG | 0o644, module.read_bytes())
+    order = "".join(f"{m.name.removesuffix('.ko')}\n" for m in modules)
+    archive.add("lib/modules/order", stat.S_IFREG | 0o644, order.encode())
     path.write_bytes(gzip.compress(archive.finish(), compresslevel=1))
 
 
@@ -305,22 +419,27 @@ class _Cpio:
 class Guest:
     kernel: Path
     initrd: Path
+    # Whether the initramfs holds the NIC modules (see the module docstring).
+    networking: bool = False
 
-    def cmdline(self, poweroff: bool = False) -> str:
+    def cmdline(self, poweroff: bool = False, httpd_port: int | None = None) -> str:
         # panic=-1: a panicking guest reboots at once, which ends the domain (on_reboot=destroy).
         words = ["console=ttyS0", "panic=-1", "quiet"]
         if poweroff:
             words.append(POWEROFF_FLAG)
+        if httpd_port is not None:
+            words.append(f"orka.httpd={httpd_port}")
         return " ".join(words)
 
 
 def make_guest(directory: Path) -> Guest:
     """Kernel and initramfs in `directory`, which QEMU's unprivileged user must be able to read."""
     directory.chmod(0o755)
+    files = cloud_kernel()
     kernel = directory / "vmlinuz"
-    shutil.copyfile(cloud_kernel(), kernel)
+    shutil.copyfile(files.vmlinuz, kernel)
     initrd = directory / "initrd.gz"
-    build_initramfs(initrd)
+    build_initramfs(initrd, files.modules)
     for f in (kernel, initrd):
         f.chmod(0o644)
-    return Guest(kernel=kernel, initrd=initrd)
+    return Guest(kernel=kernel, initrd=initrd, networking=bool(files.modules))

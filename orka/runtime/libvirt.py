@@ -20,6 +20,20 @@ Every file is checked before anything is defined, so a missing one fails the sta
 its path. The machine is `pc` with ACPI; the domain type is `kvm` when QEMU can use /dev/kvm
 (see `_kvm_usable`) and `qemu` (TCG, plain emulation) otherwise; `domain_type=` overrides.
 
+Network. Given an `InstanceNetwork` (orka/runtime/network.py), a VM gets one virtio NIC: a TAP
+that libvirt creates and joins to the node's bridge (`<interface type='bridge'>`), named
+`orka` + 11 hex digits of a hash of the instance (an interface name has at most 15 characters)
+and with a MAC from the same hash under QEMU's locally administered prefix 52:54:00, so a
+restarted VM keeps both. The address comes from the network's IPAM (`attach_vm`, which also
+forwards the host ports) and reaches a direct-boot guest on its kernel command line as
+`orka.ip=ADDR/PREFIX orka.gw=GATEWAY`, for the guest's init to apply (see
+`guest_network_args`). A guest booted from a disk image would have to ask DHCP, which the
+node's bridge does not serve (it is not libvirt's own network with its dnsmasq): such a VM gets
+its NIC and its address in the instance status, but configuring the address is left to the
+image. `remove()` gives the address back (`detach`), as does a start that fails after it was
+attached. Without a network (or where the host cannot have one: `unavailable()`), a VM has no
+NIC at all, and one with ports is refused at admission.
+
 Console. The first serial port writes to `<data_dir>/instances/<instance>/console.log`, which
 `log_paths()` returns as both stdout and stderr. libvirt opens that file itself (as root for
 qemu:///system), so the qemu user does not need access to the agent's data dir. Disk images
@@ -47,7 +61,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -66,9 +82,11 @@ from typing import Any, ClassVar, Literal, TypeVar
 import structlog
 
 from orka.errors import AlreadyExists, NotFound, RuntimeFailure
-from orka.models import WorkloadKind
+from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime.base import (
+    Attachment,
     DriverHealth,
+    InstanceNetwork,
     RunSpec,
     TaskInfo,
     TrackedTask,
@@ -137,6 +155,61 @@ def domain_name(instance: str) -> str:
 
 
 @dataclass(frozen=True)
+class Nic:
+    """The VM's one NIC: a TAP named `dev` that libvirt creates and joins to `bridge`."""
+
+    bridge: str
+    mac: str
+    dev: str
+
+
+# libvirt ignores (and overwrites) target names it reserves for its own, "vnet" and "vif".
+TAP_PREFIX = "orka"
+IFNAMSIZ = 15  # the longest interface name Linux accepts
+
+
+def _instance_hash(instance: str) -> bytes:
+    return hashlib.sha256(instance.encode()).digest()
+
+
+def mac_for(instance: str) -> str:
+    """A MAC that stays the instance's across restarts and agents: QEMU's prefix 52:54:00
+    (locally administered, unicast) and three bytes of a hash of the instance name."""
+    return "52:54:00:" + ":".join(f"{b:02x}" for b in _instance_hash(instance)[:3])
+
+
+def tap_for(instance: str) -> str:
+    """The TAP's name: instance names are far longer than an interface name may be, so a hash;
+    11 hex digits keep a clash between two instances of one node out of reach."""
+    width = IFNAMSIZ - len(TAP_PREFIX)
+    return TAP_PREFIX + _instance_hash(instance).hex()[:width]
+
+
+def nic_for(attachment: Attachment) -> Nic:
+    return Nic(
+        bridge=attachment.bridge,
+        mac=mac_for(attachment.instance),
+        dev=tap_for(attachment.instance),
+    )
+
+
+def guest_network_args(attachment: Attachment) -> str:
+    """Kernel command-line words that tell a direct-boot guest its address.
+
+    Not the kernel's own `ip=ADDR::GW:MASK::eth0:off`: that needs CONFIG_IP_PNP, which Debian's
+    kernels (the cloud kernel the tests boot included) leave out, and a NIC driver built in,
+    where Debian builds virtio_net as a module. So the guest's init applies them (the test
+    initramfs in tests/libvirt_env.py does, with busybox `ip`); the kernel passes words it
+    does not know on to init untouched.
+    """
+    return f"orka.ip={attachment.address}/{attachment.prefix_len} orka.gw={attachment.gateway}"
+
+
+def with_cmdline(cmdline: str, extra: str) -> str:
+    return f"{cmdline} {extra}" if cmdline else extra
+
+
+@dataclass(frozen=True)
 class DomainConfig:
     """Everything the domain XML is built from; see `build_domain_xml`."""
 
@@ -154,6 +227,7 @@ class DomainConfig:
     kernel: Path | None = None
     initrd: Path | None = None
     cmdline: str = ""
+    nic: Nic | None = None
 
 
 def vcpus_for(cpu_millis: int) -> int:
@@ -206,6 +280,12 @@ def build_domain_xml(cfg: DomainConfig) -> str:
         ET.SubElement(disk, "driver", name="qemu", type=cfg.disk_format)
         ET.SubElement(disk, "source", file=str(cfg.disk))
         ET.SubElement(disk, "target", dev="vda", bus="virtio")
+    if cfg.nic is not None:
+        iface = ET.SubElement(devices, "interface", type="bridge")
+        ET.SubElement(iface, "mac", address=cfg.nic.mac)
+        ET.SubElement(iface, "source", bridge=cfg.nic.bridge)
+        ET.SubElement(iface, "target", dev=cfg.nic.dev)
+        ET.SubElement(iface, "model", type="virtio")
     serial = ET.SubElement(devices, "serial", type="file")
     ET.SubElement(serial, "source", path=str(cfg.console_log), append="on")
     ET.SubElement(serial, "target", port="0")
@@ -282,12 +362,16 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         domain_type: DomainType = "auto",
         owner: str = "",
         threads: int = 4,
+        network: InstanceNetwork | None = None,
     ) -> None:
         self._root = Path(data_dir) / "instances"
         self.uri = uri
         self._poll = poll_interval
         self._domain_type = domain_type
         self._owner = owner or str(Path(data_dir).resolve())
+        # None: VMs get no NIC (an agent without an instance network).
+        self._network = network
+        self._warned_no_nic = False
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="orka-libvirt")
         self._lib: ModuleType | None = None
         self._conn: Any = None
@@ -301,6 +385,18 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         self._closed = False
 
     # -- interface ---------------------------------------------------------------------------
+
+    def admit(self, spec: WorkloadSpec) -> str | None:
+        """Ports are forwarded by the node's instance network: refused at the offer without
+        one, rather than failing at the start."""
+        if not spec.ports:
+            return None
+        if self._network is None:
+            return "ports need the node's instance network, and this node has none"
+        problem = self._network.unavailable()
+        if problem:
+            return f"ports need the node's instance network: {problem}"
+        return None
 
     async def health(self) -> DriverHealth:
         kinds = [WorkloadKind.VM]
@@ -326,12 +422,24 @@ class LibvirtDriver(TrackingDriver[_Vm]):
                     raise AlreadyExists(f"libvirt: instance {instance!r} is already running")
                 # A restart of an exited VM: a fresh definition, since the spec may differ.
                 await self._forget(existing, keep_files=True)
-            xml = build_domain_xml(cfg)
             began = time.monotonic()
-            pending = asyncio.ensure_future(self._call(self._define_and_start, cfg.name, xml))
-            self._starting[instance] = pending
-            pending.add_done_callback(functools.partial(self._started, instance))
-            await asyncio.shield(pending)
+            attachment = None
+            try:
+                attachment = await self._connect(run)
+                if attachment is not None:
+                    cfg = with_network(cfg, attachment)
+                xml = build_domain_xml(cfg)
+                pending = asyncio.ensure_future(self._call(self._define_and_start, cfg.name, xml))
+                self._starting[instance] = pending
+                pending.add_done_callback(functools.partial(self._started, instance))
+                await asyncio.shield(pending)
+            except Exception:
+                # Not on cancellation: the define may still finish in its thread, and remove()
+                # detaches once it has found that domain. A failing detach is logged and left
+                # for remove(); the start's own error is the one to report.
+                with contextlib.suppress(Exception):
+                    await self._detach(instance)
+                raise
             vm = self._vms.get(instance)
             if vm is None:
                 vm = _Vm(
@@ -342,10 +450,13 @@ class LibvirtDriver(TrackingDriver[_Vm]):
                 )
                 self._vms[instance] = vm
                 vm.watcher = asyncio.create_task(self._watch(vm), name=f"watch-{instance}")
+            if attachment is not None:
+                vm.address, vm.ports = attachment.address, list(attachment.ports)
             log.info(
                 "libvirt.started",
                 instance=instance,
                 domain=cfg.name,
+                address=vm.address,
                 type=cfg.domain_type,
                 vcpus=cfg.vcpus,
                 memory=cfg.memory_bytes,
@@ -423,6 +534,38 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         else:
             # Nothing we own under that name; still clear a leftover directory.
             await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
+        # After the domain is gone (its TAP with it), and also for an unknown instance: an
+        # agent that crashed between attach and define left an address behind.
+        await self._detach(instance)
+
+    async def _connect(self, run: RunSpec) -> Attachment | None:
+        """An address on the node's bridge (idempotent: a restarted VM gets back the one it
+        had); no NIC at all without a network, or where the host cannot have one."""
+        if self._network is None:
+            if run.spec.ports:
+                raise RuntimeFailure(
+                    "libvirt: ports need the node's instance network, and this node has none"
+                )
+            return None
+        problem = self._network.unavailable()
+        if problem:
+            if run.spec.ports:
+                raise RuntimeFailure(f"libvirt: ports need the node's instance network: {problem}")
+            if not self._warned_no_nic:
+                self._warned_no_nic = True
+                log.warning("libvirt.no_nic", reason=problem)
+            return None
+        return await self._network.attach_vm(run.instance, list(run.spec.ports))
+
+    async def _detach(self, instance: str) -> None:
+        if self._network is None:
+            return
+        try:
+            await self._network.detach(instance)
+        except Exception as exc:
+            # Detach is idempotent: the next remove() tries again.
+            log.warning("libvirt.detach_failed", instance=instance, error=str(exc))
+            raise
 
     def _started(self, instance: str, pending: asyncio.Future[None]) -> None:
         if self._starting.get(instance) is pending:
@@ -462,6 +605,11 @@ class LibvirtDriver(TrackingDriver[_Vm]):
             dir=self._root / instance,
             started_at=float(meta.get("started_at", "0") or 0),
         )
+        if self._network is not None:
+            # What an earlier agent attached, read back so the status keeps the address.
+            attachment = self._network.attachment(instance)
+            if attachment is not None:
+                vm.address, vm.ports = attachment.address, list(attachment.ports)
         self._vms[instance] = vm
         log.info("libvirt.adopted", instance=instance)
         vm.watcher = asyncio.create_task(self._watch(vm), name=f"watch-{instance}")
@@ -729,6 +877,14 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         # rss is what QEMU holds on the host; `actual` (the balloon size) when rss is missing.
         kib = mem.get("rss") or mem.get("actual") or 0
         return int(cpu), int(kib) * 1024
+
+
+def with_network(cfg: DomainConfig, attachment: Attachment) -> DomainConfig:
+    """`cfg` with the NIC, and for a direct-boot guest its address on the command line."""
+    cmdline = cfg.cmdline
+    if cfg.kernel is not None:
+        cmdline = with_cmdline(cmdline, guest_network_args(attachment))
+    return dataclasses.replace(cfg, nic=nic_for(attachment), cmdline=cmdline)
 
 
 def _text(exc: Exception) -> str:

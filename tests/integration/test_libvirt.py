@@ -8,6 +8,7 @@ under TCG take seconds, so waits are generous and nothing asserts on time.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -144,6 +145,13 @@ async def test_vm_runs_through_scheduler_and_agent(
         print(f"\nVM apply→RUNNING {running_after:.2f}s, apply→guest marker {marker_after:.2f}s")
         assert f"{MARKER} kernel=6." in text
         assert domain_exists(libvirt_daemons.uri, domain_name(inst.name))
+        # The agent's instance network gave it an address, which the controller reports.
+        assert agent.network is not None
+        attachment = agent.network.attachment(inst.name)
+        if agent.network.unavailable() is None:
+            assert attachment is not None
+            assert inst.address == attachment.address
+            assert ipaddress.ip_address(inst.address) in agent.network.subnet
         # The spec's resources are the VM's limits: 128 MiB of memory, 500 m -> one vCPU.
         assert domain_limits(libvirt_daemons.uri, domain_name(inst.name)) == (128 << 10, 1)
         usage = await driver.usage(inst.name)
@@ -165,6 +173,7 @@ async def test_vm_runs_through_scheduler_and_agent(
         await eventually(all_gone, timeout=30)
         assert not domain_exists(libvirt_daemons.uri, domain_name(inst.name))
         assert not console.parent.exists()
+        assert agent.network.attachment(inst.name) is None
     finally:
         await cluster.stop()
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from orka.errors import RuntimeFailure
-from orka.models import Resources, VmSpec, WorkloadKind, WorkloadSpec
-from orka.runtime.base import RunSpec
+from orka.models import PortBinding, PortSpec, Resources, VmSpec, WorkloadKind, WorkloadSpec
+from orka.runtime.base import Attachment, RunSpec
 from orka.runtime.libvirt import (
     DEFAULT_MEMORY,
     MIB,
@@ -21,9 +21,13 @@ from orka.runtime.libvirt import (
     LibvirtDriver,
     build_domain_xml,
     disk_format,
+    guest_network_args,
+    mac_for,
     memory_for,
     parse_task_metadata,
+    tap_for,
     vcpus_for,
+    with_network,
 )
 
 
@@ -159,3 +163,101 @@ async def test_missing_initrd_is_named(tmp_path: Path) -> None:
             await driver.start(RunSpec(instance="vm-1", workload="vm", spec=spec(vm=vm)))
     finally:
         await driver.close()
+
+
+def attachment(instance: str = "web-1") -> Attachment:
+    return Attachment(
+        instance=instance,
+        address="10.88.0.7",
+        prefix_len=24,
+        gateway="10.88.0.1",
+        bridge="orka0",
+        ports=[PortBinding(name="http", port=8080, host_port=30080)],
+    )
+
+
+def test_a_network_gives_the_domain_one_virtio_nic_on_the_bridge() -> None:
+    cfg = with_network(
+        config(kernel=Path("/k/vmlinuz"), cmdline="console=ttyS0 quiet"), attachment()
+    )
+    root = ET.fromstring(build_domain_xml(cfg))
+    (iface,) = root.findall("devices/interface")
+    assert iface.get("type") == "bridge"
+    assert iface.find("source").get("bridge") == "orka0"  # type: ignore[union-attr]
+    assert iface.find("model").get("type") == "virtio"  # type: ignore[union-attr]
+    assert iface.find("mac").get("address") == mac_for("web-1")  # type: ignore[union-attr]
+    assert iface.find("target").get("dev") == tap_for("web-1")  # type: ignore[union-attr]
+    # The guest learns its address from its command line, after what the spec asked for.
+    assert root.findtext("os/cmdline") == (
+        "console=ttyS0 quiet orka.ip=10.88.0.7/24 orka.gw=10.88.0.1"
+    )
+
+
+def test_without_a_network_there_is_no_nic_and_the_cmdline_is_the_specs() -> None:
+    root = ET.fromstring(build_domain_xml(config(kernel=Path("/k"), cmdline="console=ttyS0")))
+    assert root.find("devices/interface") is None
+    assert root.findtext("os/cmdline") == "console=ttyS0"
+
+
+def test_guest_args_alone_when_the_spec_has_no_cmdline() -> None:
+    cfg = with_network(config(kernel=Path("/k")), attachment())
+    assert cfg.cmdline == "orka.ip=10.88.0.7/24 orka.gw=10.88.0.1"
+    assert guest_network_args(attachment()) == cfg.cmdline
+
+
+def test_a_disk_booted_guest_gets_the_nic_but_no_cmdline() -> None:
+    # No kernel to hand words to: such a guest configures itself (DHCP is not served).
+    cfg = with_network(config(disk=Path("/img/a.qcow2")), attachment())
+    root = ET.fromstring(build_domain_xml(cfg))
+    assert root.find("os/cmdline") is None
+    assert root.find("devices/interface/source").get("bridge") == "orka0"  # type: ignore[union-attr]
+
+
+def test_mac_and_tap_name_are_stable_per_instance_and_valid() -> None:
+    names = ["web-1", "web-2", "a" * 253, "db-0"]
+    macs = [mac_for(n) for n in names]
+    taps = [tap_for(n) for n in names]
+    assert macs == [mac_for(n) for n in names]  # deterministic: a restart keeps them
+    assert len(set(macs)) == len(set(taps)) == len(names)
+    for mac, tap in zip(macs, taps, strict=True):
+        octets = [int(o, 16) for o in mac.split(":")]
+        assert len(octets) == 6 and octets[:3] == [0x52, 0x54, 0x00]
+        assert octets[0] & 0x02 and not octets[0] & 0x01  # locally administered, unicast
+        assert tap.startswith("orka") and len(tap) == 15  # IFNAMSIZ - 1
+        # Names libvirt treats as its own would be replaced by a generated one.
+        assert not tap.startswith(("vnet", "vif"))
+
+
+class _Network:
+    """Just enough of an InstanceNetwork for admission: whether the host can have one."""
+
+    def __init__(self, problem: str | None) -> None:
+        self.problem = problem
+
+    def unavailable(self) -> str | None:
+        return self.problem
+
+
+@pytest.mark.parametrize(
+    ("network", "ports", "reason"),
+    [
+        (None, [], None),
+        (None, [PortSpec(name="http", port=80)], "this node has none"),
+        (_Network("not root"), [PortSpec(name="http", port=80)], "network: not root"),
+        (_Network("not root"), [], None),  # no ports: the VM runs, without a NIC
+        (_Network(None), [PortSpec(name="http", port=80)], None),
+    ],
+)
+async def test_ports_need_a_usable_network_at_admission(
+    tmp_path: Path, network: _Network | None, ports: list[PortSpec], reason: str | None
+) -> None:
+    driver = LibvirtDriver(tmp_path, network=network)  # type: ignore[arg-type]
+    try:
+        got = driver.admit(spec(vm=VmSpec(kernel="/k"), ports=ports))
+    finally:
+        await driver.close()
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and got.startswith("ports need the node's instance network")
+        assert got.endswith(reason)
