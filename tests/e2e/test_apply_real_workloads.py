@@ -128,15 +128,15 @@ async def apply_and_time(
     return instance, to_running, to_then, apply_wall
 
 
-async def http_answers(host: str, port: int, text: str, timeout: float) -> None:
-    """Wait until GET / at host:port answers with `text` (loopback or the agent's bridge)."""
+async def http_contains(host: str, port: int, text: str, timeout: float) -> None:
+    """Wait until GET / at host:port answers with a page containing `text`."""
 
     async def check() -> bool:
         try:
             _, body = await asyncio.to_thread(http_get, host, port, "/", 2.0)
         except (OSError, ValueError, IndexError):
             return False
-        return body.decode(errors="replace").strip() == text
+        return text in body.decode(errors="replace")
 
     await eventually(check, timeout=timeout, interval=0.02)
 
@@ -195,7 +195,7 @@ ports:
         log = agent_data / "runtime" / "containerd" / "instances" / instance / "stdout.log"
         box_log.append(log)
         (inst,) = await cluster.running(box)
-        await http_answers(inst.address, 8080, f"hello from {instance}", timeout=60)
+        await http_contains(inst.address, 8080, f"hello from {instance}", timeout=60)
 
     box_inst, box_running, box_answered, box_apply = await apply_and_time(
         cluster, box_file, box, container_answers
@@ -211,25 +211,7 @@ ports:
     (binding,) = before.ports
     assert (binding.name, binding.port) == ("http", 8080) and binding.host_port > 0
     assert before.host_ip == "127.0.0.1"
-    await http_answers("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
-
-    # ---- the agent SIGKILLed and started again: same address, same host port, still serving --
-    agent = cluster.services[NODE]
-    agent.signal(signal.SIGKILL)
-    await asyncio.to_thread(agent.wait)
-    await http_answers(before.address, 8080, f"hello from {box_inst}", timeout=10)
-    agent.start()
-
-    async def readopted() -> pb.Instance | None:
-        running = await cluster.running(box)
-        again = [i for i in running if i.name == box_inst and i.ports]
-        nodes = await cluster.nodes()
-        return again[0] if again and nodes.get(NODE) == pb.Node.READY else None
-
-    after = await eventually(readopted, timeout=60, interval=0.2)
-    assert (after.address, list(after.ports)) == (before.address, list(before.ports))
-    await http_answers(before.address, 8080, f"hello from {box_inst}", timeout=30)
-    await http_answers("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
+    await http_contains("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
 
     # ---- a VM booted straight from a kernel and initramfs ----
     vm_file = tmp_path / "vm.yaml"
@@ -239,12 +221,13 @@ kind: vm
 vm:
   kernel: {guest.kernel}
   initrd: {guest.initrd}
-  cmdline: {guest.cmdline()}
+  cmdline: {guest.cmdline(httpd_port=8080 if guest.networking else None)}
 replicas: 1
 resources: {{cpu: 500m, memory: 128Mi}}
 restartPolicy: Always
 stopGracePeriod: 1s
 """
+        + ("ports:\n  - {name: http, port: 8080}\n" if guest.networking else "")
     )
     console_log: list[Path] = []
 
@@ -262,6 +245,44 @@ stopGracePeriod: 1s
         f" (`orka apply --wait` returned after {vm_apply:.2f}s)"
     )
     assert domain_name(vm_inst) in virsh_domains(libvirt_daemons.uri)
+    vm_before: pb.Instance | None = None
+    if guest.networking:
+        # The guest's page names its address: the answer comes from inside this VM.
+        (vm_before,) = await cluster.running(vm)
+        t = time.monotonic()
+        page = f"{MARKER} kernel=6."
+        await http_contains(vm_before.address, 8080, page, timeout=BOOT_TIMEOUT)
+        await http_contains(vm_before.address, 8080, f"ip={vm_before.address}/", timeout=10)
+        await http_contains(
+            "127.0.0.1", vm_before.ports[0].host_port, f"ip={vm_before.address}/", timeout=30
+        )
+        print(f"VM: guest marker→first HTTP answer at its address {time.monotonic() - t:.2f}s")
+
+    # ---- the agent SIGKILLed and started again: same addresses, same host ports, serving ----
+    agent = cluster.services[NODE]
+    agent.signal(signal.SIGKILL)
+    await asyncio.to_thread(agent.wait)
+    await http_contains(before.address, 8080, f"hello from {box_inst}", timeout=10)
+    agent.start()
+
+    async def readopted() -> pb.Instance | None:
+        running = await cluster.running(box)
+        again = [i for i in running if i.name == box_inst and i.ports]
+        nodes = await cluster.nodes()
+        return again[0] if again and nodes.get(NODE) == pb.Node.READY else None
+
+    after = await eventually(readopted, timeout=60, interval=0.2)
+    assert (after.address, list(after.ports)) == (before.address, list(before.ports))
+    await http_contains(before.address, 8080, f"hello from {box_inst}", timeout=30)
+    await http_contains("127.0.0.1", binding.host_port, f"hello from {box_inst}", timeout=30)
+    if vm_before is not None:
+        (vm_after,) = await cluster.running(vm)
+        assert (vm_after.name, vm_after.address, list(vm_after.ports)) == (
+            vm_before.name,
+            vm_before.address,
+            list(vm_before.ports),
+        )
+        await http_contains(vm_before.address, 8080, f"ip={vm_before.address}/", timeout=30)
 
     # ---- both seen by the user as RUNNING, on the one node ----
     listed = json.loads(await orka(cluster, "get", "instances", "-o", "json"))
