@@ -128,4 +128,5 @@ def test_the_agent_hands_the_network_to_the_drivers_that_take_one() -> None:
     from orka.runtime.registry import takes
 
     assert takes("containerd", "network") and takes("process", "network")
+    assert takes("libvirt", "network")
     assert not takes("fake", "network") and not takes("nope", "network")
