@@ -281,6 +281,8 @@ class CniNetwork:
         self._ports = host_ports if host_ports is not None else HostPorts()
         self._records: dict[str, _Record] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._guarded = False
+        self._guard_lock = asyncio.Lock()
         self._unavailable = self._check()
         self._load()
 
@@ -379,6 +381,7 @@ class CniNetwork:
         check_instance(instance)
         if self._unavailable:
             raise RuntimeFailure(f"network: {self._unavailable}")
+        await self._guard_localhost()
         async with self._locks[instance]:
             existing = self._records.get(instance)
             if existing is not None:
@@ -555,7 +558,7 @@ class CniNetwork:
 
     async def close(self) -> None:
         """The agent stops: with no instance left on it, the bridge goes too (the plugins never
-        remove it); one with instances stays for the next agent process to re-adopt."""
+        remove it), and its guard; one with instances stays for the next agent process."""
         if self._records or self._unavailable:
             return
         if await asyncio.to_thread(os.path.exists, f"/sys/class/net/{self.bridge}"):
@@ -563,6 +566,51 @@ class CniNetwork:
                 await _run("ip", "link", "delete", self.bridge, timeout=self._timeout)
             except RuntimeFailure as exc:
                 log.warning("network.bridge_not_removed", bridge=self.bridge, error=exc.message)
+        with contextlib.suppress(RuntimeFailure):  # not there: nothing to remove
+            await _run("iptables", "-w", "-D", *self.localhost_guard(), timeout=self._timeout)
+        self._guarded = False
+
+    def localhost_guard(self) -> list[str]:
+        """The filter rule that keeps instances off the node's 127.0.0.0/8.
+
+        portmap turns route_localnet on for the bridge (so that 127.0.0.1:<host port> reaches an
+        instance), and with it the kernel would also route a packet an instance addresses to
+        127.0.0.1 to the node's own loopback services (etcd, the controller, anything bound to
+        localhost): CVE-2020-8558. Kubernetes' kubelet drops such packets the same way; replies
+        to the node's own connections through a host port (ESTABLISHED, DNAT) still pass."""
+        return [
+            "INPUT",
+            "-i",
+            self.bridge,
+            "-d",
+            "127.0.0.0/8",
+            "-m",
+            "conntrack",
+            "!",
+            "--ctstate",
+            "RELATED,ESTABLISHED,DNAT",
+            "-m",
+            "comment",
+            "--comment",
+            f"{self.name}: instances never reach the node localhost",
+            "-j",
+            "DROP",
+        ]
+
+    async def _guard_localhost(self) -> None:
+        """Put the localhost guard in place once per agent process, before any instance is on
+        the bridge (idempotent: an earlier agent's rule is found, not added twice)."""
+        if self._guarded:
+            return
+        async with self._guard_lock:
+            if self._guarded:
+                return
+            rule = self.localhost_guard()
+            try:
+                await _run("iptables", "-w", "-C", *rule, timeout=self._timeout)
+            except RuntimeFailure:
+                await _run("iptables", "-w", "-I", *rule, timeout=self._timeout)
+            self._guarded = True
 
     async def ensure_bridge(self) -> None:
         """The bridge, up, with its gateway address (what the bridge plugin would make)."""

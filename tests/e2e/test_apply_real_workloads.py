@@ -27,13 +27,12 @@ import pytest
 
 from orka.api import controller_pb2 as pb
 from orka.runtime.libvirt import domain_name
-from orka.runtime.network import default_bridge
 from tests.containerd_env import Containerd, needs_containerd
 from tests.e2e.procs import ProcessCluster, nodes_ready
 from tests.e2e.procs import run_orka as orka
 from tests.integration.cluster import eventually
-from tests.integration.test_container_network import Net, scrub
 from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
+from tests.netenv import scrub_agent
 from tests.ports import http_get
 
 pytestmark = [
@@ -88,9 +87,7 @@ async def cluster(
         # and with them their namespaces, forwarding rules and the agent's bridge.
         containerd.clean_namespace()
         libvirt_daemons.cleanup_domains()
-        network = (tmp_path / "agents" / NODE / "network").resolve()
-        bridge = default_bridge(f"{NODE}@{network}")
-        scrub(Net(bridge=bridge, subnet="", dir=network))
+        scrub_agent(NODE, tmp_path / "agents" / NODE)
 
 
 async def instances(c: ProcessCluster, workload: str) -> list[dict[str, Any]]:

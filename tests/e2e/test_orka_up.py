@@ -42,6 +42,7 @@ from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
 from tests.integration.cluster import eventually
 from tests.integration.test_grpcurl import Result, _json_stream
+from tests.netenv import scrub_agent
 from tests.ports import http_get
 
 pytestmark = pytest.mark.e2e
@@ -311,6 +312,9 @@ def tour(tmp_path: Path) -> Iterator[Tour]:
         for run in t.runs:
             run.kill()
         leftovers = kill_cluster(t.data_dir)
+        # An agent killed with SIGKILL (step 4) leaves its bridge and its localhost guard.
+        for node in ("node-1", "node-2"):
+            scrub_agent(node, t.data_dir / "agents" / node)
         hello = t.hello_processes()
         for line in hello:
             try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
-import shlex
 import shutil
+import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -41,6 +42,7 @@ from orka.runtime.network import (
 from orka.runtime.process import ProcessDriver
 from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, crash, eventually
+from tests.netenv import scrub as scrub_bridge
 
 
 def _missing() -> str | None:
@@ -75,23 +77,9 @@ class Net:
 
 
 def scrub(net: Net) -> None:
-    """What a failed test may have left: its netns, portmap rules and chains, the bridge."""
+    """What a failed test may have left: its netns, its rules and chains, the bridge."""
     # Records of the test's own network and of any agent the test ran (its data dir).
-    for record in net.dir.parent.rglob("attachments/*.json"):
-        name = netns_name(net.bridge, record.stem)
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
-    rules = subprocess.run(
-        ["iptables-save", "-t", "nat"], capture_output=True, text=True, check=False
-    ).stdout
-    for line in rules.splitlines():
-        if line.startswith("-A ") and f"orka-{net.bridge}" in line:
-            args = shlex.split(line)
-            subprocess.run(["iptables", "-t", "nat", "-D", *args[1:]], check=False)
-            chain = args[-1]
-            if chain.startswith("CNI-"):
-                for op in ("-F", "-X"):
-                    subprocess.run(["iptables", "-t", "nat", op, chain], check=False)
-    subprocess.run(["ip", "link", "del", net.bridge], capture_output=True, check=False)
+    scrub_bridge(net.bridge, net.dir.parent)
 
 
 @pytest.fixture
@@ -491,3 +479,52 @@ async def test_a_process_on_the_bridge_answers_at_its_address_and_host_port(
         ports.close()
     assert network.attachment("pweb-1") is None
     assert_gone(net, info)
+
+
+async def test_an_instance_never_reaches_the_nodes_localhost(net: Net) -> None:
+    """portmap turns route_localnet on for the bridge; without the agent's guard an instance
+    that addresses 127.0.0.1 through its gateway reaches what the node binds to localhost
+    (CVE-2020-8558). The instance here is given the route and the sysctl in its own namespace
+    (what a workload with CAP_NET_RAW can do by crafting the frames itself)."""
+    ports = HostPorts(*PORT_RANGE)
+    network = net.network(ports)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        att = await network.attach_netns("probe-1", HTTP)
+        ns = att.netns.rsplit("/", 1)[1]
+        for cmd in (
+            ["sysctl", "-qw", "net.ipv4.conf.eth0.route_localnet=1"],
+            ["ip", "rule", "add", "pref", "10", "to", "127.0.0.1", "lookup", "200"],
+            ["ip", "rule", "del", "pref", "0", "table", "local"],
+            ["ip", "rule", "add", "pref", "100", "table", "local"],
+            ["ip", "route", "add", "default", "via", att.gateway, "dev", "eth0", "table", "200"],
+        ):
+            await asyncio.to_thread(subprocess.run, ["ip", "netns", "exec", ns, *cmd], check=True)
+        probe = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    print('reached')\n"
+            "except OSError as e:\n"
+            "    print('refused', e)\n"
+        )
+        out = await asyncio.to_thread(
+            subprocess.run,
+            ["ip", "netns", "exec", ns, sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.startswith("refused"), out.stdout
+        # The node's own way in still works: 127.0.0.1:<host port> to an instance.
+        rules = (await asyncio.to_thread(host_state))[1]
+        assert f"-A INPUT -d 127.0.0.0/8 -i {net.bridge} " in rules
+        await network.detach("probe-1")
+    finally:
+        server.close()
+        ports.close()
+    await network.close()
+    assert f"-i {net.bridge} " not in (await asyncio.to_thread(host_state))[1]

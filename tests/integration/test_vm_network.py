@@ -17,7 +17,6 @@ import asyncio
 import ipaddress
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import time
@@ -52,6 +51,7 @@ from tests.libvirt_env import (
     LibvirtDaemons,
     needs_libvirt,
 )
+from tests.netenv import scrub
 
 
 def _missing() -> str | None:
@@ -133,19 +133,6 @@ class Net:
         )
 
 
-def scrub(net: Net) -> None:
-    """What a failed test may have left: portmap rules and chains, the bridge."""
-    for line in nat_rules().splitlines():
-        if line.startswith("-A ") and f"orka-{net.bridge}" in line:
-            args = shlex.split(line)
-            subprocess.run(["iptables", "-t", "nat", "-D", *args[1:]], check=False)
-            chain = args[-1]
-            if chain.startswith("CNI-"):
-                for op in ("-F", "-X"):
-                    subprocess.run(["iptables", "-t", "nat", op, chain], check=False)
-    subprocess.run(["ip", "link", "del", net.bridge], capture_output=True, check=False)
-
-
 @dataclass
 class Stack:
     net: Net
@@ -178,7 +165,7 @@ async def stack(tmp_path: Path, libvirt_daemons: LibvirtDaemons) -> AsyncIterato
         finally:
             await d.close()
             it.ports.close()
-            scrub(net)
+            scrub(net.bridge)
 
 
 def web_vm(guest: Guest) -> WorkloadSpec:
