@@ -154,7 +154,8 @@ class Supervised:
                     return
                 if ran >= HEALTHY_RUN:
                     backoff = BACKOFF_START
-                await self.driver.remove(self.name)
+                # It starts again here: its address and host ports stay its own meanwhile.
+                await self.driver.remove(self.name, keep_network=True)
                 self._set(
                     InstancePhase.STARTING,
                     "BackOff",

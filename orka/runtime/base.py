@@ -189,8 +189,11 @@ class Driver(ABC):
         """SIGTERM, then SIGKILL after `grace` seconds; idempotent; returns the exited info."""
 
     @abstractmethod
-    async def remove(self, instance: str) -> None:
-        """Stop the task if needed and forget it with its runtime files; idempotent."""
+    async def remove(self, instance: str, keep_network: bool = False) -> None:
+        """Stop the task if needed and forget it with its runtime files; idempotent.
+
+        `keep_network`: the instance is about to start again on this node (its restart
+        policy), so its address and host ports stay its own for that start."""
 
     @abstractmethod
     async def list(self) -> list[TaskInfo]:
@@ -234,8 +237,9 @@ class TrackingDriver(Driver, Generic[TaskT]):
         """End a running task (under its lock), typically through `terminate`."""
 
     @abstractmethod
-    async def _discard(self, instance: str, task: TaskT | None) -> None:
-        """Forget the (exited or unknown) instance and its runtime files (under its lock)."""
+    async def _discard(self, instance: str, task: TaskT | None, keep_network: bool) -> None:
+        """Forget the (exited or unknown) instance and its runtime files (under its lock), and
+        give back its address and host ports unless `keep_network`."""
 
     async def wait(self, instance: str) -> TaskInfo:
         task = await self._require(instance)
@@ -249,14 +253,14 @@ class TrackingDriver(Driver, Generic[TaskT]):
                 await self._stop_running(task, grace)
             return task.info()
 
-    async def remove(self, instance: str) -> None:
+    async def remove(self, instance: str, keep_network: bool = False) -> None:
         """Kill at once if still running: a graceful stop is the caller's `stop()` beforehand."""
         check_instance(instance)
         task = await self._lookup(instance)
         if task is not None and not task.done.is_set():
             await self.stop(instance, grace=0.0)
         async with self._locks[instance]:
-            await self._discard(instance, task)
+            await self._discard(instance, task, keep_network)
         self._locks.pop(instance, None)
 
 

@@ -787,9 +787,9 @@ class ContainerdDriver(TrackingDriver[_Task]):
         )
         log.info("containerd.stopped", instance=instance, exit_code=task.exit_code)
 
-    async def _discard(self, instance: str, task: _Task | None) -> None:
+    async def _discard(self, instance: str, task: _Task | None, keep_network: bool) -> None:
         snapshotter = task.snapshotter if task else await self._resolve_snapshotter()
-        await self._delete(instance, snapshotter, keep_logs=False)
+        await self._delete(instance, snapshotter, keep_logs=False, keep_network=keep_network)
 
     async def _require(self, instance: str) -> _Task:
         task = await self._lookup(check_instance(instance))

@@ -91,7 +91,7 @@ class FakeDriver(Driver):
         self._finish(task, STOPPED_EXIT_CODE, "stopped")
         return task.info.model_copy()
 
-    async def remove(self, instance: str) -> None:
+    async def remove(self, instance: str, keep_network: bool = False) -> None:
         task = self._tasks.pop(instance, None)
         if task is not None:
             self._finish(task, STOPPED_EXIT_CODE, "removed")

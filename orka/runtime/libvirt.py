@@ -528,7 +528,7 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         )
         log.info("libvirt.stopped", instance=vm.instance, exit_code=vm.exit_code)
 
-    async def _discard(self, instance: str, vm: _Vm | None) -> None:
+    async def _discard(self, instance: str, vm: _Vm | None, keep_network: bool) -> None:
         if vm is not None:
             await self._forget(vm, keep_files=False)
         else:
@@ -536,7 +536,8 @@ class LibvirtDriver(TrackingDriver[_Vm]):
             await asyncio.to_thread(shutil.rmtree, self._root / instance, True)
         # After the domain is gone (its TAP with it), and also for an unknown instance: an
         # agent that crashed between attach and define left an address behind.
-        await self._detach(instance)
+        if not keep_network:
+            await self._detach(instance)
 
     async def _connect(self, run: RunSpec) -> Attachment | None:
         """An address on the node's bridge (idempotent: a restarted VM gets back the one it

@@ -410,12 +410,13 @@ class ProcessDriver(TrackingDriver[_Task]):
         )
         log.info("process.stopped", instance=task.instance, exit_code=task.exit_code)
 
-    async def _discard(self, instance: str, task: _Task | None) -> None:
+    async def _discard(self, instance: str, task: _Task | None, keep_network: bool) -> None:
         # What is tracked now, not what the caller looked up before taking the lock.
         tracked = self._tasks.pop(instance, None)
         if tracked is not None and tracked.watcher is not None:
             tracked.watcher.cancel()
-        await self._disconnect(instance)
+        if not keep_network:
+            await self._disconnect(instance)
         if self._cgroups is not None:
             await asyncio.to_thread(self._cgroups.remove, instance)
         await asyncio.to_thread(shutil.rmtree, self._root / instance, True)

@@ -195,3 +195,30 @@ async def test_bad_ports_are_invalid_argument_naming_the_field(
     assert [v.field for v in err.value.fields] == [field]
     assert message in err.value.fields[0].description
     assert not c.controller.repo.workloads
+
+
+async def test_a_replica_restarted_by_its_policy_keeps_its_host_port(
+    cluster: tuple[Cluster, int],
+) -> None:
+    """The agent removes an exited task before starting it again; its port is not given back
+    in between, so a crash-looping replica stays where its clients found it."""
+    c, first = cluster
+    assert c.api is not None
+    flaky = spec(
+        "flaky",
+        replicas=1,
+        command=["sh", "-c", "sleep 0.5; exit 3"],
+        ports=[pb.PortSpec(name="http")],
+    )
+    await call(c.api.CreateWorkload, pb.CreateWorkloadRequest(spec=flaky))
+    seen: dict[int, int] = {}
+
+    async def restarted_twice() -> bool:
+        for i in await c.instances("flaky"):
+            if i.phase == pb.Instance.RUNNING and i.ports:
+                seen[i.restarts] = i.ports[0].host_port
+        return len(seen) >= 3
+
+    await eventually(restarted_twice, timeout=60, interval=0.05)
+    assert set(seen.values()) == {seen[min(seen)]}, seen
+    assert first <= seen[min(seen)] <= first + 3

@@ -88,7 +88,7 @@ class ScriptedDriver(FakeDriver):
     async def stop(self, instance: str, grace: float) -> TaskInfo:
         return self._info(None, TaskState.EXITED, exit_code=0, started_at=self.clock.now)
 
-    async def remove(self, instance: str) -> None:
+    async def remove(self, instance: str, keep_network: bool = False) -> None:
         self.removed.append(instance)
 
     async def list(self) -> list[TaskInfo]:

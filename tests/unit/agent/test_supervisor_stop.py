@@ -39,7 +39,7 @@ class Stops:
             started_at=0.0,
         )
 
-    async def remove(self, instance: str) -> None:
+    async def remove(self, instance: str, keep_network: bool = False) -> None:
         if self.fail_remove:
             raise RuntimeFailure(self.fail_remove)
         self.removed.append(instance)
