@@ -113,6 +113,16 @@ class InstanceNetwork(Protocol):
         ...
 
 
+def network_refusal(network: InstanceNetwork | None, what: str = "ports") -> str | None:
+    """Why `what` (an instance's ports, its own network) cannot be had on this node: no
+    instance network configured, or one this host cannot run (not root, plugins missing);
+    None when it can. Drivers refuse such a spec at admission and at start."""
+    if network is None:
+        return f"{what}: needs the node's instance network, and this node has none"
+    problem = network.unavailable()
+    return f"{what}: needs the node's instance network: {problem}" if problem else None
+
+
 class DriverHealth(BaseModel):
     healthy: bool
     message: str = ""

@@ -98,6 +98,7 @@ from orka.runtime.base import (
     cancel_watchers,
     check_instance,
     exit_message,
+    network_refusal,
     terminate,
 )
 
@@ -240,18 +241,7 @@ class ContainerdDriver(TrackingDriver[_Task]):
         return DriverHealth(healthy=True, kinds=kinds)
 
     def admit(self, spec: WorkloadSpec) -> str | None:
-        if not spec.ports:
-            return None
-        if self._network is None:
-            return "ports need the node's instance network, and this node has none"
-        problem = self._network_problem()
-        if problem:
-            return f"ports need the node's instance network: {problem}"
-        return None
-
-    def _network_problem(self) -> str | None:
-        """Why the configured network cannot attach instances on this host, or None."""
-        return self._network.unavailable() if self._network is not None else None
+        return network_refusal(self._network) if spec.ports else None
 
     async def start(self, run: RunSpec) -> TaskInfo:
         instance = check_instance(run.instance)
@@ -333,23 +323,16 @@ class ContainerdDriver(TrackingDriver[_Task]):
 
     async def _connect(self, run: RunSpec) -> Attachment | None:
         """A namespace of its own on the node's bridge; loopback only without a network."""
-        if self._network is None:
+        network = self._network
+        refused = network_refusal(network)
+        if refused or network is None:
             if run.spec.ports:
-                raise RuntimeFailure(
-                    "containerd: ports need the node's instance network, and this node has none"
-                )
-            return None
-        problem = self._network_problem()
-        if problem:
-            if run.spec.ports:
-                raise RuntimeFailure(
-                    f"containerd: ports need the node's instance network: {problem}"
-                )
-            if not self._warned_loopback:
+                raise RuntimeFailure(f"containerd: {refused}")
+            if network is not None and not self._warned_loopback:
                 self._warned_loopback = True
-                log.warning("containerd.loopback_only", reason=problem)
+                log.warning("containerd.loopback_only", reason=refused)
             return None
-        return await self._network.attach_netns(run.instance, run.spec.ports)
+        return await network.attach_netns(run.instance, run.spec.ports)
 
     async def _disconnect(self, instance: str) -> None:
         if self._network is not None and self._network.attachment(instance) is not None:

@@ -94,6 +94,7 @@ from orka.runtime.base import (
     Usage,
     cancel_watchers,
     check_instance,
+    network_refusal,
     terminate,
     write_json,
 )
@@ -389,14 +390,7 @@ class LibvirtDriver(TrackingDriver[_Vm]):
     def admit(self, spec: WorkloadSpec) -> str | None:
         """Ports are forwarded by the node's instance network: refused at the offer without
         one, rather than failing at the start."""
-        if not spec.ports:
-            return None
-        if self._network is None:
-            return "ports need the node's instance network, and this node has none"
-        problem = self._network.unavailable()
-        if problem:
-            return f"ports need the node's instance network: {problem}"
-        return None
+        return network_refusal(self._network) if spec.ports else None
 
     async def health(self) -> DriverHealth:
         kinds = [WorkloadKind.VM]
@@ -542,21 +536,16 @@ class LibvirtDriver(TrackingDriver[_Vm]):
     async def _connect(self, run: RunSpec) -> Attachment | None:
         """An address on the node's bridge (idempotent: a restarted VM gets back the one it
         had); no NIC at all without a network, or where the host cannot have one."""
-        if self._network is None:
+        network = self._network
+        refused = network_refusal(network)
+        if refused or network is None:
             if run.spec.ports:
-                raise RuntimeFailure(
-                    "libvirt: ports need the node's instance network, and this node has none"
-                )
-            return None
-        problem = self._network.unavailable()
-        if problem:
-            if run.spec.ports:
-                raise RuntimeFailure(f"libvirt: ports need the node's instance network: {problem}")
-            if not self._warned_no_nic:
+                raise RuntimeFailure(f"libvirt: {refused}")
+            if network is not None and not self._warned_no_nic:
                 self._warned_no_nic = True
-                log.warning("libvirt.no_nic", reason=problem)
+                log.warning("libvirt.no_nic", reason=refused)
             return None
-        return await self._network.attach_vm(run.instance, list(run.spec.ports))
+        return await network.attach_vm(run.instance, list(run.spec.ports))
 
     async def _detach(self, instance: str) -> None:
         if self._network is None:

@@ -70,6 +70,7 @@ from orka.runtime.base import (
     cancel_watchers,
     check_instance,
     exit_message,
+    network_refusal,
     terminate,
     write_json,
 )
@@ -174,13 +175,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             self._policy.resolve(spec)
         except IdentityRefused as exc:
             return str(exc)
-        if spec.own_network:
-            if self._network is None:
-                return "network: bridge needs an instance network, and this node has none"
-            problem = self._network.unavailable()
-            if problem:
-                return f"network: bridge needs the node's instance network: {problem}"
-        return None
+        return network_refusal(self._network, "network: bridge") if spec.own_network else None
 
     @property
     def cgroups(self) -> Cgroups | None:
@@ -314,11 +309,11 @@ class ProcessDriver(TrackingDriver[_Task]):
         if not run.spec.own_network:
             await asyncio.to_thread(self._ports.reserve, run.instance, run.spec.ports, False)
             return None
-        if self._network is None:
-            raise RuntimeFailure(
-                "process: network: bridge needs an instance network, and this node has none"
-            )
-        return await self._network.attach_netns(run.instance, run.spec.ports)
+        network = self._network
+        refused = network_refusal(network, "network: bridge")
+        if refused or network is None:
+            raise RuntimeFailure(f"process: {refused}")
+        return await network.attach_netns(run.instance, run.spec.ports)
 
     async def _disconnect(self, instance: str) -> None:
         self._ports.release(instance)

@@ -259,5 +259,5 @@ async def test_ports_need_a_usable_network_at_admission(
     if reason is None:
         assert got is None
     else:
-        assert got is not None and got.startswith("ports need the node's instance network")
+        assert got is not None and got.startswith("ports: needs the node's instance network")
         assert got.endswith(reason)

@@ -106,14 +106,14 @@ def spec(ports: list[PortSpec]) -> WorkloadSpec:
         (
             None,
             [PortSpec(name="http", port=80)],
-            "ports need the node's instance network, and this node has none",
+            "ports: needs the node's instance network, and this node has none",
         ),
         (_Net(None), [PortSpec(name="http", port=80)], None),
         (_Net("not root"), [], None),  # runs loopback-only, with a warning
         (
             _Net("not root"),
             [PortSpec(name="http", port=80)],
-            "ports need the node's instance network: not root",
+            "ports: needs the node's instance network: not root",
         ),
     ],
 )
