@@ -6,7 +6,13 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from orka.runtime.network import default_bridge, netns_name
+import pytest
+
+from orka.runtime.network import default_bridge, host_unavailable, netns_name
+
+# Root, the CNI plugins, ip and iptables: what the instance network needs (`.ci/run` installs
+# them); the reason names what is missing.
+needs_network = pytest.mark.skipif(host_unavailable() is not None, reason=str(host_unavailable()))
 
 
 def scrub(bridge: str, records: Path | None = None) -> None:

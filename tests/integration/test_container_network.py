@@ -28,12 +28,9 @@ from google.protobuf.duration_pb2 import Duration
 from orka.api import controller_pb2 as pb
 from orka.models import NetworkMode, PortSpec, RestartPolicy, WorkloadKind, WorkloadSpec
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
-from orka.runtime.cni import find_plugin
 from orka.runtime.containerd import ContainerdDriver
 from orka.runtime.host_ports import HostPorts
 from orka.runtime.network import (
-    DEFAULT_BIN_DIRS,
-    PLUGINS,
     CniNetwork,
     default_subnet,
     host_routes,
@@ -42,22 +39,10 @@ from orka.runtime.network import (
 from orka.runtime.process import ProcessDriver
 from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, crash, eventually
+from tests.netenv import needs_network
 from tests.netenv import scrub as scrub_bridge
 
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, bridges, iptables)"
-    plugins = [p for p in PLUGINS if find_plugin(p, list(DEFAULT_BIN_DIRS)) is None]
-    if plugins:
-        return f"CNI plugins {plugins} missing (apt-get install containernetworking-plugins)"
-    for tool in ("ip", "iptables-save"):
-        if shutil.which(tool) is None:
-            return f"{tool} missing (apt-get install iproute2 iptables)"
-    return None
-
-
-pytestmark = [needs_containerd, pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+pytestmark = [needs_containerd, needs_network]
 
 HTTP = [PortSpec(name="http", port=8080)]
 # The test's host ports: a slice of its own, far from the agents' default range.

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -37,10 +35,9 @@ from orka.models import (
     WorkloadSpec,
 )
 from orka.runtime.base import Attachment, RunSpec, TaskState
-from orka.runtime.cni import find_plugin
 from orka.runtime.host_ports import HostPorts
 from orka.runtime.libvirt import LibvirtDriver, domain_name, mac_for, tap_for
-from orka.runtime.network import DEFAULT_BIN_DIRS, PLUGINS, CniNetwork, default_subnet, host_routes
+from orka.runtime.network import CniNetwork, default_subnet, host_routes
 from tests.integration.cluster import eventually
 from tests.libvirt_env import (
     DOMAIN_TYPE,
@@ -51,24 +48,11 @@ from tests.libvirt_env import (
     LibvirtDaemons,
     needs_libvirt,
 )
-from tests.netenv import scrub
-
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (bridges, iptables)"
-    plugins = [p for p in PLUGINS if find_plugin(p, list(DEFAULT_BIN_DIRS)) is None]
-    if plugins:
-        return f"CNI plugins {plugins} missing (apt-get install containernetworking-plugins)"
-    for tool in ("ip", "iptables-save"):
-        if shutil.which(tool) is None:
-            return f"{tool} missing (apt-get install iproute2 iptables)"
-    return None
-
+from tests.netenv import needs_network, scrub
 
 pytestmark = [
     needs_libvirt,
-    pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
+    needs_network,
     pytest.mark.timeout(600),
 ]
 
