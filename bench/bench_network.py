@@ -88,6 +88,8 @@ async def measure(root: Path, repeat: int) -> dict[str, Any]:
         leaked = network.instances()
     finally:
         await driver.close()
+        # With nothing left on it, the bridge and its localhost guard go (as an agent's do).
+        await network.close()
         ports.close()
         await asyncio.to_thread(
             subprocess.run, ["ip", "link", "del", bridge], capture_output=True, check=False

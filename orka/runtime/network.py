@@ -566,9 +566,10 @@ class CniNetwork:
                 await _run("ip", "link", "delete", self.bridge, timeout=self._timeout)
             except RuntimeFailure as exc:
                 log.warning("network.bridge_not_removed", bridge=self.bridge, error=exc.message)
-        with contextlib.suppress(RuntimeFailure):  # not there: nothing to remove
-            await _run("iptables", "-w", "-D", *self.localhost_guard(), timeout=self._timeout)
-        self._guarded = False
+        if self._guarded:
+            with contextlib.suppress(RuntimeFailure):  # gone already: nothing to remove
+                await _run("iptables", "-w", "-D", *self.localhost_guard(), timeout=self._timeout)
+            self._guarded = False
 
     def localhost_guard(self) -> list[str]:
         """The filter rule that keeps instances off the node's 127.0.0.0/8.
