@@ -265,14 +265,20 @@ def run_mutmut(
     cmd = [mutmut_exe(), "run", "--max-children", str(children), *names]
     shown = names if len(names) <= 4 else [*names[:3], f"... ({len(names)} names)"]
     print(f"==> {module.short}: mutmut run {' '.join(shown)}", flush=True)
-    errors = subprocess.DEVNULL if quiet else None
-    done = subprocess.run(
-        cmd, cwd=module.work, env=env(), check=False, stdout=subprocess.DEVNULL, stderr=errors
-    )
+    errors = subprocess.DEVNULL if quiet else subprocess.STDOUT
+    # mutmut's own report goes to a file: on a failure its end says why (a test that failed in
+    # the run without mutants, say), which a bare exit code does not.
+    output = module.work / "mutmut-run.log"
+    with open(output, "wb") as out:
+        done = subprocess.run(
+            cmd, cwd=module.work, env=env(), check=False, stdout=out, stderr=errors
+        )
     lacking = functions is not None and not any(
         function_of(k) in functions for k in results(module)
     )
     if done.returncode != 0 and not lacking:
+        tail = output.read_text(errors="replace").splitlines()[-30:]
+        print("\n".join(f"  | {line}" for line in tail), flush=True)
         sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
     print(f"==> {module.short}: {took:.0f} s", flush=True)
