@@ -123,6 +123,19 @@ def network_refusal(network: InstanceNetwork | None, what: str = "ports") -> str
     return f"{what}: needs the node's instance network: {problem}" if problem else None
 
 
+def usable_network(
+    network: InstanceNetwork | None, spec: WorkloadSpec, driver: str
+) -> tuple[InstanceNetwork | None, str]:
+    """The network to attach an instance of `spec` to, or (None, why it cannot be had: "" when
+    none is configured). A spec with ports cannot start without one: RuntimeFailure."""
+    refused = network_refusal(network)
+    if refused is None and network is not None:
+        return network, ""
+    if spec.ports:
+        raise RuntimeFailure(f"{driver}: {refused}")
+    return None, (refused or "") if network is not None else ""
+
+
 class DriverHealth(BaseModel):
     healthy: bool
     message: str = ""

@@ -100,6 +100,7 @@ from orka.runtime.base import (
     exit_message,
     network_refusal,
     terminate,
+    usable_network,
 )
 
 log = structlog.get_logger(__name__)
@@ -323,14 +324,11 @@ class ContainerdDriver(TrackingDriver[_Task]):
 
     async def _connect(self, run: RunSpec) -> Attachment | None:
         """A namespace of its own on the node's bridge; loopback only without a network."""
-        network = self._network
-        refused = network_refusal(network)
-        if refused or network is None:
-            if run.spec.ports:
-                raise RuntimeFailure(f"containerd: {refused}")
-            if network is not None and not self._warned_loopback:
+        network, why = usable_network(self._network, run.spec, "containerd")
+        if network is None:
+            if why and not self._warned_loopback:
                 self._warned_loopback = True
-                log.warning("containerd.loopback_only", reason=refused)
+                log.warning("containerd.loopback_only", reason=why)
             return None
         return await network.attach_netns(run.instance, run.spec.ports)
 

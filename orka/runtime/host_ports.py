@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from orka.errors import Invalid, RuntimeFailure
+from orka.fit import host_port_in_use
 from orka.models import PortBinding, PortProtocol, PortSpec
 
 DEFAULT_RANGE = (20000, 32767)
@@ -62,9 +63,8 @@ def default_host_ip(routes: str = _ROUTES) -> str:
 
 
 def in_use(port: int, protocol: PortProtocol) -> str:
-    """The reason text the scheduler and the agent share for a taken port."""
-    suffix = "" if protocol is PortProtocol.TCP else f"/{protocol.value}"
-    return f"host port {port}{suffix} in use"
+    """The scheduler's reason text for a taken port (orka.fit), so the node says it the same."""
+    return host_port_in_use(port, protocol).message
 
 
 def _bind(port: int, protocol: PortProtocol) -> socket.socket | None:

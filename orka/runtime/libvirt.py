@@ -96,6 +96,7 @@ from orka.runtime.base import (
     check_instance,
     network_refusal,
     terminate,
+    usable_network,
     write_json,
 )
 
@@ -536,14 +537,11 @@ class LibvirtDriver(TrackingDriver[_Vm]):
     async def _connect(self, run: RunSpec) -> Attachment | None:
         """An address on the node's bridge (idempotent: a restarted VM gets back the one it
         had); no NIC at all without a network, or where the host cannot have one."""
-        network = self._network
-        refused = network_refusal(network)
-        if refused or network is None:
-            if run.spec.ports:
-                raise RuntimeFailure(f"libvirt: {refused}")
-            if network is not None and not self._warned_no_nic:
+        network, why = usable_network(self._network, run.spec, "libvirt")
+        if network is None:
+            if why and not self._warned_no_nic:
                 self._warned_no_nic = True
-                log.warning("libvirt.no_nic", reason=refused)
+                log.warning("libvirt.no_nic", reason=why)
             return None
         return await network.attach_vm(run.instance, list(run.spec.ports))
 
