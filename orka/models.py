@@ -86,6 +86,16 @@ class InstancePhase(StrEnum):
     LOST = "LOST"
 
 
+class HealthState(StrEnum):
+    """What an instance's health check says (reported by its agent). An instance without a
+    check is HEALTHY while it runs; UNKNOWN: not running, or the check has not yet passed
+    `success_threshold` times nor failed `failure_threshold` times."""
+
+    UNKNOWN = "UNKNOWN"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+
+
 # Phases after which an instance never runs again.
 TERMINAL_PHASES = frozenset(
     {InstancePhase.SUCCEEDED, InstancePhase.FAILED, InstancePhase.STOPPED, InstancePhase.LOST}
@@ -441,6 +451,8 @@ class WorkloadStatus(BaseModel):
     desired: int = 0
     placed: int = 0
     running: int = 0
+    # Of the running ones, how many are HEALTHY.
+    healthy: int = 0
     unschedulable_reasons: list[str] = Field(default_factory=list)
     message: str = ""
 
@@ -487,6 +499,11 @@ class Instance(BaseModel):
     address: str = ""
     host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)
+    # Its health (see HealthState), the last failed check's message, and when the health last
+    # changed (a rollout counts an instance ready once it has been HEALTHY long enough).
+    health: HealthState = HealthState.UNKNOWN
+    health_message: str = ""
+    health_changed_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -628,6 +645,9 @@ _REPORTED = (
     "address",
     "host_ip",
     "ports",
+    "health",
+    "health_message",
+    "health_changed_at",
 )
 
 
@@ -666,3 +686,6 @@ class InstanceReport(BaseModel):
     address: str = ""
     host_ip: str = ""
     ports: list[PortBinding] = Field(default_factory=list)
+    health: HealthState = HealthState.UNKNOWN
+    health_message: str = ""
+    health_changed_at: float | None = None

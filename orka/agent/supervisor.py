@@ -13,6 +13,7 @@ from orka.agent.secret_files import SecretFiles
 from orka.errors import OrkaError, RuntimeFailure
 from orka.models import (
     TERMINAL_PHASES,
+    HealthState,
     InstancePhase,
     InstanceReport,
     PortBinding,
@@ -61,6 +62,9 @@ class Supervised:
         self.host_ip = host_ip
         self.address = ""
         self.ports: list[PortBinding] = []
+        self.health = HealthState.UNKNOWN
+        self.health_message = ""
+        self.health_changed_at: float | None = None
         self.stopping = False
         self._task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
@@ -91,13 +95,35 @@ class Supervised:
             address=self.address,
             host_ip=self.host_ip,
             ports=self.ports,
+            health=self.health,
+            health_message=self.health_message,
+            health_changed_at=self.health_changed_at,
         )
+
+    @property
+    def checked(self) -> bool:
+        """Whether a health check decides its health; without one it is HEALTHY while it
+        runs."""
+        return False
 
     def _set(self, phase: InstancePhase, reason: str = "", message: str = "") -> None:
         self.phase = phase
         self.reason = reason
         self.message = message
+        if phase is not InstancePhase.RUNNING:
+            self._health(HealthState.UNKNOWN, "")
+        elif not self.checked:
+            self._health(HealthState.HEALTHY, "")
         self.on_change(self)
+
+    def _health(self, health: HealthState, message: str) -> bool:
+        """Record a health verdict; whether it changed (the caller reports the change)."""
+        if health is self.health and message == self.health_message:
+            return False
+        if health is not self.health:
+            self.health_changed_at = time.time()
+        self.health, self.health_message = health, message
+        return True
 
     def start(self, adopted: TaskInfo | None = None) -> None:
         self._task = asyncio.create_task(self._run(adopted), name=f"instance-{self.name}")

@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("name", "workload", "phase", "reason", "message", "exit_code", "restarts", "started_at", "finished_at", "generation", "resources", "address", "host_ip", "ports")
+    __slots__ = ("name", "workload", "phase", "reason", "message", "exit_code", "restarts", "started_at", "finished_at", "generation", "resources", "address", "host_ip", "ports", "health", "health_message", "health_time")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,9 @@ class InstanceStatus(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_IP_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_TIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
     phase: _controller_pb2.Instance.Phase
@@ -39,7 +42,10 @@ class InstanceStatus(_message.Message):
     address: str
     host_ip: str
     ports: _containers.RepeatedCompositeFieldContainer[_controller_pb2.PortBinding]
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., phase: _Optional[_Union[_controller_pb2.Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., generation: _Optional[int] = ..., resources: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[_controller_pb2.PortBinding, _Mapping]]] = ...) -> None: ...
+    health: _controller_pb2.Instance.Health
+    health_message: str
+    health_time: float
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., phase: _Optional[_Union[_controller_pb2.Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., generation: _Optional[int] = ..., resources: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[_controller_pb2.PortBinding, _Mapping]]] = ..., health: _Optional[_Union[_controller_pb2.Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
     __slots__ = ("instance", "generation", "spec")

@@ -161,18 +161,20 @@ class WorkloadSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
-    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message")
+    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy")
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     UNSCHEDULABLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
     desired: int
     placed: int
     running: int
     unschedulable_reasons: _containers.RepeatedScalarFieldContainer[str]
     message: str
-    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
+    healthy: int
+    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ...) -> None: ...
 
 class Workload(_message.Message):
     __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "revision")
@@ -199,7 +201,7 @@ class Workload(_message.Message):
     def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "revision")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "revision")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -222,6 +224,16 @@ class Instance(_message.Message):
     STOPPING: Instance.Phase
     STOPPED: Instance.Phase
     LOST: Instance.Phase
+    class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        HEALTH_UNSPECIFIED: _ClassVar[Instance.Health]
+        UNKNOWN: _ClassVar[Instance.Health]
+        HEALTHY: _ClassVar[Instance.Health]
+        UNHEALTHY: _ClassVar[Instance.Health]
+    HEALTH_UNSPECIFIED: Instance.Health
+    UNKNOWN: Instance.Health
+    HEALTHY: Instance.Health
+    UNHEALTHY: Instance.Health
     NAME_FIELD_NUMBER: _ClassVar[int]
     WORKLOAD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +251,9 @@ class Instance(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_IP_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_TIME_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
@@ -257,8 +272,11 @@ class Instance(_message.Message):
     address: str
     host_ip: str
     ports: _containers.RepeatedCompositeFieldContainer[PortBinding]
+    health: Instance.Health
+    health_message: str
+    health_time: _timestamp_pb2.Timestamp
     revision: int
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "last_heartbeat_time", "etag", "revision")

@@ -31,6 +31,7 @@ from orka.controller.repo import Change, Repo
 from orka.errors import Invalid, OrkaError
 from orka.models import (
     TERMINAL_PHASES,
+    HealthState,
     Instance,
     InstancePhase,
     InstanceReason,
@@ -522,7 +523,7 @@ class Reconciler:
         return node is not None and node.state is NodeState.READY
 
     def _status(self, w: Workload, insts: Iterable[Instance]) -> WorkloadStatus:
-        placed = running = 0
+        placed = running = healthy = 0
         unplaced: list[Instance] = []
         for i in insts:
             if i.terminal or i.desired_stop or i.replaced_by:
@@ -531,6 +532,8 @@ class Reconciler:
                 placed += 1
             if i.phase is InstancePhase.RUNNING:
                 running += 1
+                if i.health is HealthState.HEALTHY:
+                    healthy += 1
             if i.phase is InstancePhase.PENDING and i.message:
                 unplaced.append(i)
         # Oldest first, so the reasons keep a stable order from one pass to the next.
@@ -545,6 +548,7 @@ class Reconciler:
             desired=w.spec.replicas,
             placed=placed,
             running=running,
+            healthy=healthy,
             unschedulable_reasons=reasons,
             message=message,
         )

@@ -25,6 +25,7 @@ from orka.models import (
     MAX_STOP_GRACE_SECONDS,
     REDACTED,
     Endpoint,
+    HealthState,
     Instance,
     InstancePhase,
     InstanceReport,
@@ -362,6 +363,7 @@ def workload_to_pb(w: Workload) -> pb.Workload:
             desired=s.desired,
             placed=s.placed,
             running=s.running,
+            healthy=s.healthy,
             unschedulable_reasons=s.unschedulable_reasons,
             message=s.message,
         ),
@@ -383,6 +385,7 @@ def workload_from_pb(msg: pb.Workload) -> Workload:
             desired=s.desired,
             placed=s.placed,
             running=s.running,
+            healthy=s.healthy,
             unschedulable_reasons=list(s.unschedulable_reasons),
             message=s.message,
         ),
@@ -404,6 +407,18 @@ def phase_to_pb(phase: InstancePhase) -> int:
 
 
 _PHASE_FROM_PB = {number: phase for phase, number in _PHASE_TO_PB.items()}
+
+
+_HEALTH_TO_PB = {health: pb.Instance.Health.Value(health.value) for health in HealthState}
+_HEALTH_FROM_PB = {number: health for health, number in _HEALTH_TO_PB.items()}
+_HEALTH_FROM_PB[pb.Instance.Health.HEALTH_UNSPECIFIED] = HealthState.UNKNOWN
+
+
+def health_from_pb(value: int, field: str = "health") -> HealthState:
+    health = _HEALTH_FROM_PB.get(value)
+    if health is None:
+        raise Invalid(f"{field}: unknown health {value}")
+    return health
 
 
 def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
@@ -441,6 +456,11 @@ def instance_fields(i: Instance) -> dict[str, object]:
         fields["host_ip"] = i.host_ip
     if i.ports:
         fields["ports"] = [binding_to_pb(b) for b in i.ports]
+    fields["health"] = _HEALTH_TO_PB[i.health]
+    if i.health_message:
+        fields["health_message"] = i.health_message
+    if i.health_changed_at is not None:
+        fields["health_time"] = timestamp_fields(i.health_changed_at)
     return fields
 
 
@@ -467,6 +487,9 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         address=msg.address,
         host_ip=msg.host_ip,
         ports=[binding_from_pb(b) for b in msg.ports],
+        health=health_from_pb(msg.health),
+        health_message=msg.health_message,
+        health_changed_at=seconds_from_pb(msg.health_time),
     )
 
 
@@ -601,6 +624,9 @@ class StatusSource(Protocol):
     address: str
     host_ip: str
     ports: list[PortBinding]
+    health: HealthState
+    health_message: str
+    health_changed_at: float | None
 
 
 def instance_status_to_pb(
@@ -625,6 +651,12 @@ def instance_status_to_pb(
         msg.host_ip = i.host_ip
     if i.ports:
         msg.ports.extend(binding_to_pb(b) for b in i.ports)
+    if i.health is not HealthState.UNKNOWN:
+        msg.health = _HEALTH_TO_PB[i.health]
+    if i.health_message:
+        msg.health_message = i.health_message
+    if i.health_changed_at is not None:
+        msg.health_time = i.health_changed_at
     if resources is not None:
         msg.resources.cpu_millis = resources.cpu_millis
         msg.resources.memory_bytes = resources.memory_bytes
@@ -664,6 +696,10 @@ def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
         address=_ip(msg.address, f"instance status {name}: address"),
         host_ip=_ip(msg.host_ip, f"instance status {name}: host_ip"),
         ports=_reported_ports(msg.ports, name) if msg.ports else [],
+        health=_HEALTH_FROM_PB.get(msg.health)
+        or health_from_pb(msg.health, f"instance status {name}: health"),
+        health_message=msg.health_message[:MAX_STATUS_MESSAGE],
+        health_changed_at=_time(msg.health_time, f"instance status {name}: health_time"),
     )
 
 

@@ -15,7 +15,14 @@ import structlog.testing
 
 from orka.agent.supervisor import BACKOFF_MAX, HEALTHY_RUN, Supervised
 from orka.errors import Invalid, RuntimeFailure
-from orka.models import InstancePhase, InstanceReport, RestartPolicy, WorkloadKind, WorkloadSpec
+from orka.models import (
+    HealthState,
+    InstancePhase,
+    InstanceReport,
+    RestartPolicy,
+    WorkloadKind,
+    WorkloadSpec,
+)
 from orka.runtime.base import RunSpec, TaskInfo, TaskState
 from orka.runtime.fake import FakeDriver
 
@@ -315,9 +322,18 @@ async def test_report_carries_every_field() -> None:
         restarts=0,
         started_at=1000.0,
         finished_at=1002.0,
+        # It was HEALTHY while it ran (no check), UNKNOWN once it ended.
+        health=HealthState.UNKNOWN,
+        health_changed_at=p.sup.health_changed_at,
     )
+    assert p.sup.health_changed_at is not None
     p = await play(RestartPolicy.ALWAYS, [Run(code=0)])
-    assert (p.sup.report().restarts, p.sup.report().phase) == (1, InstancePhase.RUNNING)
+    report = p.sup.report()
+    assert (report.restarts, report.phase, report.health) == (
+        1,
+        InstancePhase.RUNNING,
+        HealthState.HEALTHY,
+    )
 
 
 async def test_an_error_the_agent_expects_fails_the_instance_logged_once() -> None:

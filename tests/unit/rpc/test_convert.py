@@ -12,6 +12,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.models import (
+    HealthState,
     Instance,
     InstancePhase,
     InstanceReport,
@@ -585,3 +586,38 @@ def test_report_from_pb_rejects_bad_addresses_and_ports(
 def test_report_from_pb_normalises_addresses() -> None:
     r = convert.report_from_pb(_status(address="fd00:0::5", host_ip="127.0.0.1"), "n1")
     assert (r.address, r.host_ip) == ("fd00::5", "127.0.0.1")
+
+
+def test_health_goes_from_the_agent_to_the_instance_and_back() -> None:
+    report = InstanceReport(
+        name="a",
+        workload="w",
+        phase=InstancePhase.RUNNING,
+        health=HealthState.UNHEALTHY,
+        health_message="GET /healthz: status 503",
+        health_changed_at=1700000000.5,
+    )
+    msg = convert.instance_status_to_pb(report)
+    assert msg.health == pb.Instance.UNHEALTHY
+    got = convert.report_from_pb(msg, "n1")
+    assert (got.health, got.health_message, got.health_changed_at) == (
+        HealthState.UNHEALTHY,
+        "GET /healthz: status 503",
+        1700000000.5,
+    )
+    inst = Instance(name="a", workload="w", phase=InstancePhase.RUNNING)
+    updated = inst.reported(got, now=5.0)
+    assert updated is not None
+    back = convert.instance_from_pb(convert.instance_to_pb(updated))
+    assert (back.health, back.health_message, back.health_changed_at) == (
+        HealthState.UNHEALTHY,
+        "GET /healthz: status 503",
+        1700000000.5,
+    )
+    # An agent that says nothing of health (an older one, or a stopped instance): UNKNOWN.
+    quiet = convert.report_from_pb(apb.InstanceStatus(name="a", phase=pb.Instance.RUNNING), "n")
+    assert quiet.health is HealthState.UNKNOWN
+    with pytest.raises(Invalid, match="instance status a: health: unknown health 9"):
+        convert.report_from_pb(
+            apb.InstanceStatus(name="a", phase=pb.Instance.RUNNING, health=9), "n"
+        )
