@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import signal
 import urllib.request
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orka.api import controller_pb2 as pb
-from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
+from tests.e2e.procs import ProcessCluster, free_port, nodes_ready, run_orka
 from tests.integration.cluster import eventually
 
 pytestmark = pytest.mark.e2e
@@ -148,6 +149,13 @@ async def test_scrapes_report_what_happened(certs_dir: Path, tmp_path: Path) -> 
         assert by_label(sched, "orka_scheduler_nodes", "state") == {"READY": 1, "LEFT": 1}
         assert value(sched, "orka_node_heartbeat_age_seconds_count") == 1  # LEFT not counted
         assert value(sched, rpc, service="orka.v1.Scheduler", method="Place", code="OK") >= 1
+
+        # `orka top nodes` against the same cluster: node-1 runs every instance of web.
+        tops = {t["name"]: t for t in json.loads(await run_orka(c, "top", "nodes", "-o", "json"))}
+        assert set(tops) == set(NODES)
+        assert tops["node-1"]["instances"] == REPLICAS and tops["node-1"]["state"] == "READY"
+        assert tops["node-1"]["cpu_allocatable_millis"] > 0
+        assert tops["node-2"]["state"] == "LEFT"
 
         agent = await scrape(ports["node-1"])
         assert value(agent, "orka_agent_instances", phase="RUNNING", health="HEALTHY") == REPLICAS
