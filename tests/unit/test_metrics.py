@@ -177,11 +177,16 @@ def test_placements_and_restarts_counted_from_committed_changes() -> None:
     metrics.on_change(Change("instances", "web-1", bound), pending)
     # Not a placement: a new PENDING instance, a report, a delete.
     metrics.on_change(Change("instances", "web-2", pending), None)
+    again = bound.model_copy(update={"message": "start sent again"})
+    metrics.on_change(Change("instances", "web-1", again), bound)  # bound already
     running = bound.model_copy(update={"phase": InstancePhase.RUNNING})
     metrics.on_change(Change("instances", "web-1", running), bound)
     metrics.on_change(Change("instances", "web-1", None), running)
     restarted = running.model_copy(update={"restarts": 3})
     metrics.on_change(Change("instances", "web-1", restarted), running)
+    # A count that went down (a node that forgot) is no restart, and no error either.
+    fewer = restarted.model_copy(update={"restarts": 1})
+    metrics.on_change(Change("instances", "web-1", fewer), restarted)
     after = parse(generate_latest(registry).decode())
 
     def delta(name: str, **labels: str) -> float:
