@@ -16,7 +16,6 @@ from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orka import metrics
 from orka.errors import Invalid, OrkaError, trailing_metadata, wire_message
 from orka.rpc import own_cert
 from orka.rpc.revocation_check import RevocationInterceptor
@@ -134,6 +133,9 @@ _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 def _measured(behaviour: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
     """`behaviour` counted and timed, of the same kind (an async generator stays one: gRPC
     tells how a reply stream is written from the function's kind)."""
+    # Imported here: the CLI imports this module for split_hostport, and needs no metrics.
+    from orka import metrics
+
     seconds = metrics.RPC_SECONDS.labels(service, method)
     counters: dict[str, Any] = {}
 
