@@ -9,7 +9,7 @@ import ipaddress
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ def _metrics_listen(value: str | None) -> str:
 
 
 @contextlib.contextmanager
-def metrics_endpoint(listen: str, role: str, gather: Callable[[], Iterable[Any]]) -> Iterator[int]:
+def metrics_endpoint(listen: str, role: str, read: Callable[[], Any]) -> Iterator[int]:
     """The service's metrics endpoint while the block runs (its port; 0: none asked for)."""
     if not listen:
         yield 0
@@ -104,7 +104,7 @@ def metrics_endpoint(listen: str, role: str, gather: Callable[[], Iterable[Any]]
     from orka import metrics
 
     try:
-        endpoint = metrics.serve(listen, role, gather)
+        endpoint = metrics.serve(listen, role, read)
     except Invalid as e:
         raise UsageError(e.message) from None
     try:
@@ -287,9 +287,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
             role = "leading" if controller.is_leader else "standby, following the leader"
             return f"serving the API on port {controller.port}, {role}"
 
-        from orka.metrics import controller_metrics
+        from orka.metrics import controller_view
 
-        with metrics_endpoint(metrics_listen, "controller", lambda: controller_metrics(controller)):
+        with metrics_endpoint(metrics_listen, "controller", lambda: controller_view(controller)):
             await GracefulStop(controller, notifier).run(ready)
 
     gctune.tune()
@@ -357,9 +357,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             await scheduler.listening.wait()
             return f"serving agents on port {scheduler.port}"
 
-        from orka.metrics import scheduler_metrics
+        from orka.metrics import scheduler_view
 
-        with metrics_endpoint(metrics_listen, "scheduler", lambda: scheduler_metrics(scheduler)):
+        with metrics_endpoint(metrics_listen, "scheduler", lambda: scheduler_view(scheduler)):
             await GracefulStop(scheduler, notifier).run(ready)
 
     gctune.tune()
@@ -453,9 +453,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
             signal.SIGTERM: lambda: stop(True),
             signal.SIGINT: lambda: stop(False),
         }
-        from orka.metrics import agent_metrics
+        from orka.metrics import agent_view
 
-        with metrics_endpoint(metrics_listen, "agent", lambda: agent_metrics(agent)):
+        with metrics_endpoint(metrics_listen, "agent", lambda: agent_view(agent)):
             await serve(lambda: notified(agent.run, ready, notifier), handlers)
 
     gctune.tune()

@@ -155,11 +155,24 @@ def test_rollout_done_when_old_generation_is_finished_or_stopping() -> None:
         instance("a", "w", generation=2),
         instance("b", "w", phase=InstancePhase.STOPPED, generation=1),
         instance("c", "w", generation=1, desired_stop=True),
+        instance("d", "gone", generation=1),  # its workload is deleted meanwhile
     ]
-    c = controller([], instances, [workload("w", generation=2)])
-    assert metrics.rollouts_in_progress(c) == 0
-    c.repo.instances["d"] = instance("d", "w", generation=1)
-    assert metrics.rollouts_in_progress(c) == 1
+    assert metrics.rollouts_in_progress(instances, {"w": 2}) == 0
+    instances.append(instance("e", "w", generation=1))
+    assert metrics.rollouts_in_progress(instances, {"w": 2}) == 1
+
+
+def test_counting_works_on_copies_taken_when_read() -> None:
+    """What the loop reads is what is rendered, even if the cache changes in between."""
+    c = controller([Node(name="a")], [instance("web-1")], [workload("web")], pending=["x"])
+    render = metrics.controller_view(c)
+    c.repo.nodes["b"] = Node(name="b")
+    c.repo.instances["web-2"] = instance("web-2")
+    c.queue.pending["y"] = None
+    s = scrape(_Gather(render))
+    assert v(s, "orka_nodes", state="READY") == 1
+    assert v(s, "orka_instances", phase="RUNNING", health="HEALTHY") == 1
+    assert v(s, "orka_placement_queue_depth", stage="waiting") == 1
 
 
 def test_follower_reports_only_that_it_follows() -> None:
@@ -282,24 +295,30 @@ def test_agent_instances() -> None:
 # ---- the loop hop and the endpoint ----
 
 
-async def test_state_is_read_on_the_loop_when_scraped_from_another_thread() -> None:
+async def test_state_is_read_on_the_loop_and_counted_in_the_scraping_thread() -> None:
     loop_thread = threading.get_ident()
-    seen: list[int] = []
+    read_in: list[int] = []
+    rendered_in: list[int] = []
 
-    def gather() -> Iterable[Any]:
-        seen.append(threading.get_ident())
+    def render() -> Iterable[Any]:
+        rendered_in.append(threading.get_ident())
         return metrics.agent_metrics(SimpleNamespace(instances={}))
 
-    collector = metrics.LoopCollector(asyncio.get_running_loop(), gather)
+    def read() -> Callable[[], Iterable[Any]]:
+        read_in.append(threading.get_ident())
+        return render
+
+    collector = metrics.LoopCollector(asyncio.get_running_loop(), read)
     families = await asyncio.to_thread(lambda: list(collector.collect()))
-    assert seen == [loop_thread]
+    assert read_in == [loop_thread]
+    assert len(rendered_in) == 1 and rendered_in[0] != loop_thread
     assert [f.name for f in families] == ["orka_agent_instances", "orka_agent_instance_restarts"]
 
 
 def test_a_stuck_loop_gives_no_state_rather_than_hanging() -> None:
     loop = asyncio.new_event_loop()  # never run: nothing it is given runs
     try:
-        collector = metrics.LoopCollector(loop, lambda: [], timeout=0.2)
+        collector = metrics.LoopCollector(loop, lambda: lambda: [], timeout=0.2)
         collector._thread = -1  # as if called from the server's thread
         assert list(collector.collect()) == []
     finally:
@@ -314,7 +333,7 @@ async def test_endpoint_serves_role_metrics_and_state() -> None:
             )
         }
     )
-    endpoint = metrics.serve("127.0.0.1:0", "agent", lambda: metrics.agent_metrics(agent))
+    endpoint = metrics.serve("127.0.0.1:0", "agent", lambda: metrics.agent_view(agent))
     try:
 
         def get() -> str:
