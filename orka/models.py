@@ -319,12 +319,6 @@ class HttpCheck(BaseModel):
             )
         return v
 
-    @model_validator(mode="after")
-    def _range(self) -> HttpCheck:
-        if self.status_min > self.status_max:
-            raise ValueError(f"status_min: {self.status_min} is above status_max {self.status_max}")
-        return self
-
 
 class HealthCheck(BaseModel):
     """A check the agent runs against each running instance (Nomad's check with
@@ -538,6 +532,11 @@ class WorkloadSpec(BaseModel):
             raise ValueError(
                 f"health_check.timeout: {check.timeout:g}s is longer than the interval"
                 f" ({check.interval:g}s)"
+            )
+        if check.http is not None and check.http.status_min > check.http.status_max:
+            raise ValueError(
+                f"health_check.http.status_min: {check.http.status_min} is above status_max"
+                f" {check.http.status_max}"
             )
         mode = check.mode
         port = check.port
