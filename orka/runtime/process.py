@@ -400,17 +400,21 @@ class ProcessDriver(TrackingDriver[_Task]):
             raise RuntimeFailure(f"process: cannot run {argv[0]!r}: {exc.strerror}") from exc
         try:
             assert proc.stdout is not None
-            output = await proc.stdout.read(MAX_CHECK_OUTPUT)
-            # The rest is read and dropped, so a chatty check cannot block on a full pipe.
-            while await proc.stdout.read(1 << 16):
-                pass
+            output = b""
+            while chunk := await proc.stdout.read(1 << 16):
+                # Past the bound the rest is read and dropped, so a chatty check cannot block
+                # on a full pipe.
+                output += chunk[: MAX_CHECK_OUTPUT - len(output)]
             return await proc.wait(), output.decode(errors="replace")
         finally:
             if proc.returncode is None:
                 # Timed out (cancelled): the whole group goes, then it is reaped.
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                await asyncio.shield(proc.wait())
+                # Bounded: a daemon that left the group may hold the pipe (which wait() also
+                # waits for); the child watcher reaps the killed command either way.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), _KILL_TIMEOUT)
 
     async def list(self) -> list[TaskInfo]:
         unknown = await asyncio.to_thread(self._scan, set(self._tasks))
