@@ -343,3 +343,42 @@ async def test_a_stopped_instance_stops_its_checker() -> None:
     await inst.stop(remove=True)
     assert inst._checker is None and not checker.running
     assert inst.health is U
+
+
+class ExecDriver(FakeDriver):
+    """Answers exec checks from a script: (exit code, output) per call."""
+
+    def __init__(self, answers: list[tuple[int, str]]) -> None:
+        super().__init__()
+        self.answers = answers
+        self.commands: list[list[str]] = []
+
+    async def check_exec(
+        self, instance: str, spec: WorkloadSpec, command: list[str]
+    ) -> tuple[int, str]:
+        self.commands.append(command)
+        return self.answers.pop(0) if self.answers else (0, "")
+
+
+async def test_an_exec_check_fails_on_a_nonzero_exit_with_its_output() -> None:
+    driver = ExecDriver([(0, ""), (1, "not\nready  yet\n")])
+    spec = WorkloadSpec(
+        name="w",
+        kind=WorkloadKind.PROCESS,
+        command=["serve"],
+        restart_policy=RestartPolicy.NEVER,
+        health_check={
+            "exec": {"command": ["test", "-e", "ready"]},
+            "interval": 0.1,
+            "timeout": 0.1,
+            "failure_threshold": 1,
+        },
+    )
+    inst = Supervised("w-1", 1, spec, driver, lambda s: None, sleep=_no_backoff)
+    inst.start()
+    try:
+        await _until(lambda: inst.health is X)
+        assert inst.health_message == "exec test: exited with code 1: not ready yet"
+        assert driver.commands[:2] == [["test", "-e", "ready"]] * 2
+    finally:
+        await inst.stop(remove=True)
