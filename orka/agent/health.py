@@ -3,7 +3,8 @@
 Each checked instance gets one `Checker`: one asyncio task that sleeps between probes, no
 thread, so a node with 1,000 checked instances keeps 1,000 sleeping tasks and a timer each
 (bench/bench_health.py measures what that costs). The first probe waits `initial_delay` plus a
-random part of the interval, so instances that start together do not probe in lockstep.
+random part of a second or two (FIRST_PROBE_SPREAD), so instances that start together do not
+probe in lockstep.
 
 `CheckState` is the verdict alone: `failure_threshold` failures in a row make the instance
 UNHEALTHY, `success_threshold` passes in a row HEALTHY; anything in between keeps the last
@@ -33,6 +34,10 @@ Verdict = Callable[[HealthState, str], None]
 
 # An HTTP check reads the status line only, and at most this much of it.
 MAX_STATUS_LINE = 4096
+# The first probe comes up to this much (or one interval, if shorter) after initial_delay, at
+# random: instances started together (an agent re-adopting hundreds) do not probe in lockstep,
+# and a new instance is not kept from HEALTHY (a rollout's next step) for a whole interval.
+FIRST_PROBE_SPREAD = 2.0
 # A failure message reported to the controller is cut to this many characters.
 MAX_FAILURE_MESSAGE = 512
 
@@ -122,7 +127,8 @@ class Checker:
     async def _run(self) -> None:
         check = self.check
         try:
-            await self._sleep(check.initial_delay + self._jitter() * check.interval)
+            spread = min(check.interval, FIRST_PROBE_SPREAD)
+            await self._sleep(check.initial_delay + self._jitter() * spread)
             while True:
                 began = self._clock()
                 failure = await self.probe_once()

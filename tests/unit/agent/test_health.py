@@ -131,7 +131,8 @@ async def test_first_probe_waits_the_initial_delay_plus_jitter_then_each_interva
     check = _check(interval=10, timeout=1, initial_delay=30, failure_threshold=2)
     # Each probe takes 1.5 s: the next starts `interval` after the last one started.
     clock, verdicts, _ = await _run_script(check, [None, "a", "b", None], took=1.5, jitter=0.25)
-    assert clock.slept == [32.5, 8.5, 8.5, 8.5, 8.5]
+    # The jitter spreads the first probe over at most FIRST_PROBE_SPREAD (2 s) here.
+    assert clock.slept == [30.5, 8.5, 8.5, 8.5, 8.5]
     assert verdicts == [(H, ""), (X, "b"), (H, "")]
 
 
