@@ -538,3 +538,45 @@ class EventBatch(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class Activity(_message.Message):
+    __slots__ = ("type", "reason", "message", "count", "first_time", "last_time")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[Activity.Type]
+        NORMAL: _ClassVar[Activity.Type]
+        WARNING: _ClassVar[Activity.Type]
+    TYPE_UNSPECIFIED: Activity.Type
+    NORMAL: Activity.Type
+    WARNING: Activity.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_TIME_FIELD_NUMBER: _ClassVar[int]
+    type: Activity.Type
+    reason: str
+    message: str
+    count: int
+    first_time: _timestamp_pb2.Timestamp
+    last_time: _timestamp_pb2.Timestamp
+    def __init__(self, type: _Optional[_Union[Activity.Type, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., count: _Optional[int] = ..., first_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListActivitiesRequest(_message.Message):
+    __slots__ = ("object", "page_size", "page_token")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    object: str
+    page_size: int
+    page_token: str
+    def __init__(self, object: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListActivitiesResponse(_message.Message):
+    __slots__ = ("activities", "next_page_token")
+    ACTIVITIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    activities: _containers.RepeatedCompositeFieldContainer[Activity]
+    next_page_token: str
+    def __init__(self, activities: _Optional[_Iterable[_Union[Activity, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

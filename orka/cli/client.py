@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import grpc
+from pydantic import BaseModel
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
@@ -56,6 +57,28 @@ def change_from_pb(ev: pb.Event) -> WatchedChange | None:
         "node": convert.node_from_pb,
     }[kind]
     return WatchedChange(pb.Event.Type.Name(ev.type), kind, convert_one(msg), ev.revision)
+
+
+class Activity(BaseModel):
+    """One entry of an object's recent activity (ListActivities), as `orka describe` shows it."""
+
+    type: str
+    reason: str
+    message: str
+    count: int = 1
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def activity_from_pb(msg: pb.Activity) -> Activity:
+    return Activity(
+        type=pb.Activity.Type.Name(msg.type).title(),
+        reason=msg.reason,
+        message=msg.message,
+        count=msg.count,
+        first_at=convert.seconds_from_pb(msg.first_time),
+        last_at=convert.seconds_from_pb(msg.last_time),
+    )
 
 
 def admin_tls(certs: Path) -> TlsFiles:
@@ -238,6 +261,12 @@ class AdminClient:
             rpc, field, conv = "ListNodes", "nodes", convert.node_from_pb
         items, revision = await list_all(page, req, field)
         return [(m.revision, conv(m)) for m in items], revision
+
+    async def list_activities(self, kind: str, name: str) -> list[Activity]:
+        """The object's recent activity, newest first; `kind` workload, instance or node."""
+        req = pb.ListActivitiesRequest(object=f"{kind}/{name}")
+        items = await self._list("ListActivities", req, "activities")
+        return [activity_from_pb(a) for a in items]  # type: ignore[arg-type]
 
     async def watch(self, since_revision: int, workload: str = "") -> AsyncIterator[WatchedChange]:
         """WatchEvents from `since_revision` (0: from now), as domain types; runs until the

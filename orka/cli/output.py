@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import yaml
 from pydantic import BaseModel
 
+from orka.cli.client import Activity
 from orka.cli.units import format_cpu, format_duration, format_memory
 from orka.etags import node_etag
 from orka.models import Endpoint, Instance, Node, PortBinding, PortProtocol, Resources, Workload
@@ -70,6 +71,8 @@ _TIME_FIELDS = {
     "finished_at": "end_time",
     "last_heartbeat": "last_heartbeat_time",
     "joined_at": "join_time",
+    "first_at": "first_time",
+    "last_at": "last_time",
 }
 
 
@@ -386,3 +389,34 @@ def _section(title: str, body: str) -> str:
     if not body:
         return f"{title}:  {NONE}"
     return f"{title}:\n{indent(body)}"
+
+
+# ---- describe: the object's recent activity (kubectl describe's "Events:") ----
+
+
+def activity_age(a: Activity, now: float | None = None) -> str:
+    """'12s', or like kubectl for a repeat: '12s (x3 over 2m)'."""
+    last = age(a.last_at, now)
+    if a.count <= 1:
+        return last
+    return f"{last} (x{a.count} over {age(a.first_at, now)})"
+
+
+def activity_section(items: Sequence[Activity], now: float | None = None) -> str:
+    """Oldest first, as kubectl lists events; `items` come newest first from the API."""
+    rows = [
+        (activity_age(a, now), a.type, a.reason, _one_line(a.message, 200)) for a in reversed(items)
+    ]
+    body = table(("AGE", "TYPE", "REASON", "MESSAGE"), rows) if rows else ""
+    return _section("Activity", body)
+
+
+def describe_document(obj: BaseModel, activities: Sequence[Activity], fmt: str) -> str:
+    """`orka describe -o json|yaml`: the object as `get` shows it, plus `activities` (newest
+    first, as ListActivities answers)."""
+    doc = _plain(obj)
+    assert isinstance(doc, dict)
+    doc["activities"] = [_plain(a) for a in activities]
+    if fmt == "json":
+        return json.dumps(doc, indent=2)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")

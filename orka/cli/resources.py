@@ -215,21 +215,35 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 async def _describe(args: argparse.Namespace) -> str:
     kind = resource_kind(args.resource)
+    fmt = args.output
     async with _client(args) as c:
+        obj: Change
         if kind == "workloads":
-            w = await c.get_workload(args.name)
-            insts = sorted(await c.list_instances(workload=args.name), key=lambda i: i.name)
-            return output.describe_workload(w, insts)
-        if kind == "instances":
-            return output.describe_instance(await c.get_instance(args.name))
-        n = await c.get_node(args.name)
-        insts = sorted(await c.list_instances(node=args.name), key=lambda i: i.name)
-        return output.describe_node(n, insts)
+            obj = await c.get_workload(args.name)
+        elif kind == "instances":
+            obj = await c.get_instance(args.name)
+        else:
+            obj = await c.get_node(args.name)
+        activities = await c.list_activities(kind.removesuffix("s"), args.name)
+        if fmt != "table":
+            return output.describe_document(obj, activities, fmt)
+        if isinstance(obj, Instance):
+            text = output.describe_instance(obj)
+        else:
+            kw = {"workload": args.name} if kind == "workloads" else {"node": args.name}
+            insts = sorted(await c.list_instances(**kw), key=lambda i: i.name)
+            if kind == "workloads":
+                text = output.describe_workload(obj, insts)  # type: ignore[arg-type]
+            else:
+                text = output.describe_node(obj, insts)  # type: ignore[arg-type]
+        return text + "\n" + output.activity_section(activities)
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
     if resource_kind(args.resource) == "endpoints":
         raise UsageError("describe: endpoints are listed, not described (orka get endpoints W)")
+    if args.output not in output.FORMATS:
+        raise UsageError(f"-o/--output: {args.output!r} is not one of {', '.join(output.FORMATS)}")
     print(asyncio.run(_describe(args)))
     return 0
 
@@ -328,6 +342,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("describe", help="show one workload, instance or node in detail")
     p.add_argument("resource", metavar="workload|instance|node")
     p.add_argument("name")
+    add_flag(
+        p,
+        "--output",
+        "-o",
+        default="table",
+        metavar="FORMAT",
+        help="table (text), json or yaml (the object with its recent activity)",
+    )
     add_client_flags(p)
     p.set_defaults(func=cmd_describe)
 

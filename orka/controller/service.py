@@ -19,6 +19,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.controller.activity import ActivityLog
 from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
 from orka.controller.commands import ClusterUpdate, NodeSynced
@@ -87,12 +88,17 @@ class Controller:
         self.events = EventHub(lambda: self.repo.revision)
         self.repo.listeners.append(self.events.on_change)
         self.repo.on_reload.append(self.events.reset)
+        # Recent activity per object, for `orka describe`: in memory, written only by the
+        # leader (a follower's repo makes no writes), so a new leader starts with none.
+        self.activity = ActivityLog()
+        self.repo.listeners.append(self.activity.on_change)
         self._build()
         self.api = ControllerApi(
             self.repo, self.reconciler, self.link, self.events, self._gate, config.quotas
         )
         self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
         self.api.auditor = self.audit
+        self.api.activity = self.activity
         self.election: Election | None = None
         self.leadership: Leadership | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -115,6 +121,7 @@ class Controller:
         )
         self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
         self.reconciler = Reconciler(self.repo, self.link, self.queue, self.config.history)
+        self.queue.activity = self.reconciler.activity = self.activity
 
     async def _on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         await self.reconciler.on_updates(updates)
