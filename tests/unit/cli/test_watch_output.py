@@ -7,6 +7,7 @@ import json
 import yaml
 
 from orka.cli import output
+from orka.cli.client import Activity
 from orka.models import Instance, InstancePhase
 
 NOW = 1_000_000.0
@@ -59,3 +60,45 @@ def test_yaml_documents_are_separated() -> None:
     assert [d["name"] for d in docs] == ["web-1", "web-2", "web-1"]
     assert docs[2]["node"] == "n"
     assert not text.startswith("---")
+
+
+# ---- describe: the activity section ----
+
+ACTS = [
+    Activity(
+        type="Warning",
+        reason="Restarted",
+        message="exited with code 3; restarted",
+        count=4,
+        first_at=NOW - 120,
+        last_at=NOW - 10,
+    ),
+    Activity(
+        type="Normal",
+        reason="Scheduled",
+        message="placed on n2; 1 node passed over: 1 node: cordoned",
+        first_at=NOW - 200,
+        last_at=NOW - 200,
+    ),
+]
+
+
+def test_activity_section_lists_oldest_first_with_repeats_counted() -> None:
+    lines = output.activity_section(ACTS, NOW).splitlines()
+    assert lines[0] == "Activity:"
+    assert lines[1].split() == ["AGE", "TYPE", "REASON", "MESSAGE"]
+    assert lines[2].split()[:3] == ["3m20s", "Normal", "Scheduled"]
+    assert lines[3].split()[:6] == ["10s", "(x4", "over", "2m)", "Warning", "Restarted"]
+    assert lines[3].endswith("exited with code 3; restarted")
+    assert output.activity_section([], NOW) == "Activity:  <none>"
+
+
+def test_describe_documents_carry_the_activities_as_a_list() -> None:
+    i = inst("web-1", InstancePhase.RUNNING, "n2")
+    doc = json.loads(output.describe_document(i, ACTS, "json"))
+    assert doc["name"] == "web-1"
+    assert [a["reason"] for a in doc["activities"]] == ["Restarted", "Scheduled"]
+    assert doc["activities"][0]["count"] == 4
+    assert doc["activities"][0]["last_time"] == "1970-01-12T13:46:30Z"
+    y = yaml.safe_load(output.describe_document(i, ACTS, "yaml"))
+    assert y["activities"][1]["message"].startswith("placed on n2")
