@@ -161,20 +161,22 @@ class WorkloadSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
-    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy")
+    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy", "unschedulable_unresolvable")
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     UNSCHEDULABLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    UNSCHEDULABLE_UNRESOLVABLE_FIELD_NUMBER: _ClassVar[int]
     desired: int
     placed: int
     running: int
     unschedulable_reasons: _containers.RepeatedScalarFieldContainer[str]
     message: str
     healthy: int
-    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ...) -> None: ...
+    unschedulable_unresolvable: bool
+    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ..., unschedulable_unresolvable: _Optional[bool] = ...) -> None: ...
 
 class Workload(_message.Message):
     __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "revision")

@@ -553,6 +553,8 @@ class Reconciler:
             running=running,
             healthy=healthy,
             unschedulable_reasons=reasons,
+            # Parked by the placement queue: refused by every node for unresolvable reasons.
+            unschedulable_unresolvable=any(i.name in self.queue.parked for i in unplaced),
             message=message,
         )
 

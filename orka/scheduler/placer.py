@@ -89,6 +89,11 @@ class _Attempt:
     passed_over: Mapping[fit.Reason, int] | None = None
 
 
+# Up to this many nodes a placed instance also says why the other nodes were passed over
+# (recorded as the instance's activity); beyond it only when the ranking counted that anyway.
+EXPLAIN_NODES = 64
+
+
 class Placer:
     """Ranks nodes for each instance, reserves on the best and offers it there; the next
     node on a refusal or a timeout. Reservations not bound in time are released
@@ -137,8 +142,13 @@ class Placer:
     def _first_offer(self, at: _Attempt, held: _Held) -> tuple[NodeRecord, Expected] | None:
         """Reserve on the best node that takes it and hold the offer in `held` for the caller
         to send; None when no node could be reserved."""
-        ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=RANK_FIRST)
+        snapshot = self.registry.snapshot()
+        ranking = self.pipeline.rank(at.req, snapshot, limit=RANK_FIRST)
         at.passed_over = ranking.counted_rejections()
+        if at.passed_over is None and len(snapshot.nodes) <= EXPLAIN_NODES:
+            # Counting is one filter pass over the nodes: cheap on a small cluster, where an
+            # operator reads why a replica went where it did; skipped on a large one.
+            at.passed_over = ranking.rejections
         for name in ranking.candidates:
             offer = self._reserve_and_offer(at, name, held)
             if offer is not None:
