@@ -764,7 +764,8 @@ async def test_place_records_the_chosen_node_the_passed_over_and_folds_failures(
     (placed,) = q.activity.entries("instance", names[0])
     assert (placed.type, placed.reason) == ("Normal", "Scheduled")
     assert placed.message == (
-        "placed on n2; 3 nodes passed over: 3 nodes: cordoned; refused the offer: n1: image missing"
+        "placed on n2; 3 nodes passed over: 3 nodes: cordoned;"
+        " refused the offer: n1: refused: image missing"
     )
     (failed,) = q.activity.entries("instance", names[1])
     assert (failed.type, failed.reason, failed.count) == ("Warning", "FailedScheduling", 2)
