@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -200,32 +201,37 @@ def _apply_change(items: dict[str, Progress], change: WatchedChange) -> bool:
     return False
 
 
+def _verdict(items: dict[str, Progress], view: ProgressView) -> int | None:
+    view.show(list(items.values()))
+    if any(p.failure() for p in items.values()):
+        return EXIT_FAILED
+    if all(p.ready() for p in items.values()):
+        return EXIT_DONE
+    return None
+
+
 async def follow(
     client: AdminClient, names: list[str], view: ProgressView
 ) -> tuple[int, list[Progress]]:
     """Follow the workloads (list, then watch from the list's revision) until every one is
-    ready (EXIT_DONE) or one cannot get there (EXIT_FAILED). No timeout here: the caller's."""
+    ready (EXIT_DONE) or one cannot get there (EXIT_FAILED). No timeout here: the caller's.
+    One stream for the whole wait; listed again only when it ends or falls too far behind."""
     watch_one = names[0] if len(names) == 1 else ""
     while True:
         items, since = await _list(client, names)
-        while True:
-            view.show(list(items.values()))
-            if any(p.failure() for p in items.values()):
-                return EXIT_FAILED, list(items.values())
-            if all(p.ready() for p in items.values()):
-                return EXIT_DONE, list(items.values())
-            try:
-                async for change in client.watch(since, workload=watch_one):
+        code = _verdict(items, view)
+        if code is not None:
+            return code, list(items.values())
+        try:
+            async with contextlib.aclosing(client.watch(since, workload=watch_one)) as changes:
+                async for change in changes:
                     if _apply_change(items, change):
-                        break
-                else:
-                    break  # the stream ended (a new leader): list again
-            except OutOfRange:
-                break  # fell too far behind: list again
-            since = max(
-                [p.revision for p in items.values()]
-                + [r for p in items.values() for r in p.revisions.values()]
-            )
+                        code = _verdict(items, view)
+                        if code is not None:
+                            return code, list(items.values())
+        except OutOfRange:
+            pass  # fell too far behind: list again
+        # Else the stream ended (a new leader): list again too.
 
 
 def _not_ready_message(items: list[Progress], timeout: float) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 
@@ -134,8 +135,9 @@ async def _watch(args: argparse.Namespace) -> None:
                 _relisted(printer, held, items)
             held = {o.name: (r, o) for r, o in items}
             try:
-                async for change in c.watch(revision, workload=workload):
-                    _apply(args, kind, phase, printer, held, change)
+                async with contextlib.aclosing(c.watch(revision, workload=workload)) as changes:
+                    async for change in changes:
+                        _apply(args, kind, phase, printer, held, change)
             except OutOfRange:
                 continue  # list again, watch from there
             # The stream ended without an error (the controller stopping): watch again.
