@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
+from collections.abc import AsyncIterator
 
-from orka.cli.apply import Progress, ProgressView
+from orka.cli.apply import Progress, ProgressView, follow
+from orka.cli.client import WatchedChange
 from orka.models import (
     Instance,
     InstancePhase,
@@ -78,3 +81,45 @@ def test_a_terminal_redraws_the_lines_in_place() -> None:
     assert redraw.startswith("\x1b[2F\x1b[2K")
     assert redraw.count("\x1b[2K") == 2 and redraw.count("\n") == 2
     assert "running 1" in redraw
+
+
+class Script:
+    """A client whose listing is one workload with no replicas running and whose one watch
+    stream then brings them up a step at a time."""
+
+    def __init__(self, steps: list[WatchedChange]) -> None:
+        self.steps = steps
+        self.watches: list[int] = []
+
+    async def list_at(self, kind: str, **filters: object) -> tuple[list[object], int]:
+        if kind == "workloads":
+            return [(4, progress(running=0).workload)], 4
+        return [], 4
+
+    async def watch(self, since: int, workload: str = "") -> AsyncIterator[WatchedChange]:
+        self.watches.append(since)
+        for c in self.steps:
+            yield c
+        await asyncio.sleep(3600)  # a live stream: more would come
+
+
+def test_follow_reads_one_stream_until_every_replica_is_ready() -> None:
+    steps = [
+        WatchedChange("MODIFIED", "workload", progress(running=1, healthy=1).workload, 5),
+        # An older copy than held is no news (it could only be a replay).
+        WatchedChange("MODIFIED", "workload", progress(running=0).workload, 3),
+        WatchedChange("MODIFIED", "workload", progress(running=2, healthy=1).workload, 6),
+        WatchedChange("MODIFIED", "workload", progress(running=2, healthy=2).workload, 7),
+    ]
+    client = Script(steps)
+    out = io.StringIO()
+    view = ProgressView(out, tty=False)
+    code, _ = asyncio.run(asyncio.wait_for(follow(client, ["web"], view), 10))  # type: ignore[arg-type]
+    assert code == 0
+    assert client.watches == [4]
+    assert out.getvalue().splitlines() == [
+        "workload/web: desired 2, placed 2, running 0, healthy 0",
+        "workload/web: desired 2, placed 2, running 1, healthy 1",
+        "workload/web: desired 2, placed 2, running 2, healthy 1",
+        "workload/web: desired 2, placed 2, running 2, healthy 2: ready",
+    ]
