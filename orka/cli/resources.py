@@ -129,7 +129,9 @@ async def _watch(args: argparse.Namespace) -> None:
                 key=lambda ro: _sort_key(ro[1]),
             )
             if first:
-                _emit(printer.listed([o for _, o in items]))
+                text = printer.listed([o for _, o in items])
+                if text:  # json/yaml of an empty listing: nothing, not an empty line
+                    _emit(text)
                 first = False
             else:
                 _relisted(printer, held, items)
