@@ -130,3 +130,17 @@ def test_out_of_range_lists_again_and_resumes_from_the_new_list(
         ["ADDED", "web-3", "web", "n1", "PENDING"],
     ]
     assert script.since == [6, 31]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["get", "endpoints", "web", "-w"], "endpoints cannot be watched"),
+        (["get", "instances", "--output-watch-events"], "only with -w/--watch"),
+    ],
+)
+def test_watch_usage_errors_before_any_connection(argv: list[str], words: str, capsys: Any) -> None:
+    from orka.cli.main import EXIT_USAGE, main
+
+    assert main([*argv, "--controller", "127.0.0.1:1"]) == EXIT_USAGE
+    assert words in capsys.readouterr().err
