@@ -584,6 +584,8 @@ class WorkloadStatus(BaseModel):
     # Of the running ones, how many are HEALTHY.
     healthy: int = 0
     unschedulable_reasons: list[str] = Field(default_factory=list)
+    # Some replica waits for what waiting cannot bring (see the proto's comment).
+    unschedulable_unresolvable: bool = False
     message: str = ""
 
 

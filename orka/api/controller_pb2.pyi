@@ -204,20 +204,22 @@ class WorkloadSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
-    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy")
+    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy", "unschedulable_unresolvable")
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     UNSCHEDULABLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    UNSCHEDULABLE_UNRESOLVABLE_FIELD_NUMBER: _ClassVar[int]
     desired: int
     placed: int
     running: int
     unschedulable_reasons: _containers.RepeatedScalarFieldContainer[str]
     message: str
     healthy: int
-    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ...) -> None: ...
+    unschedulable_unresolvable: bool
+    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ..., unschedulable_unresolvable: _Optional[bool] = ...) -> None: ...
 
 class Workload(_message.Message):
     __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "revision")
@@ -581,3 +583,45 @@ class EventBatch(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
+
+class Activity(_message.Message):
+    __slots__ = ("type", "reason", "message", "count", "first_time", "last_time")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[Activity.Type]
+        NORMAL: _ClassVar[Activity.Type]
+        WARNING: _ClassVar[Activity.Type]
+    TYPE_UNSPECIFIED: Activity.Type
+    NORMAL: Activity.Type
+    WARNING: Activity.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_TIME_FIELD_NUMBER: _ClassVar[int]
+    type: Activity.Type
+    reason: str
+    message: str
+    count: int
+    first_time: _timestamp_pb2.Timestamp
+    last_time: _timestamp_pb2.Timestamp
+    def __init__(self, type: _Optional[_Union[Activity.Type, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., count: _Optional[int] = ..., first_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListActivitiesRequest(_message.Message):
+    __slots__ = ("object", "page_size", "page_token")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    object: str
+    page_size: int
+    page_token: str
+    def __init__(self, object: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListActivitiesResponse(_message.Message):
+    __slots__ = ("activities", "next_page_token")
+    ACTIVITIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    activities: _containers.RepeatedCompositeFieldContainer[Activity]
+    next_page_token: str
+    def __init__(self, activities: _Optional[_Iterable[_Union[Activity, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -110,6 +110,11 @@ class ControllerStub:
                 request_serializer=controller__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=controller__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.ListActivities = channel.unary_unary(
+                '/orka.v1.Controller/ListActivities',
+                request_serializer=controller__pb2.ListActivitiesRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListActivitiesResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -208,6 +213,15 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListActivities(self, request, context):
+        """---- views ----
+        The object's recent activity, newest first (see Activity). An object that exists but has
+        none answers an empty list; NOT_FOUND only for an object that does not exist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +299,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.WatchEventBatches,
                     request_deserializer=controller__pb2.WatchEventsRequest.FromString,
                     response_serializer=controller__pb2.EventBatch.SerializeToString,
+            ),
+            'ListActivities': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListActivities,
+                    request_deserializer=controller__pb2.ListActivitiesRequest.FromString,
+                    response_serializer=controller__pb2.ListActivitiesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,6 +711,33 @@ class Controller:
             '/orka.v1.Controller/WatchEventBatches',
             controller__pb2.WatchEventsRequest.SerializeToString,
             controller__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListActivities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListActivities',
+            controller__pb2.ListActivitiesRequest.SerializeToString,
+            controller__pb2.ListActivitiesResponse.FromString,
             options,
             channel_credentials,
             insecure,

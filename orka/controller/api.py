@@ -15,6 +15,8 @@ from google.protobuf.message import Message
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller import paging
+from orka.controller.activity import ActivityLog
+from orka.controller.activity_rpc import list_activities
 from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
@@ -110,10 +112,13 @@ def _name(value: str, field: str = "name") -> str:
     DrainNode=(unary(roles=ADMIN), leader_only),
     WatchEvents=stream(roles=READERS),
     WatchEventBatches=stream(roles=READERS),
+    ListActivities=(unary(roles=READERS), leader_only),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
     auditor: Auditor | None = None
+    # Recent activity per object (orka/controller/activity.py); set by the controller.
+    activity: ActivityLog = ActivityLog()
 
     def __init__(
         self,
@@ -385,6 +390,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
             next_page_token=paging.encode_token(last, filters) if last else "",
             revision=self.repo.revision,
         )
+
+    # ---- views ----
+
+    async def ListActivities(
+        self, request: pb.ListActivitiesRequest, who: Identity
+    ) -> pb.ListActivitiesResponse:
+        return list_activities(self.activity, self.repo, request)
 
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:

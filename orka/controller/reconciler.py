@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from orka.controller.activity import ActivityLog
 from orka.controller.commands import (
     ClusterUpdate,
     InstanceReported,
@@ -164,6 +165,8 @@ class Reconciler:
         # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
         self.crashes: dict[str, CrashBackoff] = {}
         self.clock: Callable[[], float] = time.time
+        # For recording steps `orka describe` shows (rollouts): the controller's shared log.
+        self.activity = ActivityLog()
 
     def kick(self) -> None:
         self._dirty.set()
@@ -550,6 +553,8 @@ class Reconciler:
             running=running,
             healthy=healthy,
             unschedulable_reasons=reasons,
+            # Parked by the placement queue: refused by every node for unresolvable reasons.
+            unschedulable_unresolvable=any(i.name in self.queue.parked for i in unplaced),
             message=message,
         )
 

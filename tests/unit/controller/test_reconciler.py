@@ -561,6 +561,24 @@ async def test_workload_status_counts(
     assert sorted(s.unschedulable_reasons) == sorted(reasons)
 
 
+async def test_workload_status_says_when_a_replica_waits_for_what_waiting_cannot_bring(
+    env: Env,
+) -> None:
+    await env.put(
+        node("n1"),
+        workload(replicas=2),
+        inst("a", P.PENDING, message="1 node: no such driver"),
+        inst("b", P.PENDING, message="1 node: cordoned"),
+    )
+    await env.plan()
+    assert env.repo.workloads["web"].status.unschedulable_unresolvable is False
+    # The placement queue parked "a": every node refused it for unresolvable reasons.
+    env.queue.parked["a"] = (0, env.repo.workloads["web"].spec)
+    await env.put(env.inst("a").model_copy(update={"message": "1 node: no such driver (2)"}))
+    await env.plan()
+    assert env.repo.workloads["web"].status.unschedulable_unresolvable is True
+
+
 def random_state(rng: random.Random) -> tuple[Workload, dict[str, Instance], dict[str, Node]]:
     """A workload, its instances and the nodes, in any mix of the states planning looks at."""
     gen = rng.choice([1, 2])
