@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging
+from orka.controller import paging, rollout
 from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
@@ -190,7 +190,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = keep_redacted(None, convert.spec_from_pb(request.spec))
-        workload = Workload(spec=spec, created_by=str(who), updated_by=str(who))
+        workload = rollout.first_revision(
+            Workload(spec=spec, created_by=str(who), updated_by=str(who)), str(who)
+        )
 
         def plan() -> list[Change]:
             if spec.name in self.repo.workloads:
@@ -230,18 +232,20 @@ class ControllerApi(pb_grpc.ControllerServicer):
             size = request.spec.ByteSize()
             if size > self._stored_spec_bytes(spec.name, old.spec):
                 self._check_spec_bytes(size, skip=spec.name)
-            # Only a change to what runs needs new instances; replicas alone just scales.
-            runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == new_spec
-            generation = old.generation if runs_same else old.generation + 1
-            new = old.model_copy(
-                update={
-                    "spec": new_spec,
-                    "generation": generation,
-                    "updated_at": time.time(),
-                    "updated_by": str(who),
-                    "etag": new_workload_etag(),
-                }
-            )
+            # Only a change to what runs needs new instances (a revision and its rollout);
+            # replicas or the update strategy alone restart nothing.
+            now = time.time()
+            if rollout.runs_same(old.spec, new_spec):
+                new = old.model_copy(
+                    update={
+                        "spec": new_spec,
+                        "updated_at": now,
+                        "updated_by": str(who),
+                        "etag": new_workload_etag(),
+                    }
+                )
+            else:
+                new = rollout.new_revision(old, new_spec, str(who), now, "update")
             return [Change("workloads", spec.name, new)]
 
         await self.repo.mutate(plan)
