@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging, rollout
+from orka.controller import paging, rollout, rollout_api
 from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
@@ -110,6 +110,11 @@ def _name(value: str, field: str = "name") -> str:
     DrainNode=(unary(roles=ADMIN), leader_only),
     WatchEvents=stream(roles=READERS),
     WatchEventBatches=stream(roles=READERS),
+    ListWorkloadRevisions=(unary(roles=READERS), leader_only),
+    RollbackWorkload=(unary(roles=ADMIN), leader_only),
+    PauseRollout=(unary(roles=ADMIN), leader_only),
+    ResumeRollout=(unary(roles=ADMIN), leader_only),
+    PromoteRollout=(unary(roles=ADMIN), leader_only),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -135,6 +140,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # Each workload's current spec and its serialized size (quota checks sum them all):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    # The rollout RPCs (orka/controller/rollout_api.py).
+    ListWorkloadRevisions = rollout_api.list_revisions
+    RollbackWorkload = rollout_api.rollback
+    PauseRollout = rollout_api.pause
+    ResumeRollout = rollout_api.resume
+    PromoteRollout = rollout_api.promote
 
     # Messages of stored objects carry the revision of their last write.
 
