@@ -165,11 +165,7 @@ async def _undo(args: argparse.Namespace) -> None:
                 f"workload/{args.workload} was changed since it was read; nothing was done:"
                 f" re-read it (orka get workload {args.workload}) and try again"
             ) from None
-    print(
-        f"workload/{args.workload} rolling back: revision {w.generation} ({w.revisions[-1].cause})"
-        if w.revisions
-        else f"workload/{args.workload} rolling back: revision {w.generation}"
-    )
+    print(f"workload/{args.workload} rolling back: its spec is now revision {w.generation}")
 
 
 def cmd_undo(args: argparse.Namespace) -> int:
