@@ -87,8 +87,10 @@ def new_revision(
 def _started(
     generation: int, stable: int, now: float, spec: WorkloadSpec, rollback_of: int = 0
 ) -> Rollout:
+    # With no replicas there is nothing to roll out: it is complete as it is made.
+    state = RolloutState.PROGRESSING if spec.replicas else RolloutState.COMPLETE
     return Rollout(
-        state=RolloutState.PROGRESSING,
+        state=state,
         revision=generation,
         stable=stable,
         rollback_of=rollback_of,
