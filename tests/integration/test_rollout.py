@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from orka.api import controller_pb2 as pb
@@ -195,3 +196,52 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
     assert list(w.spec.command) == ["sleep", "302"]
     code, out = await orka(cluster, "rollout", "status", "web", "--timeout", "10")
     assert (code, out) == (0, "workload/web revision 5: COMPLETE, 6 of 6 updated, 6 ready")
+
+    # 4. The rollout RPCs: refusals name what is wrong and change nothing; undo, pause, resume.
+    before = await workload(cluster)
+    refusals = [
+        (cluster.api.PauseRollout(pb.PauseRolloutRequest(name="web")), "FAILED_PRECONDITION"),
+        (cluster.api.PromoteRollout(pb.PromoteRolloutRequest(name="web")), "FAILED_PRECONDITION"),
+        (
+            cluster.api.RollbackWorkload(pb.RollbackWorkloadRequest(name="web", revision=99)),
+            "FAILED_PRECONDITION",
+        ),
+        (
+            cluster.api.RollbackWorkload(pb.RollbackWorkloadRequest(name="web", etag="stale")),
+            "ABORTED",
+        ),
+        (cluster.api.RollbackWorkload(pb.RollbackWorkloadRequest(name="nope")), "NOT_FOUND"),
+        (cluster.api.ResumeRollout(pb.ResumeRolloutRequest(name="Bad_Name")), "INVALID_ARGUMENT"),
+    ]
+    for call, code in refusals:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code().name == code, err.value.details()
+    assert "no revision 99 (kept: 1, 2, 3, 4, 5)" in str(
+        await _error(
+            cluster.api.RollbackWorkload(pb.RollbackWorkloadRequest(name="web", revision=99))
+        )
+    )
+    after = await workload(cluster)
+    assert (after.etag, after.generation, after.rollout) == (
+        before.etag,
+        before.generation,
+        before.rollout,
+    )
+    code, out = await orka(cluster, "rollout", "undo", "web", "--to-revision", "1")
+    assert (code, out) == (0, "workload/web rolling back: its spec is now revision 6")
+    w = await workload(cluster)
+    assert list(w.spec.command) == ["sleep", "300"] and w.rollout.state == State.PROGRESSING
+    code, out = await orka(cluster, "rollout", "pause", "web")
+    assert (code, out) == (0, "workload/web rollout of revision 6 paused")
+    assert (await workload(cluster)).rollout.state == State.PAUSED
+    await cluster.api.ResumeRollout(pb.ResumeRolloutRequest(name="web"))
+    assert (await workload(cluster)).rollout.state == State.PROGRESSING
+
+
+async def _error(call: object) -> str:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as err:
+        return err.details() or ""
+    return ""
