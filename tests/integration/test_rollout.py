@@ -237,6 +237,10 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
     assert (await workload(cluster)).rollout.state == State.PAUSED
     await cluster.api.ResumeRollout(pb.ResumeRolloutRequest(name="web"))
     assert (await workload(cluster)).rollout.state == State.PROGRESSING
+    # Six steps of at least min_ready_seconds each: not done within half a second.
+    code, out = await orka(cluster, "rollout", "status", "web", "--timeout", "0.5")
+    assert code == 2, out
+    assert out.splitlines()[-1] == "workload/web: not done after 0.5s"
 
 
 async def _error(call: object) -> str:
