@@ -278,6 +278,9 @@ class VmSpec(BaseModel):
 MAX_MIN_READY_SECONDS = 3600
 MAX_PROGRESS_DEADLINE_SECONDS = 86400
 MAX_REVISIONS = 10
+# ... and at most this many bytes of earlier specs in all (JSON), so that a workload record
+# stays well inside a store's value limit (etcd takes 1.5 MiB per request) with big specs.
+MAX_REVISION_BYTES = 256 << 10
 
 
 class UpdateStrategy(BaseModel):
@@ -540,7 +543,8 @@ class Revision(BaseModel):
     """One spec a workload ran with (a generation that needed new instances)."""
 
     revision: int
-    spec: WorkloadSpec
+    # None on the current revision: it is the workload's spec (stored once, not twice).
+    spec: WorkloadSpec | None = None
     created_at: float = Field(default_factory=time.time)
     created_by: str = ""
     # Why it was made: "update", "rollback to revision 2", "undo to revision 2".
@@ -567,8 +571,15 @@ class Workload(BaseModel):
     def name(self) -> str:
         return self.spec.name
 
+    def history(self) -> list[Revision]:
+        """The revisions kept, oldest first, each with its spec (the current one's filled in)."""
+        return [
+            r if r.spec is not None else r.model_copy(update={"spec": self.spec})
+            for r in self.revisions
+        ]
+
     def revision(self, number: int) -> Revision | None:
-        for r in self.revisions:
+        for r in self.history():
             if r.revision == number:
                 return r
         return None

@@ -87,8 +87,8 @@ def _history_data(revisions: Sequence[Revision], current: int) -> list[dict[str,
             "create_time": output.rfc3339(r.created_at),
             "created_by": r.created_by,
             "cause": r.cause,
-            "command": list(r.spec.command),
-            "image": r.spec.image,
+            "command": list(r.spec.command) if r.spec else [],
+            "image": r.spec.image if r.spec else "",
         }
         for r in revisions
     ]

@@ -26,6 +26,7 @@ import structlog
 from orka.errors import Conflict, Invalid
 from orka.etags import new_workload_etag
 from orka.models import (
+    MAX_REVISION_BYTES,
     MAX_REVISIONS,
     ROLLOUT_DONE,
     HealthState,
@@ -51,7 +52,7 @@ def runs_same(a: WorkloadSpec, b: WorkloadSpec) -> bool:
 
 def first_revision(w: Workload, who: str) -> Workload:
     """A new workload: revision 1, its rollout under way until its instances are ready."""
-    rev = Revision(revision=w.generation, spec=w.spec, created_at=w.created_at, created_by=who)
+    rev = Revision(revision=w.generation, created_at=w.created_at, created_by=who)
     return w.model_copy(
         update={
             "revisions": [rev],
@@ -70,18 +71,29 @@ def new_revision(
     stable = (
         old.generation if r.state in ROLLOUT_DONE and r.revision == old.generation else r.stable
     )
-    rev = Revision(revision=generation, spec=spec, created_at=now, created_by=who, cause=cause)
+    rev = Revision(revision=generation, created_at=now, created_by=who, cause=cause)
+    revisions = _bounded([*old.history(), rev])
     return old.model_copy(
         update={
             "spec": spec,
             "generation": generation,
-            "revisions": [*old.revisions, rev][-MAX_REVISIONS:],
+            "revisions": revisions,
             "rollout": _started(generation, stable, now, spec, rollback_of),
             "updated_at": now,
             "updated_by": who,
             "etag": new_workload_etag(),
         }
     )
+
+
+def _bounded(revisions: list[Revision]) -> list[Revision]:
+    """The newest MAX_REVISIONS, fewer when the earlier specs pass MAX_REVISION_BYTES (the
+    newest, current one holds no spec of its own and is always kept)."""
+    kept = revisions[-MAX_REVISIONS:]
+    sizes = [len(r.spec.model_dump_json()) if r.spec is not None else 0 for r in kept[:-1]]
+    while len(kept) > 1 and sum(sizes) > MAX_REVISION_BYTES:
+        kept, sizes = kept[1:], sizes[1:]
+    return kept
 
 
 def _started(
@@ -106,7 +118,7 @@ def rollback_spec(w: Workload, revision: int) -> tuple[WorkloadSpec, int]:
     if revision < 0:
         raise Invalid.at("revision", f"must be >= 0, got {revision}")
     if revision == 0:
-        older = [r for r in w.revisions if r.revision < w.generation]
+        older = [r for r in w.history() if r.revision < w.generation]
         if not older:
             raise Conflict(f"workload {w.name!r} has no earlier revision to return to")
         target = older[-1]
@@ -116,6 +128,7 @@ def rollback_spec(w: Workload, revision: int) -> tuple[WorkloadSpec, int]:
             kept = ", ".join(str(r.revision) for r in w.revisions) or "none"
             raise Conflict(f"workload {w.name!r} has no revision {revision} (kept: {kept})")
         target = found
+    assert target.spec is not None  # history() fills every spec in
     return target.spec.model_copy(update={"replicas": w.spec.replicas}), target.revision
 
 
@@ -280,6 +293,7 @@ def _auto_rollback(w: Workload, now: float) -> Workload | None:
     target = w.revision(r.stable) if r.stable and r.stable != w.generation else None
     if target is None:
         return None
+    assert target.spec is not None  # history() fills every spec in
     spec = target.spec.model_copy(update={"replicas": w.spec.replicas})
     back = new_revision(
         w,
@@ -297,7 +311,9 @@ def adopt(w: Workload, insts: Iterable[Instance]) -> list[Instance]:
     """Active instances of an earlier revision that runs the same as `w`'s spec join the
     current generation: a rollback (or undo) keeps the instances that never left it."""
     same = {
-        r.revision for r in w.revisions if r.revision != w.generation and runs_same(r.spec, w.spec)
+        r.revision
+        for r in w.history()
+        if r.revision != w.generation and r.spec is not None and runs_same(r.spec, w.spec)
     }
     return [
         i.model_copy(update={"generation": w.generation, "updated_at": time.time()})

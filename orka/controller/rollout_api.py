@@ -35,7 +35,7 @@ async def list_revisions(
 ) -> pb.ListWorkloadRevisionsResponse:
     w = _workload(api, request.name)
     return pb.ListWorkloadRevisionsResponse(
-        revisions=[convert.revision_to_pb(r) for r in w.revisions]
+        revisions=[convert.revision_to_pb(r) for r in w.history()]
     )
 
 

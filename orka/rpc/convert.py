@@ -343,7 +343,7 @@ def revision_to_pb(r: Revision) -> pb.WorkloadRevision:
     """For users: secret values redacted, as in every spec a user reads."""
     return pb.WorkloadRevision(
         revision=r.revision,
-        spec=spec_to_pb(r.spec, redact=True),
+        spec=spec_to_pb(r.spec, redact=True) if r.spec is not None else None,
         create_time=timestamp_fields(r.created_at),
         created_by=r.created_by,
         cause=r.cause,

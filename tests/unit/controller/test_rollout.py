@@ -348,3 +348,15 @@ def test_update_strategy_round_trips_and_defaults_when_unset() -> None:
     bare.update.CopyFrom(partial)
     got = convert.spec_from_pb(bare).update
     assert (got.max_unavailable, got.max_surge, got.progress_deadline_seconds) == (1, 1, 600)
+
+
+def test_the_current_revision_holds_no_copy_and_big_specs_are_bounded_by_bytes() -> None:
+    w = rollout.first_revision(Workload(spec=spec("v1")), "admin/admin")
+    assert w.revisions[0].spec is None and w.revision(1).spec == w.spec  # type: ignore[union-attr]
+    big = "x" * (100 << 10)  # three earlier specs of 100 KiB pass MAX_REVISION_BYTES
+    for n in range(4):  # revisions 2-5: 2-4 hold 300 KiB, so 1 and 2 go
+        w = rollout.new_revision(w, spec(f"{big}{n}"), "admin/admin", NOW, "update")
+    assert [r.revision for r in w.revisions] == [3, 4, 5]
+    assert [r.spec is None for r in w.revisions] == [False, False, True]
+    assert w.revision(5).spec == w.spec  # type: ignore[union-attr]
+    assert rollout.rollback_spec(w, 0)[0].command == ["run", f"{big}2"]
