@@ -534,6 +534,9 @@ class Rollout(BaseModel):
     message: str = ""
     # The last progress (an instance became ready or was replaced); FAILED past the deadline.
     progress_at: float = 0.0
+    # When it began: only instances made since count as its failures (instances a rollback
+    # adopted may have restarted long before).
+    started_at: float = 0.0
     deadline: float = 0.0
     # `orka rollout promote` let a canary rollout go on.
     promoted: bool = False

@@ -108,6 +108,7 @@ def _started(
         rollback_of=rollback_of,
         message="rolling back" if rollback_of else "",
         progress_at=now,
+        started_at=now,
         deadline=now + spec.update.progress_deadline_seconds,
     )
 
@@ -185,9 +186,10 @@ class View:
 
 def view(w: Workload, insts: Iterable[Instance], now: float) -> View:
     min_ready = w.spec.update.min_ready_seconds
+    started = w.rollout.started_at
     out = View([], [], 0, 0, "")
     for i in insts:
-        if i.generation == w.generation and not out.failure:
+        if i.generation == w.generation and not out.failure and i.created_at >= started:
             out.failure = failing(i)
         if i.terminal or i.desired_stop or i.replaced_by:
             continue
@@ -227,7 +229,9 @@ def plan_rollout(
     rollout = _transition(w, v, now)
     out = Outcome(w.model_copy(update={"rollout": rollout}) if rollout != w.rollout else w)
     out.wake_in = v.wake_in
-    if rollout.state is RolloutState.FAILED and w.spec.update.auto_rollback:
+    # A rollback that fails too stays FAILED: going back and forth would never end.
+    auto = w.spec.update.auto_rollback and not rollout.rollback_of
+    if rollout.state is RolloutState.FAILED and auto:
         back = _auto_rollback(out.workload, now)
         if back is not None:
             out.workload = back

@@ -83,8 +83,7 @@ def inst(
         health=health,
         started_at=ready_since,
         health_changed_at=ready_since,
-        created_at=float(n),
-        **kw,
+        **{"created_at": float(n), **kw},
     )
 
 
@@ -360,3 +359,14 @@ def test_the_current_revision_holds_no_copy_and_big_specs_are_bounded_by_bytes()
     assert [r.spec is None for r in w.revisions] == [False, False, True]
     assert w.revision(5).spec == w.spec  # type: ignore[union-attr]
     assert rollout.rollback_spec(w, 0)[0].command == ["run", f"{big}2"]
+
+
+def test_a_rollback_that_fails_stays_failed_and_adopted_restarts_do_not_count() -> None:
+    w = workload(spec(auto_rollback=True), rollback_of=3, started_at=NOW - 10)
+    adopted = inst(2, restarts=4, created_at=NOW - 5000)  # restarted long before it
+    out = run(w, [adopted, *(inst(1) for _ in range(5))])
+    assert out.workload.rollout.state is S.PROGRESSING
+    fresh_fail = inst(2, P.FAILED, created_at=NOW - 1)
+    out = run(w, [adopted, fresh_fail, *(inst(1) for _ in range(5))])
+    assert out.workload.rollout.state is S.FAILED
+    assert out.workload.generation == 2  # no rollback of the rollback
