@@ -158,6 +158,23 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
         await watcher.stop()
     good = {i.name for i in await cluster.running("web")}
 
+    # Scaling up and down restarts nothing: same generation, the untouched instances stay.
+    for replicas in (REPLICAS + 1, REPLICAS):
+        scaled = web(["sleep", "301"])
+        scaled.replicas = replicas
+        await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=scaled))
+
+        async def scaled_to(n: int = replicas) -> set[str] | None:
+            running = await cluster.running("web")
+            live = [i for i in await cluster.instances("web") if i.phase != pb.Instance.STOPPED]
+            ok = len(running) == n == len(live) and {i.generation for i in running} == {2}
+            return {i.name for i in running} if ok else None
+
+        names = await eventually(scaled_to, timeout=30)
+        assert len(good & names) == REPLICAS  # none of the six was replaced
+        assert (await workload(cluster)).generation == 2
+    assert await settled(cluster, State.COMPLETE, 2) is not None
+
     # 2. A bad spec: it exits at once; the rollout fails and rolls back to revision 2's spec.
     await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=web(["sh", "-c", "exit 3"])))
     w = await eventually(lambda: settled(cluster, State.ROLLED_BACK, 4), timeout=60)
