@@ -3,7 +3,8 @@
 One scenario walks the steps, so the cluster boots once: a good update of 6 replicas with
 max_unavailable 1 keeps at least 5 RUNNING and HEALTHY at every event and ends all on the new
 spec; a bad spec (a command that exits at once) stops the rollout and rolls back to the old
-spec with all 6 running, and `orka rollout history` shows the revisions; a controller stopped
+spec with all 6 running, and `orka rollout history` shows the revisions; so does a spec whose
+health check fails; a controller stopped
 mid-rollout and started again on the same store finishes it.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from orka.api import controller_pb2 as pb
 from tests.integration.cluster import Cluster, eventually, process_spec
@@ -199,20 +201,41 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
     assert code == 1, out  # rolled back
     assert out.startswith("workload/web revision 4: ROLLED_BACK, 6 of 6 updated, 6 ready")
 
+    # 2b. A spec whose health check fails: its instance turns UNHEALTHY, the rollout fails
+    # and rolls back (revision 5 fails, 6 returns to revision 4's spec).
+    unhealthy = web(["sleep", "301"])
+    unhealthy.health_check.CopyFrom(
+        pb.HealthCheck(
+            exec=pb.HealthCheck.Exec(command=["false"]),
+            interval=Duration(seconds=1),
+            timeout=Duration(nanos=500_000_000),
+            failure_threshold=1,
+        )
+    )
+    await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=unhealthy))
+    w = await eventually(lambda: settled(cluster, State.ROLLED_BACK, 6), timeout=60)
+    assert not w.spec.HasField("health_check") and w.rollout.rollback_of == 5
+    revisions = await cluster.api.ListWorkloadRevisions(pb.ListWorkloadRevisionsRequest(name="web"))
+    failed = revisions.revisions[4]
+    assert failed.revision == 5 and failed.spec.HasField("health_check")
+    assert (
+        "unhealthy" in revisions.revisions[5].cause or "restarted" in revisions.revisions[5].cause
+    )
+
     # 3. The controller stops mid-rollout; a new one on the same store finishes it.
     await cluster.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=web(["sleep", "302"])))
 
     async def midway() -> bool:
-        return any(i.generation == 5 for i in await cluster.running("web"))
+        return any(i.generation == 7 for i in await cluster.running("web"))
 
     await eventually(midway, timeout=30)
     assert cluster.controller is not None
     await cluster.controller.stop()
     await cluster.start_controller()
-    w = await eventually(lambda: settled(cluster, State.COMPLETE, 5), timeout=60)
+    w = await eventually(lambda: settled(cluster, State.COMPLETE, 7), timeout=60)
     assert list(w.spec.command) == ["sleep", "302"]
     code, out = await orka(cluster, "rollout", "status", "web", "--timeout", "10")
-    assert (code, out) == (0, "workload/web revision 5: COMPLETE, 6 of 6 updated, 6 ready")
+    assert (code, out) == (0, "workload/web revision 7: COMPLETE, 6 of 6 updated, 6 ready")
 
     # 4. The rollout RPCs: refusals name what is wrong and change nothing; undo, pause, resume.
     before = await workload(cluster)
@@ -234,7 +257,7 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call
         assert err.value.code().name == code, err.value.details()
-    assert "no revision 99 (kept: 1, 2, 3, 4, 5)" in str(
+    assert "no revision 99 (kept: 1, 2, 3, 4, 5, 6, 7)" in str(
         await _error(
             cluster.api.RollbackWorkload(pb.RollbackWorkloadRequest(name="web", revision=99))
         )
@@ -246,11 +269,11 @@ async def test_rolling_update_rollback_and_restart_mid_rollout(cluster: Cluster)
         before.rollout,
     )
     code, out = await orka(cluster, "rollout", "undo", "web", "--to-revision", "1")
-    assert (code, out) == (0, "workload/web rolling back: its spec is now revision 6")
+    assert (code, out) == (0, "workload/web rolling back: its spec is now revision 8")
     w = await workload(cluster)
     assert list(w.spec.command) == ["sleep", "300"] and w.rollout.state == State.PROGRESSING
     code, out = await orka(cluster, "rollout", "pause", "web")
-    assert (code, out) == (0, "workload/web rollout of revision 6 paused")
+    assert (code, out) == (0, "workload/web rollout of revision 8 paused")
     assert (await workload(cluster)).rollout.state == State.PAUSED
     await cluster.api.ResumeRollout(pb.ResumeRolloutRequest(name="web"))
     assert (await workload(cluster)).rollout.state == State.PROGRESSING
