@@ -22,7 +22,15 @@ from pydantic import BaseModel
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.errors import Invalid, NotLeader, OrkaError, Unavailable, from_rpc_error
-from orka.models import Endpoint, Instance, InstancePhase, Node, Workload, WorkloadSpec
+from orka.models import (
+    Endpoint,
+    Instance,
+    InstancePhase,
+    Node,
+    Revision,
+    Workload,
+    WorkloadSpec,
+)
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.pages import list_all
@@ -328,3 +336,18 @@ class AdminClient:
     async def drain(self, name: str, etag: str = "") -> Node:
         req = pb.DrainNodeRequest(name=name, etag=etag)
         return convert.node_from_pb(await self._call("DrainNode", req))
+
+    # ---- rollout ----
+
+    async def list_revisions(self, name: str) -> list[Revision]:
+        resp = await self._call("ListWorkloadRevisions", pb.ListWorkloadRevisionsRequest(name=name))
+        return [convert.revision_from_pb(r) for r in resp.revisions]
+
+    async def rollback(self, name: str, revision: int = 0, etag: str = "") -> Workload:
+        req = pb.RollbackWorkloadRequest(name=name, revision=revision, etag=etag)
+        return convert.workload_from_pb(await self._call("RollbackWorkload", req))
+
+    async def rollout_action(self, action: str, name: str) -> Workload:
+        """`action`: Pause, Resume or Promote."""
+        req = getattr(pb, f"{action}RolloutRequest")(name=name)
+        return convert.workload_from_pb(await self._call(f"{action}Rollout", req))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, health, resources, services, top, up
+from orka.cli import apply, certs, health, resources, rollout, services, top, up
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
 
@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.register(sub)
     resources.register(sub)
     health.register(sub)
+    rollout.register(sub)
     top.register(sub)
     parser.commands = set(sub.choices)
     return parser

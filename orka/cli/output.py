@@ -118,6 +118,8 @@ def _plain(model: BaseModel) -> object:
     if isinstance(model, Node):
         # Derived, not stored (orka/etags.py); shown so that `--etag` can be given it.
         plain["etag"] = node_etag(model)
+    if isinstance(model, Workload):
+        plain.pop("revisions", None)  # not on the wire: `orka rollout history` lists them
     return _api_shape(plain)
 
 

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging
+from orka.controller import paging, rollout, rollout_api
 from orka.controller.activity import ActivityLog
 from orka.controller.activity_rpc import list_activities
 from orka.controller.events import EventHub
@@ -113,6 +113,11 @@ def _name(value: str, field: str = "name") -> str:
     WatchEvents=stream(roles=READERS),
     WatchEventBatches=stream(roles=READERS),
     ListActivities=(unary(roles=READERS), leader_only),
+    ListWorkloadRevisions=(unary(roles=READERS), leader_only),
+    RollbackWorkload=(unary(roles=ADMIN), leader_only),
+    PauseRollout=(unary(roles=ADMIN), leader_only),
+    ResumeRollout=(unary(roles=ADMIN), leader_only),
+    PromoteRollout=(unary(roles=ADMIN), leader_only),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -140,6 +145,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # Each workload's current spec and its serialized size (quota checks sum them all):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    # The rollout RPCs (orka/controller/rollout_api.py).
+    ListWorkloadRevisions = rollout_api.list_revisions
+    RollbackWorkload = rollout_api.rollback
+    PauseRollout = rollout_api.pause
+    ResumeRollout = rollout_api.resume
+    PromoteRollout = rollout_api.promote
 
     # Messages of stored objects carry the revision of their last write.
 
@@ -195,7 +207,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = keep_redacted(None, convert.spec_from_pb(request.spec))
-        workload = Workload(spec=spec, created_by=str(who), updated_by=str(who))
+        workload = rollout.first_revision(
+            Workload(spec=spec, created_by=str(who), updated_by=str(who)), str(who)
+        )
 
         def plan() -> list[Change]:
             if spec.name in self.repo.workloads:
@@ -235,18 +249,20 @@ class ControllerApi(pb_grpc.ControllerServicer):
             size = request.spec.ByteSize()
             if size > self._stored_spec_bytes(spec.name, old.spec):
                 self._check_spec_bytes(size, skip=spec.name)
-            # Only a change to what runs needs new instances; replicas alone just scales.
-            runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == new_spec
-            generation = old.generation if runs_same else old.generation + 1
-            new = old.model_copy(
-                update={
-                    "spec": new_spec,
-                    "generation": generation,
-                    "updated_at": time.time(),
-                    "updated_by": str(who),
-                    "etag": new_workload_etag(),
-                }
-            )
+            # Only a change to what runs needs new instances (a revision and its rollout);
+            # replicas or the update strategy alone restart nothing.
+            now = time.time()
+            if rollout.runs_same(old.spec, new_spec):
+                new = old.model_copy(
+                    update={
+                        "spec": new_spec,
+                        "updated_at": now,
+                        "updated_by": str(who),
+                        "etag": new_workload_etag(),
+                    }
+                )
+            else:
+                new = rollout.new_revision(old, new_spec, str(who), now, "update")
             return [Change("workloads", spec.name, new)]
 
         await self.repo.mutate(plan)
