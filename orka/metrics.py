@@ -21,6 +21,7 @@ process.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import threading
 import time
@@ -44,7 +45,15 @@ from prometheus_client.registry import Collector
 
 from orka import fit
 from orka.errors import Invalid
-from orka.models import HealthState, Instance, InstancePhase, Node, NodeState, Workload
+from orka.models import (
+    HealthState,
+    Instance,
+    InstancePhase,
+    Node,
+    NodeState,
+    RolloutState,
+    Workload,
+)
 
 if TYPE_CHECKING:
     from orka.agent.service import Agent
@@ -296,10 +305,14 @@ def _controller_families(
     yield family
     family = gauge(
         "orka_rollouts_in_progress",
-        "Workloads with a live instance of an older generation than the workload's",
+        "Workloads whose rollout is not over: progressing, paused or awaiting promotion",
     )
-    generations = {w.spec.name: w.generation for w in workloads}
-    family.add_metric([], rollouts_in_progress(instances, generations))
+    family.add_metric([], rollouts_in_progress(workloads))
+    yield family
+    family = gauge("orka_rollouts", "Workloads by the state of their latest rollout", ["state"])
+    states = collections.Counter(w.rollout.state for w in workloads if not w.deleting)
+    for state in RolloutState:
+        family.add_metric([state.value], states[state])
     yield family
     family = gauge("orka_watch_subscribers", "Open WatchEvents streams")
     family.add_metric([], len(watchers))
@@ -316,18 +329,16 @@ def _controller_families(
     yield family
 
 
-def rollouts_in_progress(instances: Iterable[Instance], generations: Mapping[str, int]) -> int:
-    """Workloads not yet fully on their current generation: some instance still alive (not
-    finished, not being stopped) is of another. The rollout slice may compute this from its
-    own rollout state instead; the gauge's name and meaning stay."""
-    outdated: set[str] = set()
-    for inst in instances:
-        if inst.workload in outdated or inst.terminal or inst.desired_stop:
-            continue
-        generation = generations.get(inst.workload)
-        if generation is not None and inst.generation != generation:
-            outdated.add(inst.workload)
-    return len(outdated)
+# Rollout states in which a rollout is not over.
+ROLLOUT_UNDERWAY = frozenset(
+    {RolloutState.PROGRESSING, RolloutState.PAUSED, RolloutState.AWAITING_PROMOTION}
+)
+
+
+def rollouts_in_progress(workloads: Iterable[Workload]) -> int:
+    """Workloads (not being deleted) whose rollout is not over: it still moves instances, or
+    waits for `orka rollout resume|promote`."""
+    return sum(1 for w in workloads if not w.deleting and w.rollout.state in ROLLOUT_UNDERWAY)
 
 
 def scheduler_view(scheduler: Scheduler) -> Render:

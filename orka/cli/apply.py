@@ -13,7 +13,14 @@ from orka.cli.client import AdminClient, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.cli.manifest import load_manifests
 from orka.errors import Aborted, AlreadyExists, NotFound, OutOfRange
-from orka.models import Instance, InstancePhase, RestartPolicy, Workload, WorkloadSpec
+from orka.models import (
+    Instance,
+    InstancePhase,
+    RestartPolicy,
+    RolloutState,
+    Workload,
+    WorkloadSpec,
+)
 
 REREAD = "nothing was applied; re-read it (orka get workload {name}) and apply again"
 
@@ -95,6 +102,8 @@ class Progress:
             return f"{text}: ready"
         if st.unschedulable_reasons:
             text += f" (unschedulable: {st.unschedulable_reasons[0]})"
+        elif w.rollout.state is not RolloutState.COMPLETE:
+            text += f" (rollout {w.rollout.state.value.lower().replace('_', ' ')})"
         return text
 
     def ready(self) -> bool:
@@ -106,6 +115,9 @@ class Progress:
             and st.healthy >= want
             and st.placed <= want
             and not w.deleting
+            # Old instances may all run and be healthy while a new revision rolls out.
+            and w.rollout.state is RolloutState.COMPLETE
+            and w.rollout.revision == w.generation
         )
 
     def failure(self) -> str:
@@ -122,6 +134,13 @@ class Progress:
                 ):
                     code = "" if i.exit_code is None else f" with exit code {i.exit_code}"
                     return f"instance {i.name} failed{code} and restart policy is NEVER"
+        r = w.rollout
+        if r.rollback_of and r.state in (RolloutState.PROGRESSING, RolloutState.ROLLED_BACK):
+            why = f": {r.message}" if r.message else ""
+            return f"revision {r.rollback_of} failed and is rolled back{why}"
+        if r.state is RolloutState.FAILED:
+            why = f": {r.message}" if r.message else ""
+            return f"the rollout of revision {r.revision} failed{why}"
         if w.status.unschedulable_unresolvable:
             why = "; ".join(w.status.unschedulable_reasons) or "no node can take it"
             return f"no node can ever take a replica as specified: {why}"

@@ -346,6 +346,12 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     ]
     if w.status.message:
         pairs.append(("Message", w.status.message))
+    r = w.rollout
+    rollout = f"{r.state.value} (revision {r.revision}), updated {w.status.updated}, ready"
+    rollout += f" {w.status.ready}"
+    if r.rollback_of:
+        rollout += f", rolling back revision {r.rollback_of}"
+    pairs.append(("Rollout", rollout + (f": {r.message}" if r.message else "")))
     out = [fields(pairs)]
     if w.status.unschedulable_reasons:
         out.append("Unschedulable:")

@@ -47,6 +47,7 @@ from orka.models import (
     InstanceReason,
     Node,
     NodeState,
+    RolloutState,
     Workload,
 )
 
@@ -226,6 +227,22 @@ class ActivityLog:
             self.record("workload", new.name, NORMAL, "Updated", text)
         if new.deleting and not (old is not None and old.deleting):
             self.record("workload", new.name, NORMAL, "Deleting", "stopping its instances")
+        if old is not None:
+            self._rollout(new, old)
+
+    def _rollout(self, new: Workload, old: Workload) -> None:
+        """A rollout step: its state changed, or it began another revision (one place in
+        rollout.py makes each transition; this sees its result as the reconciler writes it)."""
+        r, was = new.rollout, old.rollout
+        if (r.state, r.revision) == (was.state, was.revision):
+            return
+        reason, type_ = _ROLLOUT_REASONS[r.state]
+        text = f"revision {r.revision}: {r.state.value.lower().replace('_', ' ')}"
+        if r.rollback_of and r.revision != was.revision:
+            text += f" (rolling back revision {r.rollback_of})"
+        if r.message:
+            text += f"; {r.message}"
+        self.record("workload", new.name, type_, reason, text)
 
 
 _NODE_REASONS = {
@@ -233,6 +250,16 @@ _NODE_REASONS = {
     NodeState.NOT_READY: "NodeNotReady",
     NodeState.LOST: "NodeLost",
     NodeState.LEFT: "NodeLeft",
+}
+
+
+_ROLLOUT_REASONS: dict[RolloutState, tuple[str, Type]] = {
+    RolloutState.PROGRESSING: ("RolloutProgressing", NORMAL),
+    RolloutState.PAUSED: ("RolloutPaused", NORMAL),
+    RolloutState.AWAITING_PROMOTION: ("RolloutAwaitingPromotion", NORMAL),
+    RolloutState.COMPLETE: ("RolloutComplete", NORMAL),
+    RolloutState.FAILED: ("RolloutFailed", WARNING),
+    RolloutState.ROLLED_BACK: ("RolledBack", WARNING),
 }
 
 

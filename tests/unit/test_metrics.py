@@ -26,6 +26,8 @@ from orka.models import (
     InstancePhase,
     Node,
     NodeState,
+    Rollout,
+    RolloutState,
     Workload,
     WorkloadSpec,
 )
@@ -63,9 +65,20 @@ def v(samples: Samples, name: str, **labels: str) -> float | None:
 # ---- builders ----
 
 
-def workload(name: str, generation: int = 1, replicas: int = 1) -> Workload:
+def workload(
+    name: str,
+    generation: int = 1,
+    replicas: int = 1,
+    rollout: RolloutState = RolloutState.COMPLETE,
+    deleting: bool = False,
+) -> Workload:
     spec = WorkloadSpec(name=name, kind="PROCESS", command=["x"], replicas=replicas)
-    return Workload(spec=spec, generation=generation)
+    return Workload(
+        spec=spec,
+        generation=generation,
+        rollout=Rollout(state=rollout, revision=generation),
+        deleting=deleting,
+    )
 
 
 def instance(
@@ -118,7 +131,11 @@ def test_controller_state_as_gauges() -> None:
         instance("old-2", "old", generation=2),
         instance("done-1", "old", phase=InstancePhase.STOPPED, health=HealthState.UNKNOWN),
     ]
-    workloads = [workload("web"), workload("old", generation=2)]
+    workloads = [
+        workload("web"),
+        workload("old", generation=2, rollout=RolloutState.PROGRESSING),
+        workload("bad", generation=3, rollout=RolloutState.FAILED, replicas=0),
+    ]
     hub = EventHub()
     hub.subscribe("", 0)
     hub.subscribe("web", 0)
@@ -144,22 +161,26 @@ def test_controller_state_as_gauges() -> None:
     assert v(s, "orka_placement_queue_depth", stage="waiting") == 1
     assert v(s, "orka_placement_queue_depth", stage="in_flight") == 2
     assert v(s, "orka_rollouts_in_progress") == 1
+    assert v(s, "orka_rollouts", state="FAILED") == 1
+    assert v(s, "orka_rollouts", state="COMPLETE") == 1
+    assert v(s, "orka_rollouts", state="PAUSED") == 0  # present, zero
     assert v(s, "orka_watch_subscribers") == 2
     assert v(s, "orka_watch_backlog_events") == 3 + 3 + 1
     backlog = sum(sub.backlog_bytes for sub in hub.subscribers)
     assert backlog > 0 and v(s, "orka_watch_backlog_bytes") == backlog
 
 
-def test_rollout_done_when_old_generation_is_finished_or_stopping() -> None:
-    instances = [
-        instance("a", "w", generation=2),
-        instance("b", "w", phase=InstancePhase.STOPPED, generation=1),
-        instance("c", "w", generation=1, desired_stop=True),
-        instance("d", "gone", generation=1),  # its workload is deleted meanwhile
-    ]
-    assert metrics.rollouts_in_progress(instances, {"w": 2}) == 0
-    instances.append(instance("e", "w", generation=1))
-    assert metrics.rollouts_in_progress(instances, {"w": 2}) == 1
+def test_rollouts_in_progress_are_those_not_over() -> None:
+    states = {
+        state: workload(state.value.lower().replace("_", "-"), rollout=state)
+        for state in RolloutState
+    }
+    underway = {RolloutState.PROGRESSING, RolloutState.PAUSED, RolloutState.AWAITING_PROMOTION}
+    for state, w in states.items():
+        assert metrics.rollouts_in_progress([w]) == (state in underway), state
+    # A workload being deleted rolls nothing out any more.
+    gone = workload("gone", rollout=RolloutState.PROGRESSING, deleting=True)
+    assert metrics.rollouts_in_progress([*states.values(), gone]) == 3
 
 
 def test_counting_works_on_copies_taken_when_read() -> None:

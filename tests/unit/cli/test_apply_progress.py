@@ -12,6 +12,8 @@ from orka.models import (
     Instance,
     InstancePhase,
     RestartPolicy,
+    Rollout,
+    RolloutState,
     Workload,
     WorkloadSpec,
     WorkloadStatus,
@@ -49,6 +51,31 @@ def test_a_failed_replica_under_restart_policy_never_fails_the_wait() -> None:
     q = progress(running=1, healthy=1)
     q.instances["web-1"] = p.instances["web-1"]
     assert q.failure() == ""
+
+
+def test_a_rollout_must_finish_and_a_failed_or_rolled_back_one_fails_the_wait() -> None:
+    def rolling(state: RolloutState, generation: int = 2, **more: object) -> Progress:
+        p = progress(running=2, healthy=2)
+        p.workload = p.workload.model_copy(
+            update={
+                "generation": generation,
+                "rollout": Rollout(state=state, revision=generation, message="m", **more),
+            }
+        )
+        return p
+
+    # The old revision's replicas all run and are healthy: not ready while the new rolls out.
+    p = rolling(RolloutState.PROGRESSING)
+    assert (p.ready(), p.failure()) == (False, "")
+    assert p.line().endswith("healthy 2 (rollout progressing)")
+    assert rolling(RolloutState.COMPLETE).ready()
+    assert not rolling(RolloutState.AWAITING_PROMOTION).ready()
+    assert rolling(RolloutState.FAILED).failure() == "the rollout of revision 2 failed: m"
+    back = rolling(RolloutState.PROGRESSING, generation=3, rollback_of=2)
+    assert back.failure() == "revision 2 failed and is rolled back: m"
+    assert rolling(RolloutState.ROLLED_BACK, generation=3, rollback_of=2).failure() == (
+        "revision 2 failed and is rolled back: m"
+    )
 
 
 def test_piped_prints_a_plain_line_per_change_only() -> None:

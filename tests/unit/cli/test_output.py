@@ -14,8 +14,11 @@ from orka.models import (
     PortBinding,
     PortProtocol,
     Resources,
+    Rollout,
+    RolloutState,
     Workload,
     WorkloadSpec,
+    WorkloadStatus,
 )
 from orka.rpc import convert
 
@@ -114,6 +117,22 @@ def test_describe_workload_shows_who_and_the_secret_keys_only() -> None:
     assert "Created by:     admin/admin" in lines
     assert "Updated by:     admin/alice" in lines
     assert "Secret env:     PASSWORD" in lines
+
+
+def test_describe_workload_says_where_its_rollout_stands() -> None:
+    w = Workload(
+        spec=WorkloadSpec(name="web", kind="PROCESS", command=["x"], replicas=6),
+        generation=4,
+        status=WorkloadStatus(updated=3, ready=2),
+        rollout=Rollout(
+            state=RolloutState.PROGRESSING, revision=4, rollback_of=3, message="web-9 exited"
+        ),
+    )
+    lines = output.describe_workload(w, [], NOW).splitlines()
+    assert (
+        "Rollout:        PROGRESSING (revision 4), updated 3, ready 2, rolling back revision 3:"
+        " web-9 exited"
+    ) in lines
 
 
 def test_age() -> None:

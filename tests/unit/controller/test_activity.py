@@ -6,7 +6,18 @@ from __future__ import annotations
 from orka import fit
 from orka.controller.activity import NORMAL, WARNING, ActivityLog, placed_text
 from orka.controller.repo import Change
-from orka.models import HealthState, Instance, InstancePhase, Node, NodeState
+from orka.models import (
+    HealthState,
+    Instance,
+    InstancePhase,
+    Node,
+    NodeState,
+    Rollout,
+    RolloutState,
+    Workload,
+    WorkloadKind,
+    WorkloadSpec,
+)
 
 
 class Clock:
@@ -61,10 +72,13 @@ def inst(**kw: object) -> Instance:
     return Instance(**base)  # type: ignore[arg-type]
 
 
-def write(log: ActivityLog, old: Instance | Node | None, new: Instance | Node | None) -> None:
+Record = Instance | Node | Workload
+
+
+def write(log: ActivityLog, old: Record | None, new: Record | None) -> None:
     value = new if new is not None else old
-    kind = "instances" if isinstance(value, Instance) else "nodes"
     assert value is not None
+    kind = {Instance: "instances", Node: "nodes", Workload: "workloads"}[type(value)]
     log.on_change(Change(kind, value.name, new), old)  # type: ignore[arg-type]
 
 
@@ -119,6 +133,34 @@ def test_node_states_and_cordon() -> None:
         (NORMAL, "Registered"),
         (WARNING, "NodeNotReady"),
         (NORMAL, "Cordoned"),
+    ]
+
+
+def test_rollout_steps_are_recorded_once_each() -> None:
+    log = ActivityLog()
+    spec = WorkloadSpec(name="web", kind=WorkloadKind.PROCESS, command=["sleep", "9"])
+    w1 = Workload(spec=spec)
+    write(log, None, w1)
+
+    def at(w: Workload, generation: int, **rollout: object) -> Workload:
+        return w.model_copy(update={"generation": generation, "rollout": Rollout(**rollout)})
+
+    w2a = at(w1, 2, state=RolloutState.PROGRESSING, revision=2, stable=1)
+    # Changed again mid-rollout: another revision, the same state.
+    w2 = at(w2a, 3, state=RolloutState.PROGRESSING, revision=3, stable=1)
+    w2b = w2.model_copy(update={"updated_at": w2.updated_at + 1})  # a status write: no step
+    w2f = at(w2, 3, state=RolloutState.FAILED, revision=3, stable=1, message="web-7 exited")
+    w3 = at(w2f, 4, state=RolloutState.PROGRESSING, revision=4, stable=1, rollback_of=3)
+    w3c = at(w3, 4, state=RolloutState.ROLLED_BACK, revision=4, stable=4, rollback_of=3)
+    for old, new in [(w1, w2a), (w2a, w2), (w2, w2b), (w2b, w2f), (w2f, w3), (w3, w3c)]:
+        write(log, old, new)
+    got = [(e.type, e.reason, e.message) for e in reversed(log.entries("workload", "web"))]
+    assert [g for g in got if g[1].startswith("Roll")] == [
+        (NORMAL, "RolloutProgressing", "revision 2: progressing"),
+        (NORMAL, "RolloutProgressing", "revision 3: progressing"),
+        (WARNING, "RolloutFailed", "revision 3: failed; web-7 exited"),
+        (NORMAL, "RolloutProgressing", "revision 4: progressing (rolling back revision 3)"),
+        (WARNING, "RolledBack", "revision 4: rolled back"),
     ]
 
 
