@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, health, resources, services, up
+from orka.cli import apply, certs, health, logs, resources, services, up
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
 
@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.register(sub)
     resources.register(sub)
     health.register(sub)
+    logs.register(sub)
     parser.commands = set(sub.choices)
     return parser
 

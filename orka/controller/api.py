@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging
+from orka.controller import paging, streams
 from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
@@ -110,6 +110,7 @@ def _name(value: str, field: str = "name") -> str:
     DrainNode=(unary(roles=ADMIN), leader_only),
     WatchEvents=stream(roles=READERS),
     WatchEventBatches=stream(roles=READERS),
+    ReadLogs=stream(roles=ADMIN),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -135,6 +136,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # Each workload's current spec and its serialized size (quota checks sum them all):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    # The RPCs that reach into instances through their agents (orka/controller/streams.py).
+    ReadLogs = streams.read_logs
 
     # Messages of stored objects carry the revision of their last write.
 

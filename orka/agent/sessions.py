@@ -1,0 +1,186 @@
+"""Sessions on the agent's stream: logs (and exec, console) the scheduler opens for a reader.
+
+Each session is one task. What it sends is paced by credit: the scheduler grants a window of
+outputs at the open and more as its reader takes them, and a session with none left waits
+(it stops reading files, or reading the command's pipes), so a slow reader never grows a
+queue here and never holds back the heartbeats that share the stream. The session ends with
+an `end` status (OK, or why); a `cancel` from the scheduler, or the stream going away, ends
+it with nothing more sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+import structlog
+
+from orka.agent.logs import LogKeeper
+from orka.agent.supervisor import Supervised
+from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
+from orka.errors import Invalid, NotFound, OrkaError, ResourceExhausted, to_rpc_status
+from orka.rpc import convert
+from orka.runtime import logs as logfiles
+
+log = structlog.get_logger("orka.agent")
+
+MAX_SESSIONS = 256
+# Inputs (stdin, console keys) queued for a session; the controller sends them as the user
+# types or pipes, at most 32 KiB each.
+MAX_QUEUED_INPUTS = 64
+
+
+class Session:
+    def __init__(self, sid: str, credit: int, send: Callable[[apb.AgentMessage], None]) -> None:
+        self.sid = sid
+        self._send = send
+        self.credit = credit
+        self._credit_given = asyncio.Event()
+        self.inputs: asyncio.Queue[apb.SessionInput] = asyncio.Queue(MAX_QUEUED_INPUTS)
+        self.task: asyncio.Task[None] | None = None
+
+    def grant(self, n: int) -> None:
+        self.credit += n
+        if self.credit > 0:
+            self._credit_given.set()
+
+    async def emit(self, out: apb.SessionOutput) -> None:
+        while self.credit <= 0:
+            self._credit_given.clear()
+            await self._credit_given.wait()
+        self.credit -= 1
+        out.session = self.sid
+        self._send(apb.AgentMessage(session_output=out))
+
+    def end(self, status: object) -> None:
+        out = apb.SessionOutput(session=self.sid)
+        out.end.CopyFrom(status)  # type: ignore[arg-type]
+        self._send(apb.AgentMessage(session_output=out))
+
+
+Handler = Callable[[Session, apb.SessionOpen], Awaitable[None]]
+
+
+class Sessions:
+    def __init__(
+        self,
+        instances: Mapping[str, Supervised],
+        send: Callable[[apb.AgentMessage], None],
+        keeper: LogKeeper,
+    ) -> None:
+        self.instances = instances
+        self.send = send
+        self.keeper = keeper
+        self._sessions: dict[str, Session] = {}
+        # The other kinds (exec, console) register their handlers here.
+        self.handlers: dict[str, Handler] = {"logs": self._logs}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def on_open(self, msg: apb.SessionOpen) -> None:
+        session = Session(msg.session, msg.credit, self.send)
+        if msg.session in self._sessions or not msg.session:
+            session.end(to_rpc_status(Invalid("session id missing or in use")))
+            return
+        if len(self._sessions) >= MAX_SESSIONS:
+            session.end(
+                to_rpc_status(ResourceExhausted(f"at most {MAX_SESSIONS} sessions per node"))
+            )
+            return
+        self._sessions[msg.session] = session
+        session.task = asyncio.create_task(self._run(session, msg), name=f"session-{msg.session}")
+
+    def on_input(self, msg: apb.SessionInput) -> None:
+        session = self._sessions.get(msg.session)
+        if session is None:
+            return  # ended already; the scheduler learns from its end
+        kind = msg.WhichOneof("body")
+        if kind == "credit":
+            session.grant(msg.credit)
+        elif kind == "cancel":
+            self._drop(session)
+        else:
+            try:
+                session.inputs.put_nowait(msg)
+            except asyncio.QueueFull:
+                self._drop(session)
+                session.end(to_rpc_status(ResourceExhausted("session input queue is full")))
+
+    def close_all(self) -> None:
+        """The stream is gone: every session with it (their readers are gone too)."""
+        for session in list(self._sessions.values()):
+            self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        self._sessions.pop(session.sid, None)
+        if session.task is not None:
+            session.task.cancel()
+
+    async def _run(self, session: Session, msg: apb.SessionOpen) -> None:
+        try:
+            handler = self.handlers.get(msg.WhichOneof("kind") or "")
+            if handler is None:
+                raise Invalid("session kind not supported by this agent")
+            await handler(session, msg)
+            status = convert.ok_status()
+        except asyncio.CancelledError:
+            return
+        except OrkaError as err:
+            status = to_rpc_status(err)
+        except Exception as err:
+            log.exception("session failed", session=session.sid)
+            status = to_rpc_status(OrkaError(f"session failed: {err}"))
+        finally:
+            self._sessions.pop(session.sid, None)
+        session.end(status)
+
+    def instance(self, name: str) -> Supervised:
+        inst = self.instances.get(name)
+        if inst is None:
+            raise NotFound(f"instance {name!r} is not on this node")
+        return inst
+
+    # ---- logs ----
+
+    async def _logs(self, session: Session, msg: apb.SessionOpen) -> None:
+        req = msg.logs
+        inst = self.instance(req.instance)
+        out, err = inst.driver.log_paths(inst.name)
+        streams: list[tuple[int, Path]] = [(pb.LogChunk.STDOUT, out)]
+        if err != out:
+            streams.append((pb.LogChunk.STDERR, err))
+        if req.stream:
+            streams = [s for s in streams if s[0] == req.stream]
+        since = req.since_time.ToNanoseconds() / 1e9 if req.HasField("since_time") else None
+        readers = [
+            self._read_stream(session, kind, path, req.follow, req.tail_lines, since)
+            for kind, path in streams
+        ]
+        await asyncio.gather(*readers)
+
+    async def _read_stream(
+        self,
+        session: Session,
+        kind: int,
+        path: Path,
+        follow: bool,
+        tail_lines: int,
+        since: float | None,
+    ) -> None:
+        if since is not None:
+            start = logfiles.since_position(path, since, self.keeper.indexes.get(path))
+        else:
+            start = logfiles.Position(0, rotated=True)
+        if tail_lines > 0:
+            tail = await asyncio.to_thread(logfiles.tail_position, path, tail_lines)
+            start = _later(start, tail)
+        async for data in logfiles.follow(path, start, follow):
+            await session.emit(apb.SessionOutput(log=pb.LogChunk(stream=kind, data=data)))  # type: ignore[arg-type]
+
+
+def _later(a: logfiles.Position, b: logfiles.Position) -> logfiles.Position:
+    """The later of two starts in the same file pair (`<file>.1` comes first)."""
+    return max(a, b, key=lambda p: (not p.rotated, p.offset))
