@@ -23,6 +23,7 @@ from orka.api import controller_pb2 as pb
 from orka.errors import Invalid, NotFound, OrkaError, ResourceExhausted, to_rpc_status
 from orka.rpc import convert
 from orka.runtime import logs as logfiles
+from orka.runtime.execs import STDOUT, ExecHandle, ExecOptions
 
 log = structlog.get_logger("orka.agent")
 
@@ -75,7 +76,7 @@ class Sessions:
         self.keeper = keeper
         self._sessions: dict[str, Session] = {}
         # The other kinds (exec, console) register their handlers here.
-        self.handlers: dict[str, Handler] = {"logs": self._logs}
+        self.handlers: dict[str, Handler] = {"logs": self._logs, "exec": self._exec}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -179,6 +180,51 @@ class Sessions:
             start = _later(start, tail)
         async for data in logfiles.follow(path, start, follow):
             await session.emit(apb.SessionOutput(log=pb.LogChunk(stream=kind, data=data)))  # type: ignore[arg-type]
+
+    # ---- exec ----
+
+    async def _exec(self, session: Session, msg: apb.SessionOpen) -> None:
+        start = msg.exec
+        inst = self.instance(start.instance)
+        options = ExecOptions(
+            command=list(start.command),
+            tty=start.tty,
+            stdin=start.stdin,
+            rows=start.size.rows,
+            cols=start.size.cols,
+        )
+        handle = await inst.driver.exec(inst.name, options)
+        log.info("exec", instance=inst.name, command=options.command[:1], session=session.sid)
+        inputs = asyncio.create_task(_feed(session, handle))
+        try:
+            while (item := await handle.read()) is not None:
+                stream, data = item
+                if stream == STDOUT:
+                    resp = pb.ExecResponse(stdout=data)
+                else:
+                    resp = pb.ExecResponse(stderr=data)
+                await session.emit(apb.SessionOutput(exec=resp))
+            code = await handle.wait()
+            await session.emit(apb.SessionOutput(exec=pb.ExecResponse(exit_code=code)))
+        except asyncio.CancelledError:
+            await handle.kill()
+            raise
+        finally:
+            inputs.cancel()
+            await handle.close()
+
+
+async def _feed(session: Session, handle: ExecHandle) -> None:
+    """The user's input to the command: stdin, terminal size, end of input."""
+    while True:
+        inp = await session.inputs.get()
+        kind = inp.WhichOneof("body")
+        if kind == "data":
+            await handle.write(inp.data)
+        elif kind == "resize":
+            await handle.resize(inp.resize.rows, inp.resize.cols)
+        elif kind == "close_input":
+            await handle.close_stdin()
 
 
 def _later(a: logfiles.Position, b: logfiles.Position) -> logfiles.Position:

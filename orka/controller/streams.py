@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -68,6 +68,8 @@ async def relay(
 
     feeder = asyncio.create_task(feed())
     call = stub.Session(requests())
+    # Bad input from the client ends the call with what was wrong.
+    feeder.add_done_callback(lambda t: t.cancelled() or t.exception() is None or call.cancel())
     try:
         async for resp in call:
             out = resp.output
@@ -80,6 +82,10 @@ async def relay(
         raise Unavailable(f"the session with node {node} ended without an answer")
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err) from None
+    except asyncio.CancelledError:
+        if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
+            raise feeder.exception() from None  # type: ignore[misc]
+        raise
     finally:
         call.cancel()
         feeder.cancel()
@@ -105,3 +111,61 @@ async def read_logs(
     _, node = _instance(api, request.instance)
     async for out in relay(api, node, apb.SessionOpen(logs=request), _nothing()):
         yield out.log
+
+
+MAX_COMMAND_ARGS = 1024
+MAX_COMMAND_BYTES = 64 << 10
+MAX_INPUT_BYTES = 32 << 10
+MAX_TERMINAL = 10_000
+FIRST_TIMEOUT = 10.0
+
+
+def _check_size(size: pb.TerminalSize, field: str) -> None:
+    if size.rows > MAX_TERMINAL or size.cols > MAX_TERMINAL:
+        raise Invalid.at(field, f"rows and cols must be at most {MAX_TERMINAL}")
+
+
+async def _first(requests: AsyncIterator[Any], what: str) -> Any:
+    try:
+        async with asyncio.timeout(FIRST_TIMEOUT):
+            return await anext(aiter(requests))
+    except (StopAsyncIteration, TimeoutError):
+        raise Invalid(f"{what}: the first message must come within {FIRST_TIMEOUT:g}s") from None
+
+
+async def exec_instance(
+    api: ControllerApi, requests: AsyncIterator[pb.ExecRequest], who: Identity
+) -> AsyncIterator[pb.ExecResponse]:
+    await api.gate()
+    first = await _first(requests, "exec")
+    if first.WhichOneof("body") != "start":
+        raise Invalid.at("start", "the first exec message must be start")
+    start = first.start
+    if not start.command:
+        raise Invalid.at("start.command", "is required")
+    if len(start.command) > MAX_COMMAND_ARGS:
+        raise Invalid.at("start.command", f"at most {MAX_COMMAND_ARGS} arguments")
+    if sum(len(a.encode()) for a in start.command) > MAX_COMMAND_BYTES:
+        raise Invalid.at("start.command", f"at most {MAX_COMMAND_BYTES} bytes")
+    if not start.command[0]:
+        raise Invalid.at("start.command[0]", "must not be empty")
+    _check_size(start.size, "start.size")
+    _, node = _instance(api, start.instance, "start.instance")
+
+    async def inputs() -> AsyncIterator[apb.SessionInput]:
+        async for req in requests:
+            kind = req.WhichOneof("body")
+            if kind == "stdin":
+                if len(req.stdin) > MAX_INPUT_BYTES:
+                    raise Invalid.at("stdin", f"at most {MAX_INPUT_BYTES} bytes a message")
+                yield apb.SessionInput(data=req.stdin)
+            elif kind == "resize":
+                _check_size(req.resize, "resize")
+                yield apb.SessionInput(resize=req.resize)
+            elif kind == "close_stdin":
+                yield apb.SessionInput(close_input=True)
+            else:
+                raise Invalid.at(kind or "body", "only the first exec message may be start")
+
+    async for out in relay(api, node, apb.SessionOpen(exec=start), inputs()):
+        yield out.exec

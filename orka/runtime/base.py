@@ -21,8 +21,9 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orka.errors import Invalid, RuntimeFailure
+from orka.errors import Conflict, Invalid, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
+from orka.runtime.execs import ExecHandle, ExecOptions
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -233,6 +234,10 @@ class Driver(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop watching tasks; tasks keep running so a restarted agent can re-adopt them."""
+
+    async def exec(self, instance: str, options: ExecOptions) -> ExecHandle:
+        """Run a command inside the running instance (`orka exec`, orka/runtime/execs.py)."""
+        raise Conflict(f"{self.name}: exec is not supported for this kind of instance")
 
 
 TaskT = TypeVar("TaskT", bound=TrackedTask)

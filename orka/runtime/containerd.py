@@ -86,7 +86,7 @@ from orka.api.containerd.services.tasks.v1 import tasks_pb2_grpc as tgrpc
 from orka.api.containerd.services.version.v1 import version_pb2_grpc as vgrpc
 from orka.api.containerd.types import descriptor_pb2 as descpb
 from orka.api.containerd.types.task import task_pb2 as taskpb
-from orka.errors import AlreadyExists, NotFound, RuntimeFailure
+from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime import logwriter, oci
 from orka.runtime.base import (
@@ -105,6 +105,8 @@ from orka.runtime.base import (
     terminate,
     usable_network,
 )
+from orka.runtime.containerd_exec import ContainerdExec
+from orka.runtime.execs import ExecHandle, ExecOptions
 
 log = structlog.get_logger(__name__)
 
@@ -303,6 +305,19 @@ class ContainerdDriver(TrackingDriver[_Task]):
         task_dir = self._root / check_instance(instance)
         return task_dir / "stdout.log", task_dir / "stderr.log"
 
+    async def exec(self, instance: str, options: ExecOptions) -> ExecHandle:
+        task = await self._require(instance)
+        if task.done.is_set():
+            raise Conflict(f"containerd: instance {instance!r} is not running")
+        return await ContainerdExec.start(
+            self._containers(),
+            self._task_api(),
+            self._md(),
+            instance,
+            self._root / instance,
+            options,
+        )
+
     def _log_uri(self) -> str:
         """The `binary://` URI of the log writer's launcher, written on first use."""
         launcher = self._root.parent / "logwriter"
@@ -373,6 +388,17 @@ class ContainerdDriver(TrackingDriver[_Task]):
         task_dir = self._root / instance
         await asyncio.to_thread(task_dir.mkdir, parents=True, exist_ok=True)
         log_uri = await asyncio.to_thread(self._log_uri)
+        # /etc/hostname names the container, as Docker's and Kubernetes' do.
+        hostname = task_dir / "hostname"
+        await asyncio.to_thread(hostname.write_text, f"{spec.get('hostname') or instance}\n")
+        spec.setdefault("mounts", []).append(
+            {
+                "destination": "/etc/hostname",
+                "type": "bind",
+                "source": str(hostname),
+                "options": ["rbind", "ro"],
+            }
+        )
         started_at = time.time()
         container = cpb.Container(
             id=instance,

@@ -7,9 +7,7 @@ follow ending the agent's session."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,8 +18,8 @@ from orka.api import controller_pb2 as pb
 from orka.rpc.client import call
 from tests.integration.cluster import Cluster, eventually
 from tests.integration.cluster import process_spec as spec
+from tests.integration.orka_cli import orka, orka_cmd, orka_env
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_BYTES = 16 << 10
 PAD = "x" * 100
 # ~110-byte lines to stdout and stderr, ~80 a second each: a rotation every two seconds or so.
@@ -40,36 +38,6 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
         yield c
     finally:
         await c.stop()
-
-
-def orka_cmd(c: Cluster, *args: str) -> list[str]:
-    assert c.controller is not None
-    return [
-        sys.executable,
-        "-m",
-        "orka.cli.main",
-        *args,
-        "--controller",
-        f"127.0.0.1:{c.controller.port}",
-        "--certs",
-        str(c.certs),
-    ]
-
-
-def orka_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-async def orka(c: Cluster, *args: str) -> tuple[int, bytes, bytes]:
-    proc = await asyncio.create_subprocess_exec(
-        *orka_cmd(c, *args),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=orka_env(),
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode is not None
-    return proc.returncode, out, err
 
 
 def numbers(text: bytes, kind: bytes) -> list[int]:
@@ -153,6 +121,13 @@ async def test_logs_follow_tail_since_rotation_and_errors(cluster: Cluster) -> N
     # The bound holds on disk, for both streams.
     for path in (out_path, err_path):
         assert kept_bytes(path) <= 2 * MAX_BYTES + 20_000
+
+    # Exec into the process instance: its environment, its user, its exit code.
+    code, out, err = await orka(
+        c, "exec", name, "--", "sh", "-c", "echo $ORKA_INSTANCE; id -u; exit 5"
+    )
+    workload_uid = (out_path.parent.parent.parent / "work" / name).stat().st_uid
+    assert (code, out, err) == (5, f"{name}\n{workload_uid}\n".encode(), b"")
 
     # Errors: an unknown name, a bad request through the API.
     code, _, err = await orka(c, "logs", "nope")
