@@ -31,6 +31,8 @@ MAX_SESSIONS = 256
 # Inputs (stdin, console keys) queued for a session; the controller sends them as the user
 # types or pipes, at most 32 KiB each.
 MAX_QUEUED_INPUTS = 64
+# How much of a VM's console log a console session starts with.
+CONSOLE_HISTORY = 16 << 10
 
 
 class Session:
@@ -76,7 +78,11 @@ class Sessions:
         self.keeper = keeper
         self._sessions: dict[str, Session] = {}
         # The other kinds (exec, console) register their handlers here.
-        self.handlers: dict[str, Handler] = {"logs": self._logs, "exec": self._exec}
+        self.handlers: dict[str, Handler] = {
+            "logs": self._logs,
+            "exec": self._exec,
+            "console": self._console,
+        }
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -195,23 +201,46 @@ class Sessions:
         )
         handle = await inst.driver.exec(inst.name, options)
         log.info("exec", instance=inst.name, command=options.command[:1], session=session.sid)
-        inputs = asyncio.create_task(_feed(session, handle))
-        try:
-            while (item := await handle.read()) is not None:
-                stream, data = item
-                if stream == STDOUT:
-                    resp = pb.ExecResponse(stdout=data)
-                else:
-                    resp = pb.ExecResponse(stderr=data)
-                await session.emit(apb.SessionOutput(exec=resp))
+        await _drive(session, handle, console=False)
+
+    # ---- console ----
+
+    async def _console(self, session: Session, msg: apb.SessionOpen) -> None:
+        inst = self.instance(msg.console)
+        handle = await inst.driver.console(inst.name)
+        log.info("console attached", instance=inst.name, session=session.sid)
+        # What the screen showed last (the log's tail), then what comes: attached first, so
+        # nothing is missed between the two (a few bytes at that moment may show twice).
+        log_path, _ = inst.driver.log_paths(inst.name)
+        recent = await asyncio.to_thread(_tail_bytes, log_path, CONSOLE_HISTORY)
+        if recent:
+            await session.emit(apb.SessionOutput(console=recent))
+        await _drive(session, handle, console=True)
+
+
+async def _drive(session: Session, handle: ExecHandle, console: bool) -> None:
+    """Outputs to the session (an exec's exit code last), the session's inputs to `handle`."""
+    inputs = asyncio.create_task(_feed(session, handle))
+    try:
+        while (item := await handle.read()) is not None:
+            stream, data = item
+            if console:
+                await session.emit(apb.SessionOutput(console=data))
+                continue
+            if stream == STDOUT:
+                resp = pb.ExecResponse(stdout=data)
+            else:
+                resp = pb.ExecResponse(stderr=data)
+            await session.emit(apb.SessionOutput(exec=resp))
+        if not console:
             code = await handle.wait()
             await session.emit(apb.SessionOutput(exec=pb.ExecResponse(exit_code=code)))
-        except asyncio.CancelledError:
-            await handle.kill()
-            raise
-        finally:
-            inputs.cancel()
-            await handle.close()
+    except asyncio.CancelledError:
+        await handle.kill()
+        raise
+    finally:
+        inputs.cancel()
+        await handle.close()
 
 
 async def _feed(session: Session, handle: ExecHandle) -> None:
@@ -230,3 +259,13 @@ async def _feed(session: Session, handle: ExecHandle) -> None:
 def _later(a: logfiles.Position, b: logfiles.Position) -> logfiles.Position:
     """The later of two starts in the same file pair (`<file>.1` comes first)."""
     return max(a, b, key=lambda p: (not p.rotated, p.offset))
+
+
+def _tail_bytes(path: Path, limit: int) -> bytes:
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - limit))
+            return f.read(limit)
+    except OSError:
+        return b""

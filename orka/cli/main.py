@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, health, logs, resources, services, up
+from orka.cli import apply, certs, console, health, logs, resources, services, up
 from orka.cli import exec as exec_cmd
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.register(sub)
     logs.register(sub)
     exec_cmd.register(sub)
+    console.register(sub)
     parser.commands = set(sub.choices)
     return parser
 

@@ -112,6 +112,7 @@ def _name(value: str, field: str = "name") -> str:
     WatchEventBatches=stream(roles=READERS),
     ReadLogs=stream(roles=ADMIN),
     ExecInstance=stream(roles=ADMIN),
+    AttachConsole=stream(roles=ADMIN),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -141,6 +142,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
     # The RPCs that reach into instances through their agents (orka/controller/streams.py).
     ReadLogs = streams.read_logs
     ExecInstance = streams.exec_instance
+    AttachConsole = streams.attach_console
 
     # Messages of stored objects carry the revision of their last write.
 

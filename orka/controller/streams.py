@@ -20,7 +20,7 @@ import grpc
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Conflict, Invalid, NotFound, Unavailable, from_rpc_error, from_status
-from orka.models import Instance, NodeState
+from orka.models import Instance, NodeState, WorkloadKind
 from orka.security.identity import Identity
 from orka.validation import quote
 
@@ -169,3 +169,30 @@ async def exec_instance(
 
     async for out in relay(api, node, apb.SessionOpen(exec=start), inputs()):
         yield out.exec
+
+
+async def attach_console(
+    api: ControllerApi, requests: AsyncIterator[pb.AttachConsoleRequest], who: Identity
+) -> AsyncIterator[pb.AttachConsoleResponse]:
+    await api.gate()
+    first = await _first(requests, "console")
+    if first.WhichOneof("body") != "instance":
+        raise Invalid.at("instance", "the first console message must name the instance")
+    inst, node = _instance(api, first.instance)
+    workload = api.repo.workloads.get(inst.workload)
+    if workload is not None and workload.spec.kind is not WorkloadKind.VM:
+        raise Conflict(
+            f"instance {quote(inst.name)} is a {workload.spec.kind.value}: only VMs have a"
+            " console (use exec)"
+        )
+
+    async def inputs() -> AsyncIterator[apb.SessionInput]:
+        async for req in requests:
+            if req.WhichOneof("body") != "input":
+                raise Invalid.at("instance", "only the first console message names the instance")
+            if len(req.input) > MAX_INPUT_BYTES:
+                raise Invalid.at("input", f"at most {MAX_INPUT_BYTES} bytes a message")
+            yield apb.SessionInput(data=req.input)
+
+    async for out in relay(api, node, apb.SessionOpen(console=inst.name), inputs()):
+        yield pb.AttachConsoleResponse(output=out.console)

@@ -239,6 +239,10 @@ class Driver(ABC):
         """Run a command inside the running instance (`orka exec`, orka/runtime/execs.py)."""
         raise Conflict(f"{self.name}: exec is not supported for this kind of instance")
 
+    async def console(self, instance: str) -> ExecHandle:
+        """Attach to the instance's serial console (VMs: orka/runtime/libvirt_console.py)."""
+        raise Conflict(f"{self.name}: only VMs have a console; use exec")
+
 
 TaskT = TypeVar("TaskT", bound=TrackedTask)
 
