@@ -591,7 +591,7 @@ class ExecStart(_message.Message):
     stdin: bool
     def __init__(self, instance: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tty: _Optional[bool] = ..., size: _Optional[_Union[TerminalSize, _Mapping]] = ..., stdin: _Optional[bool] = ...) -> None: ...
 
-class ExecRequest(_message.Message):
+class ExecInstanceRequest(_message.Message):
     __slots__ = ("start", "stdin", "resize", "close_stdin")
     START_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]

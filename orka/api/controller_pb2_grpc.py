@@ -117,7 +117,7 @@ class ControllerStub:
                 _registered_method=True)
         self.ExecInstance = channel.stream_stream(
                 '/orka.v1.Controller/ExecInstance',
-                request_serializer=controller__pb2.ExecRequest.SerializeToString,
+                request_serializer=controller__pb2.ExecInstanceRequest.SerializeToString,
                 response_deserializer=controller__pb2.ExecResponse.FromString,
                 _registered_method=True)
         self.AttachConsole = channel.stream_stream(
@@ -330,7 +330,7 @@ def add_ControllerServicer_to_server(servicer, server):
             ),
             'ExecInstance': grpc.stream_stream_rpc_method_handler(
                     servicer.ExecInstance,
-                    request_deserializer=controller__pb2.ExecRequest.FromString,
+                    request_deserializer=controller__pb2.ExecInstanceRequest.FromString,
                     response_serializer=controller__pb2.ExecResponse.SerializeToString,
             ),
             'AttachConsole': grpc.stream_stream_rpc_method_handler(
@@ -796,7 +796,7 @@ class Controller:
             request_iterator,
             target,
             '/orka.v1.Controller/ExecInstance',
-            controller__pb2.ExecRequest.SerializeToString,
+            controller__pb2.ExecInstanceRequest.SerializeToString,
             controller__pb2.ExecResponse.FromString,
             options,
             channel_credentials,

@@ -54,8 +54,8 @@ def _stdin_reader(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[bytes]) 
 
 async def requests(
     start: pb.ExecStart, interactive: bool, resized: asyncio.Queue[pb.TerminalSize]
-) -> AsyncIterator[pb.ExecRequest]:
-    yield pb.ExecRequest(start=start)
+) -> AsyncIterator[pb.ExecInstanceRequest]:
+    yield pb.ExecInstanceRequest(start=start)
     if not interactive:
         return
     loop = asyncio.get_running_loop()
@@ -66,16 +66,16 @@ async def requests(
         get_size = asyncio.ensure_future(resized.get())
         done, _ = await asyncio.wait({get_data, get_size}, return_when=asyncio.FIRST_COMPLETED)
         if get_size in done:
-            yield pb.ExecRequest(resize=get_size.result())
+            yield pb.ExecInstanceRequest(resize=get_size.result())
         else:
             get_size.cancel()
         if get_data in done:
             data = get_data.result()
             if not data:
-                yield pb.ExecRequest(close_stdin=True)
+                yield pb.ExecInstanceRequest(close_stdin=True)
                 # Keep the request stream open: closing it is not the end of the command.
                 await asyncio.Event().wait()
-            yield pb.ExecRequest(stdin=data)
+            yield pb.ExecInstanceRequest(stdin=data)
         else:
             get_data.cancel()
 

@@ -134,7 +134,7 @@ async def _first(requests: AsyncIterator[Any], what: str) -> Any:
 
 
 async def exec_instance(
-    api: ControllerApi, requests: AsyncIterator[pb.ExecRequest], who: Identity
+    api: ControllerApi, requests: AsyncIterator[pb.ExecInstanceRequest], who: Identity
 ) -> AsyncIterator[pb.ExecResponse]:
     await api.gate()
     first = await _first(requests, "exec")

@@ -69,7 +69,7 @@ async def test_container_logs_apart_and_exec(
         with pytest.raises(grpc.aio.AioRpcError) as bad:
 
             async def no_command():  # type: ignore[no-untyped-def]
-                yield pb.ExecRequest(start=pb.ExecStart(instance=name))
+                yield pb.ExecInstanceRequest(start=pb.ExecStart(instance=name))
 
             async for _ in c.api.ExecInstance(no_command()):
                 pass
