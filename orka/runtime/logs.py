@@ -160,8 +160,24 @@ def tail_position(path: Path, lines: int) -> Position:
         if not is_rotated and need > 0 and _size(path) > 0:
             need -= 1  # the file's first line (no newline before it)
             if need == 0:
-                return Position(0)
+                return _line_start(path)
     return Position(0, rotated=True)
+
+
+def _line_start(path: Path) -> Position:
+    """Where the file's first line starts: in `<file>.1` when the rotation cut it."""
+    old = rotated(path)
+    try:
+        with old.open("rb") as f:
+            end = os.fstat(f.fileno()).st_size
+            f.seek(max(0, end - (64 << 10)))
+            block = f.read()
+    except OSError:
+        return Position(0)
+    if not block or block.endswith(b"\n"):
+        return Position(0)
+    at = block.rfind(b"\n")
+    return Position(end - len(block) + at + 1, rotated=True)
 
 
 def _read_at(path: Path, offset: int, limit: int) -> bytes:
@@ -191,11 +207,8 @@ async def follow(
         offset = 0
     seen = _inode(old)
     while True:
-        data = await asyncio.to_thread(_read_at, path, offset, chunk)
-        if data:
-            offset += len(data)
-            yield data
-            continue
+        # Checked before each read: the file may have grown past our offset again since the
+        # rotation, and reading on there would skip what was written between.
         inode = _inode(old)
         if inode != seen:
             # Rotated since: the rest of what was not read is in `<file>.1`.
@@ -204,6 +217,10 @@ async def follow(
                 offset += len(data)
                 yield data
             offset = 0
+        data = await asyncio.to_thread(_read_at, path, offset, chunk)
+        if data:
+            offset += len(data)
+            yield data
             continue
         if not follow:
             return
