@@ -140,9 +140,19 @@ class ControllerApi(pb_grpc.ControllerServicer):
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
 
     # The RPCs that reach into instances through their agents (orka/controller/streams.py).
-    ReadLogs = streams.read_logs
-    ExecInstance = streams.exec_instance
-    AttachConsole = streams.attach_console
+
+    def ReadLogs(self, request: pb.ReadLogsRequest, who: Identity) -> AsyncIterator[pb.LogChunk]:
+        return streams.read_logs(self, request, who)
+
+    def ExecInstance(
+        self, requests: AsyncIterator[pb.ExecInstanceRequest], who: Identity
+    ) -> AsyncIterator[pb.ExecResponse]:
+        return streams.exec_instance(self, requests, who)
+
+    def AttachConsole(
+        self, requests: AsyncIterator[pb.AttachConsoleRequest], who: Identity
+    ) -> AsyncIterator[pb.AttachConsoleResponse]:
+        return streams.attach_console(self, requests, who)
 
     # Messages of stored objects carry the revision of their last write.
 
