@@ -27,7 +27,7 @@ from orka.runtime.execs import STDOUT, ExecHandle, ExecOptions
 
 log = structlog.get_logger("orka.agent")
 
-MAX_SESSIONS = 256
+MAX_SESSIONS = 64
 # Inputs (stdin, console keys) queued for a session; the controller sends them as the user
 # types or pipes, at most 32 KiB each.
 MAX_QUEUED_INPUTS = 64
