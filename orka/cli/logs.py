@@ -98,6 +98,8 @@ async def read(
 async def _logs(args: argparse.Namespace) -> int:
     address, certs = client_target(args)
     since = parse_since(args.since) if args.since else None
+    if args.tail == 0:
+        since = time.time()  # no lines from before: only what comes next (with -f)
     stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
         try:
@@ -143,7 +145,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("name", metavar="INSTANCE|WORKLOAD")
     add_flag(p, "--follow", "-f", action="store_true", help="keep printing what is written next")
-    add_flag(p, "--tail", type=int, metavar="N", help="start N lines before the end")
+    add_flag(p, "--tail", type=int, metavar="N", help="start N lines before the end (0: none)")
     add_flag(p, "--since", metavar="DURATION|TIME", help="only output since (10s, 5m, or a time)")
     add_client_flags(p)
     p.set_defaults(func=cmd_logs)

@@ -3,6 +3,7 @@ stderr apart, and `orka exec` runs commands in it (output, stdin, exit codes).""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from orka.api import controller_pb2 as pb
 from orka.rpc.client import call
 from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, eventually
-from tests.integration.orka_cli import orka
+from tests.integration.orka_cli import orka, orka_cmd, orka_env
 
 pytestmark = needs_containerd
 
@@ -52,6 +53,27 @@ async def test_container_logs_apart_and_exec(
         out, err = await eventually(three_lines, timeout=20, interval=0.3)
         assert all(re.fullmatch(rb"out \d+", line) for line in out.splitlines()), out
         assert all(re.fullmatch(rb"err \d+", line) for line in err.splitlines()), err
+
+        # Follow from now (--tail 0): only lines written from here on, as they are written.
+        last = int(out.splitlines()[-1].split()[1])
+        follow = await asyncio.create_subprocess_exec(
+            *orka_cmd(c, "logs", "-f", "--tail", "0", name),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=orka_env(),
+        )
+        assert follow.stdout is not None
+        try:
+            async with asyncio.timeout(20):
+                while True:
+                    line = await follow.stdout.readline()
+                    assert re.fullmatch(rb"out \d+\n", line), line
+                    assert int(line.split()[1]) > last - 2  # nothing from long before
+                    if int(line.split()[1]) > last + 3:
+                        break
+        finally:
+            follow.kill()
+            await follow.wait()
 
         # Exec: output and exit code, a failing command's stderr and code, stdin.
         code, out, err = await orka(c, "exec", name, "--", "cat", "/etc/hostname")
