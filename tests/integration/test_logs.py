@@ -129,6 +129,9 @@ async def test_logs_follow_tail_since_rotation_and_errors(cluster: Cluster) -> N
     workload_uid = (out_path.parent.parent.parent / "work" / name).stat().st_uid
     assert (code, out, err) == (5, f"{name}\n{workload_uid}\n".encode(), b"")
 
+    code, out, _ = await orka(c, "exec", "-t", name, "--", "sh", "-c", "test -t 1 && echo tty")
+    assert (code, out) == (0, b"tty\r\n")
+
     # Errors: an unknown name, a bad request through the API.
     code, _, err = await orka(c, "logs", "nope")
     assert code == 1 and b"no instance or workload named 'nope'" in err
