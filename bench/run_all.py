@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "healing": ("healing", ()),
     "paging": ("paging", ()),
     "network": ("network", ()),
+    "health": ("health", ()),
 }
 FULL_ONLY = {"placement_5000_nodes"}
 

@@ -265,6 +265,90 @@ class PortBinding(BaseModel):
     protocol: PortProtocol = PortProtocol.TCP
 
 
+MAX_CHECK_SECONDS = 3600
+MAX_CHECK_THRESHOLD = 100
+MAX_CHECK_PATH = 1024
+MIN_CHECK_INTERVAL = 0.1
+
+
+class ExecCheck(BaseModel):
+    """Run a command inside the instance (a process's own user, directory, environment and
+    namespaces); exit code 0 passes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    command: list[checks.Arg] = Field(min_length=1, max_length=checks.MAX_ARGS)
+
+
+def _check_port(value: object) -> object:
+    # YAML writes `port: 8080` unquoted: a number means that port, a name one of `ports`.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class TcpCheck(BaseModel):
+    """Connect to a port of the instance; an accepted connection passes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # The name of one of the workload's ports, or a port number.
+    port: str
+
+    _port = field_validator("port", mode="before")(_check_port)
+
+
+class HttpCheck(BaseModel):
+    """GET `path` on a port of the instance; a status in [status_min, status_max] passes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    port: str
+    path: str = "/"
+    status_min: int = Field(default=200, ge=100, le=599)
+    status_max: int = Field(default=399, ge=100, le=599)
+
+    _port = field_validator("port", mode="before")(_check_port)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        # It goes into a request line as it is: printable ASCII, no space.
+        if not v.startswith("/") or len(v) > MAX_CHECK_PATH or not all("!" <= c <= "~" for c in v):
+            raise ValueError(
+                f"must start with '/' and be at most {MAX_CHECK_PATH} printable ASCII"
+                " characters without spaces"
+            )
+        return v
+
+
+class HealthCheck(BaseModel):
+    """A check the agent runs against each running instance (Nomad's check with
+    check_restart). Exactly one of exec, tcp, http. Spans are seconds (Durations on the wire).
+    `failure_threshold` failures in a row make it UNHEALTHY, and the agent restarts it per the
+    restart policy (with NEVER it keeps running, UNHEALTHY); `success_threshold` passes in a row
+    make it HEALTHY."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    exec: ExecCheck | None = None
+    tcp: TcpCheck | None = None
+    http: HttpCheck | None = None
+    interval: float = Field(default=10.0, ge=MIN_CHECK_INTERVAL, le=MAX_CHECK_SECONDS)
+    timeout: float = Field(default=2.0, gt=0, le=MAX_CHECK_SECONDS)
+    initial_delay: float = Field(default=0.0, ge=0, le=MAX_CHECK_SECONDS)
+    failure_threshold: int = Field(default=3, ge=1, le=MAX_CHECK_THRESHOLD)
+    success_threshold: int = Field(default=1, ge=1, le=MAX_CHECK_THRESHOLD)
+
+    @property
+    def mode(self) -> str:
+        return "exec" if self.exec else "tcp" if self.tcp else "http"
+
+    @property
+    def port(self) -> str:
+        """The port a tcp or http check targets (a name or a number); "" for exec."""
+        target = self.tcp or self.http
+        return target.port if target is not None else ""
+
+
 class VmSpec(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -310,6 +394,8 @@ class WorkloadSpec(BaseModel):
     ports: list[PortSpec] = Field(default_factory=list, max_length=MAX_PORTS)
     # None: the kind's own (host for a process, bridge for containers and VMs).
     network: NetworkMode | None = None
+    # A check the agent runs against each running instance (see HealthCheck).
+    health_check: HealthCheck | None = None
 
     @field_validator("name")
     @classmethod
@@ -423,7 +509,51 @@ class WorkloadSpec(BaseModel):
                 f"secret_env_files: {both[0]!r} is also in env or secret_env; give each"
                 " variable once"
             )
+        if self.health_check is not None:
+            self._check_health(self.health_check)
         return self
+
+    def _check_health(self, check: HealthCheck) -> None:
+        # Messages start with the field's path: the API reports each as a field violation.
+        given = [m for m in ("exec", "tcp", "http") if getattr(check, m) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "health_check: give exactly one of exec, tcp or http"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if check.exec is not None and self.kind is not WorkloadKind.PROCESS:
+            # The agent runs exec checks of processes only, for now; a container's or VM's
+            # would need the driver's exec (containerd's), which comes with `orka exec`.
+            raise ValueError(
+                f"health_check.exec: exec checks are for PROCESS workloads for now; use tcp or"
+                f" http for a {self.kind.value}"
+            )
+        if check.timeout > check.interval:
+            raise ValueError(
+                f"health_check.timeout: {check.timeout:g}s is longer than the interval"
+                f" ({check.interval:g}s)"
+            )
+        if check.http is not None and check.http.status_min > check.http.status_max:
+            raise ValueError(
+                f"health_check.http.status_min: {check.http.status_min} is above status_max"
+                f" {check.http.status_max}"
+            )
+        mode = check.mode
+        port = check.port
+        if mode != "exec" and not port:
+            raise ValueError(f"health_check.{mode}.port: is required (a port's name or number)")
+        if port.isdigit():
+            if not 1 <= int(port) <= 65535:
+                raise ValueError(f"health_check.{mode}.port: {port} is not a port (1-65535)")
+        elif mode != "exec":
+            spec = next((p for p in self.ports if p.name == port), None)
+            if spec is None:
+                raise ValueError(f"health_check.{mode}.port: no port named {quote(port)}")
+            if spec.protocol is not PortProtocol.TCP:
+                raise ValueError(
+                    f"health_check.{mode}.port: {quote(port)} is {spec.protocol.value}; a"
+                    f" {mode} check needs a tcp port"
+                )
 
     @property
     def own_network(self) -> bool:

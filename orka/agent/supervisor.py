@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from orka.agent import health as checks
 from orka.agent.secret_files import SecretFiles
 from orka.errors import OrkaError, RuntimeFailure
 from orka.models import (
@@ -27,6 +28,8 @@ log = structlog.get_logger("orka.agent")
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
+# The reason of a restart the agent made because the health check failed.
+UNHEALTHY_REASON = "Unhealthy"
 # A task that ran this long before exiting resets the restart backoff.
 HEALTHY_RUN = 10.0
 
@@ -66,6 +69,11 @@ class Supervised:
         self.health_message = ""
         self.health_changed_at: float | None = None
         self.stopping = False
+        # Its health check while it runs, and the failure that made the agent kill it for a
+        # restart (the restart's reason then says so).
+        self._checker: checks.Checker | None = None
+        self._unhealthy: str | None = None
+        self._kill: asyncio.Task[object] | None = None
         self._task: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
 
@@ -104,7 +112,7 @@ class Supervised:
     def checked(self) -> bool:
         """Whether a health check decides its health; without one it is HEALTHY while it
         runs."""
-        return False
+        return self.spec.health_check is not None
 
     def _set(self, phase: InstancePhase, reason: str = "", message: str = "") -> None:
         self.phase = phase
@@ -112,9 +120,69 @@ class Supervised:
         self.message = message
         if phase is not InstancePhase.RUNNING:
             self._health(HealthState.UNKNOWN, "")
+            if self._checker is not None:
+                self._checker.stop()
+                self._checker = None
         elif not self.checked:
             self._health(HealthState.HEALTHY, "")
+        elif self._checker is None and not self.stopping:
+            self._start_checker()
         self.on_change(self)
+
+    def _start_checker(self) -> None:
+        check = self.spec.health_check
+        assert check is not None
+        self._checker = checks.Checker(self.name, check, self._probe, self._verdict)
+        self._checker.start()
+
+    async def _probe(self) -> str | None:
+        """One probe of its check, against where it runs now."""
+        check = self.spec.health_check
+        assert check is not None
+        if check.exec is not None:
+            try:
+                code, output = await self.driver.check_exec(
+                    self.name, self.spec, list(check.exec.command)
+                )
+            except OrkaError as err:
+                return f"exec {check.exec.command[0]}: {err.message}"
+            if code == 0:
+                return None
+            said = " ".join(output.split())[:200]
+            return f"exec {check.exec.command[0]}: {_exit_text(code)}" + (
+                f": {said}" if said else ""
+            )
+        where = checks.target(check.port, self.address, self.host_ip, self.ports)
+        if isinstance(where, str):
+            return where
+        if check.http is not None:
+            h = check.http
+            return await checks.http_probe(*where, h.path, h.status_min, h.status_max)
+        return await checks.tcp_probe(*where)
+
+    def _verdict(self, health: HealthState, message: str) -> None:
+        """A change of its check's verdict: reported; UNHEALTHY also kills it so that it
+        restarts by its policy (Nomad's check_restart). With restart_policy NEVER it keeps
+        running, reported UNHEALTHY: killing it would end it for good."""
+        if self.phase is not InstancePhase.RUNNING or self.stopping:
+            return
+        if self._health(health, message):
+            self.on_change(self)
+        if health is not HealthState.UNHEALTHY:
+            return
+        if self.spec.restart_policy is RestartPolicy.NEVER or self._kill is not None:
+            return
+        log.info("restarting unhealthy instance", instance=self.name, failure=message[:200])
+        self._unhealthy = message
+        self._kill = asyncio.create_task(self._kill_unhealthy(), name=f"unhealthy-{self.name}")
+
+    async def _kill_unhealthy(self) -> None:
+        try:
+            await self.driver.stop(self.name, self.spec.stop_grace_seconds)
+        except Exception as err:
+            log.warning("stopping an unhealthy instance failed", instance=self.name, error=str(err))
+        finally:
+            self._kill = None
 
     def _health(self, health: HealthState, message: str) -> bool:
         """Record a health verdict; whether it changed (the caller reports the change)."""
@@ -174,19 +242,26 @@ class Supervised:
                 # A driver's own reason (OOMKilled) says more than the exit code.
                 failed_reason = info.reason or "Error"
                 text = f"{info.message} (exit code {code})" if info.reason else _exit_text(code)
-                if not self._should_restart(code):
+                unhealthy, self._unhealthy = self._unhealthy, None
+                if unhealthy is not None:
+                    # The agent killed it for its health check: it restarts whatever the exit
+                    # code (the check only kills when the policy restarts).
+                    restart_reason, text = UNHEALTHY_REASON, f"health check failed: {unhealthy}"
+                elif not self._should_restart(code):
                     phase = InstancePhase.SUCCEEDED if code == 0 else InstancePhase.FAILED
                     self._set(phase, "Completed" if code == 0 else failed_reason, text)
                     return
+                else:
+                    restart_reason = "BackOff"
+                    text = f"{info.reason}: {text}" if info.reason else text
                 if ran >= HEALTHY_RUN:
                     backoff = BACKOFF_START
                 # It starts again here: its address and host ports stay its own meanwhile.
                 await self.driver.remove(self.name, keep_network=True)
                 self._set(
                     InstancePhase.STARTING,
-                    "BackOff",
-                    f"{info.reason + ': ' if info.reason else ''}{text};"
-                    f" restarting in {backoff:.0f}s",
+                    restart_reason,
+                    f"{text}; restarting in {backoff:.0f}s",
                 )
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX)
@@ -244,6 +319,9 @@ class Supervised:
 
     async def close(self) -> None:
         """Stop watching without touching the task, so a later agent can re-adopt it."""
+        if self._checker is not None:
+            self._checker.stop()
+            self._checker = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

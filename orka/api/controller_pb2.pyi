@@ -62,8 +62,49 @@ class PortBinding(_message.Message):
     protocol: PortSpec.Protocol
     def __init__(self, name: _Optional[str] = ..., port: _Optional[int] = ..., host_port: _Optional[int] = ..., protocol: _Optional[_Union[PortSpec.Protocol, str]] = ...) -> None: ...
 
+class HealthCheck(_message.Message):
+    __slots__ = ("exec", "tcp", "http", "interval", "timeout", "initial_delay", "failure_threshold", "success_threshold")
+    class Exec(_message.Message):
+        __slots__ = ("command",)
+        COMMAND_FIELD_NUMBER: _ClassVar[int]
+        command: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, command: _Optional[_Iterable[str]] = ...) -> None: ...
+    class Tcp(_message.Message):
+        __slots__ = ("port",)
+        PORT_FIELD_NUMBER: _ClassVar[int]
+        port: str
+        def __init__(self, port: _Optional[str] = ...) -> None: ...
+    class Http(_message.Message):
+        __slots__ = ("port", "path", "status_min", "status_max")
+        PORT_FIELD_NUMBER: _ClassVar[int]
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        STATUS_MIN_FIELD_NUMBER: _ClassVar[int]
+        STATUS_MAX_FIELD_NUMBER: _ClassVar[int]
+        port: str
+        path: str
+        status_min: int
+        status_max: int
+        def __init__(self, port: _Optional[str] = ..., path: _Optional[str] = ..., status_min: _Optional[int] = ..., status_max: _Optional[int] = ...) -> None: ...
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    TCP_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_DELAY_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    exec: HealthCheck.Exec
+    tcp: HealthCheck.Tcp
+    http: HealthCheck.Http
+    interval: _duration_pb2.Duration
+    timeout: _duration_pb2.Duration
+    initial_delay: _duration_pb2.Duration
+    failure_threshold: int
+    success_threshold: int
+    def __init__(self, exec: _Optional[_Union[HealthCheck.Exec, _Mapping]] = ..., tcp: _Optional[_Union[HealthCheck.Tcp, _Mapping]] = ..., http: _Optional[_Union[HealthCheck.Http, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., failure_threshold: _Optional[int] = ..., success_threshold: _Optional[int] = ...) -> None: ...
+
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "health_check")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -139,6 +180,7 @@ class WorkloadSpec(_message.Message):
     SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -158,7 +200,8 @@ class WorkloadSpec(_message.Message):
     secret_env_files: _containers.ScalarMap[str, str]
     ports: _containers.RepeatedCompositeFieldContainer[PortSpec]
     network: WorkloadSpec.NetworkMode
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ...) -> None: ...
+    health_check: HealthCheck
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
     __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy")

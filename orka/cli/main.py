@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, console, health, logs, resources, services, up
+from orka.cli import apply, certs, console, health, logs, resources, services, top, up
 from orka.cli import exec as exec_cmd
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.register(sub)
     resources.register(sub)
     health.register(sub)
+    top.register(sub)
     logs.register(sub)
     exec_cmd.register(sub)
     console.register(sub)

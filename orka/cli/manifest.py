@@ -13,7 +13,17 @@ from pydantic import ValidationError
 
 from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
-from orka.models import MAX_STOP_GRACE_SECONDS, PortSpec, VmSpec, WorkloadKind, WorkloadSpec
+from orka.models import (
+    MAX_STOP_GRACE_SECONDS,
+    ExecCheck,
+    HealthCheck,
+    HttpCheck,
+    PortSpec,
+    TcpCheck,
+    VmSpec,
+    WorkloadKind,
+    WorkloadSpec,
+)
 from orka.rpc.convert import invalid_from
 
 _CAMEL_RE = re.compile(r"(?<=[a-z0-9])([A-Z])")
@@ -96,6 +106,28 @@ def _port(value: Any, where: str) -> Any:
     return data
 
 
+_CHECK_SPANS = ("interval", "timeout", "initial_delay")
+
+
+def _health_check(value: Any, where: str) -> Any:
+    """`{http: {port: web, path: /healthz}, interval: 5s, failureThreshold: 3}`: keys in either
+    case; spans as durations (`5s`, `500ms`) or bare seconds; the rest is for the model."""
+    if not isinstance(value, dict):
+        return value
+    data = _normalise_keys(value, set(HealthCheck.model_fields), where)
+    for key in _CHECK_SPANS:
+        span = data.get(key)
+        if isinstance(span, str):
+            data[key] = parse_duration(span, f"{where}.{key}")
+    for key, model in (("exec", ExecCheck), ("tcp", TcpCheck), ("http", HttpCheck)):
+        if isinstance(data.get(key), dict):
+            data[key] = _normalise_keys(data[key], set(model.model_fields), f"{where}.{key}")
+    exec_ = data.get("exec")
+    if isinstance(exec_, dict) and isinstance(exec_.get("command"), str):
+        exec_["command"] = shlex.split(exec_["command"])
+    return data
+
+
 def _kind(value: Any, where: str) -> str:
     names = ", ".join(k.value.lower() for k in WorkloadKind)
     if not isinstance(value, str) or value.strip().upper() not in WorkloadKind.__members__:
@@ -130,6 +162,8 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
         data["network"] = data["network"].strip().lower()
     if isinstance(data.get("ports"), list):
         data["ports"] = [_port(p, f"{where}: ports[{i}]") for i, p in enumerate(data["ports"])]
+    if "health_check" in data:
+        data["health_check"] = _health_check(data["health_check"], f"{where}: health_check")
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:

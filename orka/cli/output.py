@@ -13,7 +13,16 @@ from pydantic import BaseModel
 
 from orka.cli.units import format_cpu, format_duration, format_memory
 from orka.etags import node_etag
-from orka.models import Endpoint, Instance, Node, PortBinding, PortProtocol, Resources, Workload
+from orka.models import (
+    Endpoint,
+    HealthCheck,
+    Instance,
+    Node,
+    PortBinding,
+    PortProtocol,
+    Resources,
+    Workload,
+)
 
 FORMATS = ("table", "json", "yaml")
 _GAP = "   "
@@ -70,7 +79,10 @@ _TIME_FIELDS = {
     "finished_at": "end_time",
     "last_heartbeat": "last_heartbeat_time",
     "joined_at": "join_time",
+    "health_changed_at": "health_time",
 }
+# A health check's spans, shown as the API's Durations (`10s`) as the grace period is.
+_CHECK_SPANS = ("interval", "timeout", "initial_delay")
 
 
 def rfc3339(ts: float | None) -> str | None:
@@ -90,6 +102,9 @@ def _api_shape(plain: object) -> object:
             out[_TIME_FIELDS[key]] = rfc3339(value)
         elif key == "stop_grace_seconds":
             out["stop_grace_period"] = format_duration(value)
+        elif key == "health_check" and isinstance(value, dict):
+            check = {k: v for k, v in value.items() if v is not None}
+            out[key] = {k: format_duration(v) if k in _CHECK_SPANS else v for k, v in check.items()}
         else:
             out[key] = _api_shape(value)
     return out
@@ -118,11 +133,12 @@ def workloads_table(items: Sequence[Workload], now: float | None = None) -> str:
             w.spec.replicas,
             w.status.placed,
             w.status.running,
+            w.status.healthy,
             age(w.created_at, now),
         )
         for w in items
     ]
-    return table(("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "AGE"), rows)
+    return table(("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "HEALTHY", "AGE"), rows)
 
 
 def port_text(b: PortBinding) -> str:
@@ -145,6 +161,7 @@ def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
             i.phase.value,
             i.address or NONE,
             ports_text(i.ports),
+            i.health.value,
             i.restarts,
             age(i.created_at, now),
             _one_line(i.message or i.reason),
@@ -152,7 +169,18 @@ def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
         for i in items
     ]
     return table(
-        ("NAME", "WORKLOAD", "NODE", "PHASE", "ADDRESS", "PORTS", "RESTARTS", "AGE", "MESSAGE"),
+        (
+            "NAME",
+            "WORKLOAD",
+            "NODE",
+            "PHASE",
+            "ADDRESS",
+            "PORTS",
+            "HEALTH",
+            "RESTARTS",
+            "AGE",
+            "MESSAGE",
+        ),
         rows,
     )
 
@@ -225,6 +253,7 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         ("Restart policy", s.restart_policy.value),
         ("Max per node", s.max_per_node or "no limit"),
         ("Stop grace", format_duration(s.stop_grace_seconds)),
+        ("Health check", health_check_text(s.health_check)),
     ]
     if s.working_dir:
         pairs.append(("Working dir", s.working_dir))
@@ -242,8 +271,8 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         ("Updated by", w.updated_by or NONE),
         (
             "Status",
-            f"desired {w.status.desired}, placed {w.status.placed}, running {w.status.running}"
-            + (" (deleting)" if w.deleting else ""),
+            f"desired {w.status.desired}, placed {w.status.placed}, running {w.status.running},"
+            f" healthy {w.status.healthy}" + (" (deleting)" if w.deleting else ""),
         ),
     ]
     if w.status.message:
@@ -258,7 +287,28 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     return "\n".join(out)
 
 
+def health_check_text(check: HealthCheck | None) -> str:
+    """One line: `http GET /healthz on web every 10s (timeout 2s, after 0s; unhealthy after
+    3 failures, healthy after 1 success)`."""
+    if check is None:
+        return NONE
+    if check.exec is not None:
+        what = f"exec {shlex.join(check.exec.command)}"
+    elif check.http is not None:
+        h = check.http
+        what = f"http GET {h.path} on {h.port} (status {h.status_min}-{h.status_max})"
+    else:
+        what = f"tcp connect to {check.port}"
+    return (
+        f"{what} every {format_duration(check.interval)} (timeout"
+        f" {format_duration(check.timeout)}, first after {format_duration(check.initial_delay)};"
+        f" unhealthy after {check.failure_threshold} failures, healthy after"
+        f" {check.success_threshold} successes)"
+    )
+
+
 def describe_instance(i: Instance, now: float | None = None) -> str:
+    since = i.health_changed_at
     pairs: list[tuple[str, object]] = [
         ("Name", i.name),
         ("Workload", i.workload),
@@ -269,6 +319,8 @@ def describe_instance(i: Instance, now: float | None = None) -> str:
         ("Message", i.message or NONE),
         ("Exit code", NONE if i.exit_code is None else i.exit_code),
         ("Restarts", i.restarts),
+        ("Health", i.health.value + (f" for {age(i.health_changed_at, now)}" * bool(since))),
+        ("Last failure", i.health_message or NONE),
         ("Created", timestamp(i.created_at, now)),
         ("Scheduled", timestamp(i.scheduled_at, now)),
         ("Started", timestamp(i.started_at, now)),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,37 @@ def _listen(value: str) -> str:
     except Invalid as e:
         raise UsageError(e.message) from None
     return value
+
+
+def _metrics_listen(value: str | None) -> str:
+    """--metrics-listen checked before anything starts ('' or unset: no endpoint)."""
+    if not value:
+        return ""
+    from orka.metrics import check_listen
+
+    try:
+        check_listen(value)
+    except Invalid as e:
+        raise UsageError(e.message) from None
+    return value
+
+
+@contextlib.contextmanager
+def metrics_endpoint(listen: str, role: str, read: Callable[[], Any]) -> Iterator[int]:
+    """The service's metrics endpoint while the block runs (its port; 0: none asked for)."""
+    if not listen:
+        yield 0
+        return
+    from orka import metrics
+
+    try:
+        endpoint = metrics.serve(listen, role, read)
+    except Invalid as e:
+        raise UsageError(e.message) from None
+    try:
+        yield endpoint.port
+    finally:
+        endpoint.close()
 
 
 def _targets(value: str, flag: str = "--scheduler") -> list[str]:
@@ -192,6 +224,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
     from orka.controller.service import Controller, ControllerConfig
 
     listen = _listen(args.listen)
+    metrics_listen = _metrics_listen(args.metrics_listen)
     schedulers = _targets(args.scheduler)
     audit_log = _audit_log(args.audit_log)
     data_dir = resolve_data_dir(args.data_dir)
@@ -254,7 +287,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
             role = "leading" if controller.is_leader else "standby, following the leader"
             return f"serving the API on port {controller.port}, {role}"
 
-        await GracefulStop(controller, notifier).run(ready)
+        from orka.metrics import controller_view
+
+        with metrics_endpoint(metrics_listen, "controller", lambda: controller_view(controller)):
+            await GracefulStop(controller, notifier).run(ready)
 
     gctune.tune()
     eventloop.run(main())
@@ -283,6 +319,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     from orka.scheduler.service import Scheduler, SchedulerConfig
 
     listen = _listen(args.listen)
+    metrics_listen = _metrics_listen(args.metrics_listen)
     for flag, value in (
         ("--heartbeat-interval", args.heartbeat_interval),
         ("--node-lost-after", args.node_lost_after),
@@ -320,7 +357,10 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             await scheduler.listening.wait()
             return f"serving agents on port {scheduler.port}"
 
-        await GracefulStop(scheduler, notifier).run(ready)
+        from orka.metrics import scheduler_view
+
+        with metrics_endpoint(metrics_listen, "scheduler", lambda: scheduler_view(scheduler)):
+            await GracefulStop(scheduler, notifier).run(ready)
 
     gctune.tune()
     try:
@@ -353,6 +393,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(f"--name: {e.message.removeprefix('name: ')}") from None
     if args.listen:
         _listen(args.listen)
+    metrics_listen = _metrics_listen(args.metrics_listen)
     schedulers = _targets(args.scheduler)
     runtimes = parse_list(args.runtime, "--runtime")
     _positive("--cpu-millis", args.cpu_millis)
@@ -414,7 +455,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
             signal.SIGTERM: lambda: stop(True),
             signal.SIGINT: lambda: stop(False),
         }
-        await serve(lambda: notified(agent.run, ready, notifier), handlers)
+        from orka.metrics import agent_view
+
+        with metrics_endpoint(metrics_listen, "agent", lambda: agent_view(agent)):
+            await serve(lambda: notified(agent.run, ready, notifier), handlers)
 
     gctune.tune()
     try:
@@ -549,6 +593,13 @@ def _common(p: argparse.ArgumentParser, listen: str | None) -> None:
         help=f"address to serve on (default {listen})" if listen else "unused by the agent",
     )
     add_location_flags(p)
+    add_flag(
+        p,
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over plain HTTP at HOST:PORT (off by default; no TLS"
+        " and no authentication: keep it on loopback or a private network)",
+    )
     add_flag(p, "--log-level", metavar="LEVEL", help="debug, info, warning or error")
     add_flag(
         p,

@@ -158,6 +158,7 @@ class Cluster:
         controller_listen: str,
         scheduler_listen: str,
         lock: UpLock | None = None,
+        metrics_port: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.lock = lock
@@ -229,6 +230,12 @@ class Cluster:
             )
             for i, name in enumerate(self.node_names)
         ]
+        # --metrics-port: each service's endpoint on loopback, on ports from that one up.
+        self.metrics: dict[str, int] = {}
+        if metrics_port:
+            for i, child in enumerate(self.children):
+                self.metrics[child.name] = metrics_port + i
+                child.argv += ["--metrics-listen", f"127.0.0.1:{metrics_port + i}"]
         self.stop_requested = asyncio.Event()
         self.signals = 0
 
@@ -428,6 +435,10 @@ class Cluster:
             f"  scheduler    {client_host(self.scheduler_listen)}   pid {self.scheduler.pid}   "
             f"log {self.scheduler.log}",
             f"  certs        {self.certs}",
+            *(
+                f"  metrics      {name:<10} http://127.0.0.1:{port}/metrics"
+                for name, port in self.metrics.items()
+            ),
             "  agents:",
             agents,
             "",
@@ -483,6 +494,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise UsageError(e.message) from None
     if split_hostport(args.controller_listen) == split_hostport(args.scheduler_listen):
         raise UsageError("--controller-listen and --scheduler-listen must differ")
+    if args.metrics_port and not 1 <= args.metrics_port <= 65535 - 2 - args.agents:
+        raise UsageError(f"--metrics-port: {args.metrics_port} leaves no room for every service")
     # The children log to their own files; this process only prints for the person at the
     # terminal, so library chatter (e.g. reaping orphans) stays below warnings.
     configure_logging("warning", service="up")
@@ -536,7 +549,12 @@ def _up_locked(args: argparse.Namespace, data_dir: Path, lock: UpLock) -> int:
     async def main() -> int:
         # Built inside the loop: the cluster owns asyncio primitives.
         cluster = Cluster(
-            data_dir, args.agents, args.controller_listen, args.scheduler_listen, lock
+            data_dir,
+            args.agents,
+            args.controller_listen,
+            args.scheduler_listen,
+            lock,
+            metrics_port=args.metrics_port,
         )
         if stale:
             # Instances of the stale run's agents that were killed rather than stopped.
@@ -557,4 +575,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--agents", type=int, default=2, metavar="N", help="number of agents (2)")
     add_flag(p, "--controller-listen", default=DEFAULT_CONTROLLER, metavar="HOST:PORT")
     add_flag(p, "--scheduler-listen", default=DEFAULT_SCHEDULER, metavar="HOST:PORT")
+    add_flag(
+        p,
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve each service's Prometheus metrics on 127.0.0.1 from PORT up: the scheduler,"
+        " the controller, then each agent (off by default)",
+    )
     p.set_defaults(func=cmd_up)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from orka import fit
+from orka import fit, metrics
 from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
 from orka.controller.link import SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
@@ -212,6 +212,7 @@ class PlacementQueue:
             bound = {r.instance: r.node for r in results if r.node}
             why = {r.instance: r.reasons for r in results if not r.node}
             unplaced = {name: fit.format_reasons(counts) for name, counts in why.items()}
+            metrics.unschedulable(why)
             committed = await self._bind(bound)
             if unplaced:
                 await self._mark_unplaced(unplaced)

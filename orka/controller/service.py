@@ -18,6 +18,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2
 
+from orka import metrics
 from orka.api import controller_pb2_grpc as pb_grpc
 from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
@@ -86,6 +87,7 @@ class Controller:
         self.repo.writable = False  # until elected
         self.events = EventHub(lambda: self.repo.revision)
         self.repo.listeners.append(self.events.on_change)
+        self.repo.listeners.append(metrics.on_change)  # placements, restarts
         self.repo.on_reload.append(self.events.reset)
         self._build()
         self.api = ControllerApi(

@@ -25,6 +25,7 @@ from orka.models import (
     MAX_STOP_GRACE_SECONDS,
     REDACTED,
     Endpoint,
+    HealthCheck,
     HealthState,
     Instance,
     InstancePhase,
@@ -260,10 +261,64 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
                 f"must be between 0s and {MAX_STOP_GRACE_SECONDS:g}s, got {grace:g}s",
             )
         data["stop_grace_seconds"] = grace
+    if msg.HasField("health_check"):
+        data["health_check"] = _health_check(msg.health_check)
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:
         raise invalid_from(err, "spec.") from None
+
+
+def _health_check(msg: pb.HealthCheck) -> dict[str, object]:
+    """The check's fields for the model, which names what is wrong in them; unset numbers keep
+    the model's defaults."""
+    where = "spec.health_check"
+    data: dict[str, object] = {}
+    mode = msg.WhichOneof("check")
+    if mode == "exec":
+        data["exec"] = {"command": list(msg.exec.command)}
+    elif mode == "tcp":
+        data["tcp"] = {"port": msg.tcp.port}
+    elif mode == "http":
+        http: dict[str, object] = {"port": msg.http.port}
+        if msg.http.path:
+            http["path"] = msg.http.path
+        if msg.http.status_min:
+            http["status_min"] = msg.http.status_min
+        if msg.http.status_max:
+            http["status_max"] = msg.http.status_max
+        data["http"] = http
+    for name in ("interval", "timeout", "initial_delay"):
+        if msg.HasField(name):
+            data[name] = duration_from_pb(getattr(msg, name), f"{where}.{name}")
+    for name in ("failure_threshold", "success_threshold"):
+        if getattr(msg, name):
+            data[name] = getattr(msg, name)
+    return data
+
+
+def health_check_to_pb(check: HealthCheck) -> pb.HealthCheck:
+    msg = pb.HealthCheck(
+        interval=duration_fields(check.interval),
+        timeout=duration_fields(check.timeout),
+        initial_delay=duration_fields(check.initial_delay),
+        failure_threshold=check.failure_threshold,
+        success_threshold=check.success_threshold,
+    )
+    if check.exec is not None:
+        msg.exec.command.extend(check.exec.command)
+    elif check.tcp is not None:
+        msg.tcp.port = check.tcp.port
+    elif check.http is not None:
+        msg.http.CopyFrom(
+            pb.HealthCheck.Http(
+                port=check.http.port,
+                path=check.http.path,
+                status_min=check.http.status_min,
+                status_max=check.http.status_max,
+            )
+        )
+    return msg
 
 
 _PROTOCOL_FROM_PB = {
@@ -347,6 +402,8 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         ports=[port_spec_to_pb(p) for p in spec.ports],
         network=_NETWORK_TO_PB[spec.network] if spec.network else None,
     )
+    if spec.health_check is not None:
+        msg.health_check.CopyFrom(health_check_to_pb(spec.health_check))
     if spec.vm is not None:
         msg.vm.CopyFrom(
             pb.VmSpec(kernel=spec.vm.kernel, initrd=spec.vm.initrd, cmdline=spec.vm.cmdline)

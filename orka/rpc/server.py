@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -86,7 +88,8 @@ async def start_server(
     host, port = split_hostport(listen)
     # Revoked peers are refused on every method, health and reflection included.
     server = grpc.aio.server(
-        options=grpc_options(max_receive=max_receive), interceptors=[RevocationInterceptor()]
+        options=grpc_options(max_receive=max_receive),
+        interceptors=[MetricsInterceptor(), RevocationInterceptor()],
     )
     for add in register:
         add(server)
@@ -104,6 +107,111 @@ async def start_server(
     for name in (*service_names, ""):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+# ---- RPC metrics ----
+
+
+def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    """How a call ended: the code it was aborted or set with; OK when it returned; CANCELLED
+    when the client went away; UNKNOWN for an exception no boundary mapped (gRPC's answer)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # grpc.aio keeps the cygrpc integer once aborted
+        return _CODE_NAMES.get(code, "UNKNOWN")
+    if error is None:
+        return "OK"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def _measured(behaviour: Callable[..., Any], service: str, method: str) -> Callable[..., Any]:
+    """`behaviour` counted and timed, of the same kind (an async generator stays one: gRPC
+    tells how a reply stream is written from the function's kind)."""
+    # Imported here: the CLI imports this module for split_hostport, and needs no metrics.
+    from orka import metrics
+
+    seconds = metrics.RPC_SECONDS.labels(service, method)
+    counters: dict[str, Any] = {}
+
+    def done(context: grpc.aio.ServicerContext, start: float, error: BaseException | None) -> None:
+        seconds.observe(time.perf_counter() - start)
+        code = _code(context, error)
+        counter = counters.get(code)
+        if counter is None:
+            counter = counters[code] = metrics.RPCS.labels(service, method, code)
+        counter.inc()
+
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                async for item in behaviour(request, context):
+                    yield item
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                done(context, start, error)
+
+        return stream
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        start = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            result = behaviour(request, context)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            done(context, start, error)
+
+    return call
+
+
+_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """RPCs by service, method and code, with their latency (orka.metrics), on every server.
+    Outermost, so that calls the revocation check refuses are counted too. Methods the server
+    does not have are not counted: the label values stay the server's own methods."""
+
+    def __init__(self) -> None:
+        # Method -> (the handler gRPC found, its measured copy): wrapped once per method.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # unknown method: gRPC answers UNIMPLEMENTED
+        path = handler_call_details.method  # /package.Service/Method
+        cached = self._wrapped.get(path)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        service, _, method = path.lstrip("/").rpartition("/")
+        kind = next(k for k in _KINDS if getattr(handler, k, None) is not None)
+        wrapped = handler._replace(  # type: ignore[attr-defined]
+            **{kind: _measured(getattr(handler, kind), service, method)}
+        )
+        if len(self._wrapped) < 4096:  # methods are few; a generic handler could make more
+            self._wrapped[path] = (handler, wrapped)
+        return wrapped
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,14 @@ class Driver(ABC):
         """Attach to the instance's serial console (VMs: orka/runtime/libvirt_console.py)."""
         raise Conflict(f"{self.name}: only VMs have a console; use exec")
 
+    async def check_exec(
+        self, instance: str, spec: WorkloadSpec, command: list[str]
+    ) -> tuple[int, str]:
+        """Run a health check's command inside the running task (non-interactive): its exit
+        code and the start of its output. The caller bounds the time and cancels; cancelled,
+        the command is killed. Drivers that cannot say so (the spec refuses such checks)."""
+        raise RuntimeFailure(f"{self.name}: exec health checks are not supported")
+
 
 TaskT = TypeVar("TaskT", bound=TrackedTask)
 

@@ -97,6 +97,8 @@ EXIT_CODE_FILE = "exit_code"
 OOM_REASON = "OOMKilled"
 # The launcher runs as a script: isolated mode (-I: no PYTHON* variables from the workload's
 # env, no user site) and no site module (-S: it needs only the standard library; faster start).
+# How much of an exec health check's output is kept (its start goes into the failure message).
+MAX_CHECK_OUTPUT = 4096
 _LAUNCH = [sys.executable, "-I", "-S", launch.__file__]
 
 
@@ -361,6 +363,60 @@ class ProcessDriver(TrackingDriver[_Task]):
             return argv
         return [*_LAUNCH, *prefix, "--", *argv]
 
+    async def check_exec(
+        self, instance: str, spec: WorkloadSpec, command: list[str]
+    ) -> tuple[int, str]:
+        """A health check's command as the instance runs: its user and group, working dir,
+        environment (ports included), cgroup, and network namespace when it has its own. Not
+        its private /tmp (a mount namespace of its own, which the check does not join)."""
+        task = await self._require(instance)
+        try:
+            identity = self._policy.resolve(spec)
+        except IdentityRefused as exc:
+            raise RuntimeFailure(f"process: {exc}") from None
+        run = RunSpec(instance=instance, workload=task.workload, spec=spec)
+        cwd, env = await asyncio.to_thread(_context, run, self._work / instance, identity)
+        env.update(self._network_env(spec.ports, task.ports))
+        argv = [await asyncio.to_thread(_resolve, command[0], env["PATH"], cwd), *command[1:]]
+        attachment = self._network.attachment(instance) if self._network is not None else None
+        prefix = ["--netns", attachment.netns] if attachment and attachment.netns else []
+        if self._cgroups is not None:
+            for path in self._cgroups.procs_files(instance):
+                prefix += ["--cgroup-procs", str(path)]
+        if identity.switch:
+            prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
+        if prefix:
+            argv = [*_LAUNCH, *prefix, "--", *argv]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise RuntimeFailure(f"process: cannot run {argv[0]!r}: {exc.strerror}") from exc
+        try:
+            assert proc.stdout is not None
+            output = b""
+            while chunk := await proc.stdout.read(1 << 16):
+                # Past the bound the rest is read and dropped, so a chatty check cannot block
+                # on a full pipe.
+                output += chunk[: MAX_CHECK_OUTPUT - len(output)]
+            return await proc.wait(), output.decode(errors="replace")
+        finally:
+            if proc.returncode is None:
+                # Timed out (cancelled): the whole group goes, then it is reaped.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                # Bounded: a daemon that left the group may hold the pipe (which wait() also
+                # waits for); the child watcher reaps the killed command either way.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), _KILL_TIMEOUT)
+
     async def list(self) -> list[TaskInfo]:
         unknown = await asyncio.to_thread(self._scan, set(self._tasks))
         for instance, record in unknown.items():
@@ -622,6 +678,17 @@ def _prepare(
     work_dir.mkdir(mode=0o700, exist_ok=True)
     if identity.switch:
         os.chown(work_dir, identity.uid, identity.gid)
+    cwd, env = _context(run, work_dir, identity)
+    argv[0] = _resolve(argv[0], env["PATH"], cwd)
+    # Stale records from an earlier run of this instance would be mistaken for this one.
+    for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):
+        (task_dir / name).unlink(missing_ok=True)
+    return argv, cwd, env
+
+
+def _context(run: RunSpec, work_dir: Path, identity: Identity) -> tuple[str, dict[str, str]]:
+    """An instance's working dir and environment: its command's, and its exec checks'."""
+    spec = run.spec
     cwd = spec.working_dir or str(work_dir)
     if not Path(cwd).is_dir():
         raise RuntimeFailure(f"process: working_dir {cwd!r} is not a directory")
@@ -635,11 +702,7 @@ def _prepare(
         "ORKA_WORKLOAD": run.workload,
     }
     env.update(spec.environment)  # env and secret_env
-    argv[0] = _resolve(argv[0], env["PATH"], cwd)
-    # Stale records from an earlier run of this instance would be mistaken for this one.
-    for name in (TASK_FILE, EXIT_FILE, EXIT_CODE_FILE):
-        (task_dir / name).unlink(missing_ok=True)
-    return argv, cwd, env
+    return cwd, env
 
 
 def _record_ports(record: dict[str, Any]) -> list[PortBinding]:

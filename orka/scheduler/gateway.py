@@ -337,6 +337,8 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
         or status.address != old.address
         or status.host_ip != old.host_ip
         or ((status.ports or old.ports) and _ports_differ(status, old))
+        or status.health_message[: convert.MAX_STATUS_MESSAGE] != old.health_message
+        or (status.health_time or None) != old.health_changed_at
     ):
         return False
     hold = node.holds.get(status.name)

@@ -347,6 +347,8 @@ class Registry:
             or old.exit_code != report.exit_code
             or old.reason != report.reason
             or old.message != report.message
+            or old.health != report.health
+            or old.health_message != report.health_message
         )
 
     def forget(self, node: NodeRecord, instance: str) -> None:

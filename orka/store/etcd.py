@@ -27,6 +27,7 @@ import grpc
 import structlog
 from aetcd import rpc
 
+from orka import metrics
 from orka.errors import Conflict, Invalid, NotFound, OrkaError, Unavailable
 from orka.store.base import (
     Create,
@@ -304,7 +305,8 @@ class EtcdStore(Store):
         # etcd elects a new raft leader), so it is retried on the next member like a read. If
         # a retry then fails its compares, the earlier try may have been ours: _landed() tells.
         failed: list[str] = []
-        response = await self._call("kv.Txn", request, idempotent=True, failed=failed)
+        with metrics.store_commit("etcd"):
+            response = await self._call("kv.Txn", request, idempotent=True, failed=failed)
         if response.succeeded:
             self.keys_written += len(prepared)
             revision = int(response.header.revision)

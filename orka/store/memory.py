@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+from orka import metrics
 from orka.store.base import (
     Delete,
     Item,
@@ -66,6 +68,7 @@ class MemoryStore(Store):
         for p in prepared:
             current = self._data.get(p.op.kind, {}).get(p.op.name)
             check_precondition(p.op, None if current is None else current[0])
+        start = time.perf_counter()
         self._revision += 1
         revisions: list[int] = []
         for p in prepared:
@@ -80,6 +83,7 @@ class MemoryStore(Store):
                 assert p.encoded is not None
                 self._data.setdefault(op.kind, {})[op.name] = (self._revision, p.encoded)
                 revisions.append(self._revision)
+        metrics.store_committed("memory", start)
         return revisions
 
     async def revision(self) -> int:

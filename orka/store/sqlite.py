@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from orka import metrics
 from orka.filemodes import private_file, tighten_file
 from orka.store.base import (
     Create,
@@ -187,7 +188,8 @@ class SqliteStore(Store):
             return []
         # The lock keeps commits in the order they were asked for and lets close() wait.
         async with self._lock:
-            return await self._on_writer(lambda conn: _commit(conn, prepared))
+            with metrics.store_commit("sqlite"):
+                return await self._on_writer(lambda conn: _commit(conn, prepared))
 
 
 def _private(path: Path) -> None:

@@ -94,7 +94,7 @@ class ProcessCluster:
         svc.start()
         return svc
 
-    def start_scheduler(self) -> Service:
+    def start_scheduler(self, *extra: str) -> Service:
         return self._service(
             "scheduler",
             [
@@ -105,10 +105,13 @@ class ProcessCluster:
                 str(self.certs),
                 "--data-dir",
                 str(self.data / "scheduler"),
+                *extra,
             ],
         )
 
-    def start_controller(self, name: str = "controller", port: int | None = None) -> Service:
+    def start_controller(
+        self, name: str = "controller", port: int | None = None, *extra: str
+    ) -> Service:
         port = port or self.controller_port
         store = ["--store", self.store_url] if self.store_url else []
         return self._service(
@@ -124,6 +127,7 @@ class ProcessCluster:
                 "--data-dir",
                 str(self.data / name),
                 *store,
+                *extra,
             ],
         )
 

@@ -42,8 +42,8 @@ def test_table_aligns_columns() -> None:
 def test_workloads_table() -> None:
     text = output.workloads_table([workload("web", 3, 2), workload("a-much-longer-name", 1)], NOW)
     header, *rows = text.splitlines()
-    assert header.split() == ["NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "AGE"]
-    assert rows[0].split() == ["web", "PROCESS", "3", "0", "2", "30s"]
+    assert header.split() == ["NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "HEALTHY", "AGE"]
+    assert rows[0].split() == ["web", "PROCESS", "3", "0", "2", "0", "30s"]
     assert header.index("KIND") == rows[0].index("PROCESS") == rows[1].index("PROCESS")
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from orka import fit
 from orka.models import (
+    HealthState,
     InstancePhase,
     InstanceReport,
     NodeState,
@@ -616,3 +617,15 @@ def test_a_lost_node_frees_its_host_ports() -> None:
     liveness.check(time.monotonic())
     assert rec.state is NodeState.LOST
     assert (rec.port_users, rec.holds) == ({}, {})
+
+
+def test_a_change_of_health_alone_is_a_change_to_pass_on() -> None:
+    reg, rec = registry_with()
+    reg.apply_report(rec, report(), RES)
+    assert reg.apply_report(rec, report(), RES) is False
+    healthy = report(health=HealthState.HEALTHY, health_changed_at=10.0)
+    assert reg.apply_report(rec, healthy, RES) is True
+    assert reg.apply_report(rec, healthy, RES) is False
+    failing = report(health=HealthState.UNHEALTHY, health_message="refused", health_changed_at=20)
+    assert reg.apply_report(rec, failing, RES) is True
+    assert reg.apply_report(rec, failing.model_copy(update={"health_message": "404"}), RES)
