@@ -199,7 +199,7 @@ class Sessions:
             rows=start.size.rows,
             cols=start.size.cols,
         )
-        handle = await inst.driver.exec(inst.name, options)
+        handle = await inst.driver.exec(inst.name, inst.spec, options)
         log.info("exec", instance=inst.name, command=options.command[:1], session=session.sid)
         await _drive(session, handle, console=False)
 

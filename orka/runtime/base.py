@@ -235,7 +235,7 @@ class Driver(ABC):
     async def close(self) -> None:
         """Stop watching tasks; tasks keep running so a restarted agent can re-adopt them."""
 
-    async def exec(self, instance: str, options: ExecOptions) -> ExecHandle:
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
         """Run a command inside the running instance (`orka exec`, orka/runtime/execs.py)."""
         raise Conflict(f"{self.name}: exec is not supported for this kind of instance")
 

@@ -305,7 +305,7 @@ class ContainerdDriver(TrackingDriver[_Task]):
         task_dir = self._root / check_instance(instance)
         return task_dir / "stdout.log", task_dir / "stderr.log"
 
-    async def exec(self, instance: str, options: ExecOptions) -> ExecHandle:
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
         task = await self._require(instance)
         if task.done.is_set():
             raise Conflict(f"containerd: instance {instance!r} is not running")

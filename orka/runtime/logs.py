@@ -206,6 +206,9 @@ async def follow(
             yield data
         offset = 0
     seen = _inode(old)
+    # Without follow: what the file held when reading began, not what comes while it is read
+    # (a tail of 3 lines is 3 lines, however fast the instance writes).
+    end = None if follow else _size(path)
     while True:
         # Checked before each read: the file may have grown past our offset again since the
         # rotation, and reading on there would skip what was written between.
@@ -217,7 +220,12 @@ async def follow(
                 offset += len(data)
                 yield data
             offset = 0
-        data = await asyncio.to_thread(_read_at, path, offset, chunk)
+            if end is not None:
+                return  # what there was when reading began is all read
+        limit = chunk if end is None else min(chunk, end - offset)
+        if limit <= 0:
+            return
+        data = await asyncio.to_thread(_read_at, path, offset, limit)
         if data:
             offset += len(data)
             yield data

@@ -363,12 +363,12 @@ class ProcessDriver(TrackingDriver[_Task]):
             return argv
         return [*_LAUNCH, *prefix, "--", *argv]
 
-    async def check_exec(
+    async def _in_context(
         self, instance: str, spec: WorkloadSpec, command: list[str]
-    ) -> tuple[int, str]:
-        """A health check's command as the instance runs: its user and group, working dir,
-        environment (ports included), cgroup, and network namespace when it has its own. Not
-        its private /tmp (a mount namespace of its own, which the check does not join)."""
+    ) -> tuple[list[str], str, dict[str, str]]:
+        """`command` as the instance runs (health checks, `orka exec`): its user and group,
+        working dir, environment (ports included), cgroup, and network namespace when it has
+        its own, through the launcher. Not its private /tmp (a mount namespace of its own)."""
         task = await self._require(instance)
         try:
             identity = self._policy.resolve(spec)
@@ -387,6 +387,15 @@ class ProcessDriver(TrackingDriver[_Task]):
             prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         if prefix:
             argv = [*_LAUNCH, *prefix, "--", *argv]
+        return argv, cwd, env
+
+    async def check_exec(
+        self, instance: str, spec: WorkloadSpec, command: list[str]
+    ) -> tuple[int, str]:
+        """A health check's command as the instance runs: its user and group, working dir,
+        environment (ports included), cgroup, and network namespace when it has its own. Not
+        its private /tmp (a mount namespace of its own, which the check does not join)."""
+        argv, cwd, env = await self._in_context(instance, spec, command)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -429,55 +438,16 @@ class ProcessDriver(TrackingDriver[_Task]):
             return Usage()
         return await asyncio.to_thread(_measure, task)
 
-    async def exec(self, instance: str, options: ExecOptions) -> ExecHandle:
-        """The command in the instance's context, taken from its running process: its
-        environment, working dir, user and group, cgroup and network namespace (through the
-        launcher, as at start). Not its private /tmp: that mount namespace is the process's."""
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
+        """`orka exec`: the command in the instance's context (`_in_context`), interactive."""
         task = await self._require(instance)
         if task.done.is_set():
             raise Conflict(f"process: instance {instance!r} is not running")
-        argv, env, cwd = await asyncio.to_thread(self._exec_context, instance, task.pid, options)
+        argv, cwd, env = await self._in_context(instance, spec, list(options.command))
         try:
             return await SubprocessExec.start(argv, env, cwd, options)
         except OSError as exc:
             raise RuntimeFailure(f"process: cannot run {options.command[0]!r}: {exc}") from None
-
-    def _exec_context(
-        self, instance: str, pid: int, options: ExecOptions
-    ) -> tuple[list[str], dict[str, str], str]:
-        # `pid` is the wrapper shell (the agent's child, as the agent): the workload is its
-        # child, the launcher having exec'd into the command.
-        try:
-            children = psutil.Process(pid).children()
-        except psutil.Error:
-            children = []
-        proc = Path(f"/proc/{children[0].pid if children else pid}")
-        try:
-            raw = (proc / "environ").read_bytes()
-            cwd = os.readlink(proc / "cwd")
-            status = (proc / "status").read_text()
-            netns = os.stat(proc / "ns" / "net").st_ino
-        except OSError as exc:
-            raise Conflict(f"process: instance {instance!r} is not running ({exc})") from None
-        env = dict(
-            item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
-        )
-        ids = {
-            line.split(":")[0]: int(line.split()[1])
-            for line in status.splitlines()
-            if line.startswith(("Uid:", "Gid:"))
-        }
-        argv = list(options.command)
-        argv[0] = _resolve(argv[0], env.get("PATH", os.defpath), cwd)
-        prefix: list[str] = []
-        if netns != os.stat("/proc/self/ns/net").st_ino:
-            prefix += ["--netns", str(proc / "ns" / "net")]
-        if self._cgroups is not None:
-            for path in self._cgroups.procs_files(instance):
-                prefix += ["--cgroup-procs", str(path)]
-        if (ids.get("Uid"), ids.get("Gid")) != (os.getuid(), os.getgid()):
-            prefix += ["--uid", str(ids["Uid"]), "--gid", str(ids["Gid"])]
-        return ([*_LAUNCH, *prefix, "--", *argv] if prefix else argv), env, cwd
 
     def log_paths(self, instance: str) -> tuple[Path, Path]:
         task_dir = self._root / check_instance(instance)
