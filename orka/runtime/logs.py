@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CHUNK = 32 << 10
+# How soon a followed file is read again after it grew (then twice as long each time it had
+# not, up to follow's `poll`).
+POLL_MIN = 0.01
 DEFAULT_MAX_BYTES = 10 << 20
 # Samples of a file's size kept for `since` (one per check in which the file grew).
 INDEX_SAMPLES = 4096
@@ -193,7 +196,7 @@ async def follow(
     path: Path,
     start: Position,
     follow: bool,
-    poll: float = 0.1,
+    poll: float = 0.2,
     chunk: int = CHUNK,
 ) -> AsyncIterator[bytes]:
     """The file's bytes from `start`, in chunks of at most `chunk`; with `follow`, then what
@@ -209,6 +212,7 @@ async def follow(
     # Without follow: what the file held when reading began, not what comes while it is read
     # (a tail of 3 lines is 3 lines, however fast the instance writes).
     end = None if follow else _size(path)
+    wait = POLL_MIN
     while True:
         # Checked before each read: the file may have grown past our offset again since the
         # rotation, and reading on there would skip what was written between.
@@ -228,10 +232,15 @@ async def follow(
         data = await asyncio.to_thread(_read_at, path, offset, limit)
         if data:
             offset += len(data)
+            wait = POLL_MIN
             yield data
             continue
         if not follow:
             return
         if _size(path) < offset:
             offset = 0  # truncated by someone else
-        await asyncio.sleep(poll)
+        # A file being written is looked at again soon, an idle one less and less often
+        # (up to `poll`): a follow costs little when nothing happens, and lags little when
+        # something does.
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, poll)
