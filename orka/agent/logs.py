@@ -33,6 +33,8 @@ class LogKeeper:
     def paths(self) -> list[Path]:
         out: set[Path] = set()
         for inst in list(self.instances.values()):
+            if inst.driver.log_backup is not None:
+                continue  # its writer bounds them
             try:
                 out.update(inst.driver.log_paths(inst.name))
             except Exception:  # a driver that cannot say: nothing to keep

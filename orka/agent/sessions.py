@@ -162,8 +162,9 @@ class Sessions:
         if req.stream:
             streams = [s for s in streams if s[0] == req.stream]
         since = req.since_time.ToNanoseconds() / 1e9 if req.HasField("since_time") else None
+        backup = inst.driver.log_backup
         readers = [
-            self._read_stream(session, kind, path, req.follow, req.tail_lines, since)
+            self._read_stream(session, kind, path, req.follow, req.tail_lines, since, backup)
             for kind, path in streams
         ]
         await asyncio.gather(*readers)
@@ -176,15 +177,19 @@ class Sessions:
         follow: bool,
         tail_lines: int,
         since: float | None,
+        renamed_to: str | None,
     ) -> None:
+        backup = renamed_to or logfiles.BACKUP
         if since is not None:
-            start = logfiles.since_position(path, since, self.keeper.indexes.get(path))
+            index = self.keeper.indexes.get(path)
+            start = logfiles.since_position(path, since, index, backup)
         else:
             start = logfiles.Position(0, rotated=True)
         if tail_lines > 0:
-            tail = await asyncio.to_thread(logfiles.tail_position, path, tail_lines)
+            tail = await asyncio.to_thread(logfiles.tail_position, path, tail_lines, backup)
             start = _later(start, tail)
-        async for data in logfiles.follow(path, start, follow):
+        renamed = renamed_to is not None
+        async for data in logfiles.follow(path, start, follow, backup=backup, renamed=renamed):
             await session.emit(apb.SessionOutput(log=pb.LogChunk(stream=kind, data=data)))  # type: ignore[arg-type]
 
     # ---- exec ----

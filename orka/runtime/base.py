@@ -190,6 +190,10 @@ class TrackedTask:
 class Driver(ABC):
     """A runtime driver. Every method is safe to call for tasks started by an earlier process."""
 
+    # None: the agent bounds the task's log files (copytruncate into `<file>.1`, see
+    # orka/runtime/logs.py). A suffix: their writer rotates them itself, renaming the full file
+    # to `<file><suffix>` (libvirt's virtlogd: `.0`), and the agent leaves them alone.
+    log_backup: ClassVar[str | None] = None
     name: ClassVar[str]
 
     @abstractmethod

@@ -37,7 +37,8 @@ NIC at all, and one with ports is refused at admission.
 Console. The first serial port is a pty (`console()` attaches to it, for `orka console`) logged
 to `<data_dir>/instances/<instance>/console.log`, which `log_paths()` returns as both stdout
 and stderr. libvirt writes that file itself (through virtlogd, as root for qemu:///system), so
-the qemu user does not need access to the agent's data dir. Disk images
+the qemu user does not need access to the agent's data dir; virtlogd also bounds it (it
+renames a full file to console.log.0: `log_backup`), so the agent does not rotate it. Disk images
 and kernels, however, are opened by QEMU, which runs as the user in libvirt's qemu.conf
 (`libvirt-qemu` on Debian): they must be readable by it, parent directories included.
 
@@ -360,6 +361,8 @@ class _Vm(TrackedTask):
 
 class LibvirtDriver(TrackingDriver[_Vm]):
     name: ClassVar[str] = "libvirt"
+    # virtlogd writes the console log and rotates it (2 MiB, 3 old files, by default).
+    log_backup: ClassVar[str | None] = ".0"
 
     def __init__(
         self,

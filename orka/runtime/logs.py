@@ -37,8 +37,13 @@ DEFAULT_MAX_BYTES = 10 << 20
 INDEX_SAMPLES = 4096
 
 
-def rotated(path: Path) -> Path:
-    return path.with_name(path.name + ".1")
+# The newest older file: ours (copytruncate) is `<file>.1`; a writer that rotates its own file
+# by renaming it names its own (virtlogd, which writes VMs' console logs: `<file>.0`).
+BACKUP = ".1"
+
+
+def rotated(path: Path, backup: str = BACKUP) -> Path:
+    return path.with_name(path.name + backup)
 
 
 def _inode(path: Path) -> int:
@@ -95,7 +100,9 @@ class Position:
     rotated: bool = False
 
 
-def since_position(path: Path, since: float, index: SizeIndex | None) -> Position:
+def since_position(
+    path: Path, since: float, index: SizeIndex | None, backup: str = BACKUP
+) -> Position:
     """The first byte written at or after `since` (to the index's granularity; without
     samples, everything kept)."""
     try:
@@ -112,7 +119,7 @@ def since_position(path: Path, since: float, index: SizeIndex | None) -> Positio
                 break
     if best is None:
         try:
-            whole = rotated(path).stat().st_mtime >= since
+            whole = rotated(path, backup).stat().st_mtime >= since
         except OSError:
             whole = False
         return Position(0, rotated=whole)
@@ -124,14 +131,14 @@ def since_position(path: Path, since: float, index: SizeIndex | None) -> Positio
     return Position(0, rotated=True)
 
 
-def tail_position(path: Path, lines: int) -> Position:
+def tail_position(path: Path, lines: int, backup: str = BACKUP) -> Position:
     """The start of the last `lines` lines kept (in the file, else in `<file>.1`). Blocking;
     reads backwards in blocks, at most the files' bounded size."""
     if lines <= 0:
         return Position(0, rotated=True)
     need = lines
     current = _size(path) > 0
-    for is_rotated, p in ((False, path), (True, rotated(path))):
+    for is_rotated, p in ((False, path), (True, rotated(path, backup))):
         try:
             f = p.open("rb")
         except OSError:
@@ -163,13 +170,13 @@ def tail_position(path: Path, lines: int) -> Position:
         if not is_rotated and need > 0 and _size(path) > 0:
             need -= 1  # the file's first line (no newline before it)
             if need == 0:
-                return _line_start(path)
+                return _line_start(path, backup)
     return Position(0, rotated=True)
 
 
-def _line_start(path: Path) -> Position:
+def _line_start(path: Path, backup: str) -> Position:
     """Where the file's first line starts: in `<file>.1` when the rotation cut it."""
-    old = rotated(path)
+    old = rotated(path, backup)
     try:
         with old.open("rb") as f:
             end = os.fstat(f.fileno()).st_size
@@ -198,17 +205,21 @@ async def follow(
     follow: bool,
     poll: float = 0.2,
     chunk: int = CHUNK,
+    backup: str = BACKUP,
+    renamed: bool = False,
 ) -> AsyncIterator[bytes]:
     """The file's bytes from `start`, in chunks of at most `chunk`; with `follow`, then what
-    is written next, across rotations, until cancelled."""
-    old = rotated(path)
+    is written next, across rotations, until cancelled. `renamed`: the writer rotates by
+    renaming the file to `<file><backup>` and starting a new one (virtlogd), not by
+    copytruncate."""
+    old = rotated(path, backup)
     offset = start.offset
     if start.rotated:
         while data := await asyncio.to_thread(_read_at, old, offset, chunk):
             offset += len(data)
             yield data
         offset = 0
-    seen = _inode(old)
+    seen = _inode(path if renamed else old)
     # Without follow: what the file held when reading began, not what comes while it is read
     # (a tail of 3 lines is 3 lines, however fast the instance writes).
     end = None if follow else _size(path)
@@ -216,8 +227,10 @@ async def follow(
     while True:
         # Checked before each read: the file may have grown past our offset again since the
         # rotation, and reading on there would skip what was written between.
-        inode = _inode(old)
-        if inode != seen:
+        inode = _inode(path if renamed else old)
+        if renamed and not seen:
+            seen = inode  # the file appeared
+        elif inode != seen:
             # Rotated since: the rest of what was not read is in `<file>.1`.
             seen = inode
             while data := await asyncio.to_thread(_read_at, old, offset, chunk):

@@ -10,7 +10,7 @@ import pytest
 
 from orka.api import controller_pb2 as pb
 from tests.integration.cluster import Cluster, eventually
-from tests.integration.orka_cli import orka_cmd, orka_env
+from tests.integration.orka_cli import orka, orka_cmd, orka_env
 from tests.libvirt_env import MARKER
 
 
@@ -48,6 +48,9 @@ async def check_console(c: Cluster, instance: str, timeout: float) -> None:
         await eventually(
             lambda: asyncio.to_thread(lambda: b"typed-42" in console_log.read_bytes()), timeout=10
         )
+        # A VM's console log is its stdout for `orka logs`.
+        code, out, _ = await orka(c, "logs", "--tail", "20", instance)
+        assert code == 0 and b"typed-42" in out and f"{MARKER} kernel=".encode() in out
     finally:
         if proc.returncode is None:
             proc.kill()

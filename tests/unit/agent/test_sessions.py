@@ -19,7 +19,7 @@ def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
     err = tmp_path / "stderr.log"
     out.write_bytes(b"x" * (100 << 10))  # four chunks
     err.write_bytes(b"")
-    driver = SimpleNamespace(log_paths=lambda name: (out, err))
+    driver = SimpleNamespace(log_paths=lambda name: (out, err), log_backup=None)
     instances = {"web-1": SimpleNamespace(name="web-1", driver=driver)}
     sent: list[apb.AgentMessage] = []
     sessions = Sessions(instances, sent.append, LogKeeper(instances, 1 << 20))  # type: ignore[arg-type]

@@ -106,3 +106,20 @@ async def test_follow_without_follow_ends_at_the_end(tmp_path: Path) -> None:
     chunks = [c async for c in follow(path, Position(0, rotated=True), follow=False)]
     assert b"".join(chunks) == b"a\n" + b"b\n" * 20_000
     assert max(len(c) for c in chunks) <= 32 << 10
+
+
+async def test_follow_a_writer_that_rotates_by_renaming(tmp_path: Path) -> None:
+    """virtlogd's way (VM console logs): the full file becomes `<file>.0`, a new one starts."""
+    path = tmp_path / "console.log"
+    path.write_bytes(b"one\n")
+    reader = follow(path, Position(0), follow=True, poll=0.01, backup=".0", renamed=True)
+    async with asyncio.timeout(5):
+        assert await anext(reader) == b"one\n"
+        write(path, b"two\n")
+        path.rename(tmp_path / "console.log.0")
+        path.write_bytes(b"three\nfour\n")  # already past the old offset
+        got = b""
+        while got != b"two\nthree\nfour\n":
+            got += await anext(reader)
+    await reader.aclose()
+    assert tail_position(path, 3, ".0") == Position(4, rotated=True)
