@@ -163,11 +163,31 @@ class Sessions:
             streams = [s for s in streams if s[0] == req.stream]
         since = req.since_time.ToNanoseconds() / 1e9 if req.HasField("since_time") else None
         backup = inst.driver.log_backup
-        readers = [
-            self._read_stream(session, kind, path, req.follow, req.tail_lines, since, backup)
+        tasks = [
+            asyncio.create_task(
+                self._read_stream(session, kind, path, req.follow, req.tail_lines, since, backup)
+            )
             for kind, path in streams
         ]
-        await asyncio.gather(*readers)
+        if req.follow:
+            # A follow ends when the instance is removed from the node (its files go too).
+            tasks.append(asyncio.create_task(self._until_gone(inst)))
+        try:
+            # Both streams to their end (a follow: until the instance goes), or the first
+            # failure, which stops the other stream too.
+            when = asyncio.FIRST_COMPLETED if req.follow else asyncio.FIRST_EXCEPTION
+            done, _ = await asyncio.wait(tasks, return_when=when)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _until_gone(self, inst: Supervised, interval: float = 1.0) -> None:
+        # Polled: the runner removes instances in several places, none of which signals.
+        while self.instances.get(inst.name) is inst:  # noqa: ASYNC110
+            await asyncio.sleep(interval)
 
     async def _read_stream(
         self,

@@ -69,3 +69,18 @@ async def test_unknown_instance_ends_not_found(tmp_path: Path) -> None:
     await settle()
     (end,) = outputs(sent)
     assert end.end.code == code_pb2.NOT_FOUND and "nope" in end.end.message
+
+
+async def test_a_follow_ends_when_the_instance_goes(tmp_path: Path) -> None:
+    sessions, sent, _ = setup(tmp_path)
+    follow = pb.ReadLogsRequest(instance="web-1", follow=True, stream=pb.LogChunk.STDOUT)
+    sessions.on_open(apb.SessionOpen(session="s1", logs=follow, credit=100))
+    await settle()
+    assert len(sessions) == 1
+    del sessions.instances["web-1"]  # type: ignore[attr-defined]
+    for _ in range(100):
+        if not len(sessions):
+            break
+        await asyncio.sleep(0.05)
+    assert not len(sessions)
+    assert outputs(sent)[-1].end.code == code_pb2.OK
