@@ -357,6 +357,48 @@ class VmSpec(BaseModel):
     cmdline: checks.CmdLine = ""
 
 
+# Rollout bounds: how long an instance must stay ready, and how long a rollout may go
+# without progress, at most; how many revisions of a workload are kept.
+MAX_MIN_READY_SECONDS = 3600
+MAX_PROGRESS_DEADLINE_SECONDS = 86400
+MAX_REVISIONS = 10
+# ... and at most this many bytes of earlier specs in all (JSON), so that a workload record
+# stays well inside a store's value limit (etcd takes 1.5 MiB per request) with big specs.
+MAX_REVISION_BYTES = 256 << 10
+
+
+class UpdateStrategy(BaseModel):
+    """How a changed spec replaces running instances (`WorkloadSpec.update`).
+
+    Defaults keep the workload at full strength: one extra new instance at a time (max_surge 1)
+    and none taken away before its successor is ready (max_unavailable 0), as Orka replaced
+    instances before; Kubernetes' 25 %/25 % suits large workloads, where an operator sets it.
+    A rollout that makes no progress for `progress_deadline_seconds` (or whose new instances
+    fail) stops; with `auto_rollback` it returns to the last revision that completed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # At most this many of `replicas` may be not ready during the rollout.
+    max_unavailable: int = Field(default=0, ge=0, le=MAX_REPLICAS)
+    # At most this many instances above `replicas` may run during the rollout.
+    max_surge: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    # A new instance counts as ready once RUNNING and HEALTHY for this long.
+    min_ready_seconds: int = Field(default=0, ge=0, le=MAX_MIN_READY_SECONDS)
+    progress_deadline_seconds: int = Field(default=600, ge=1, le=MAX_PROGRESS_DEADLINE_SECONDS)
+    auto_rollback: bool = False
+    # > 0: replace only this many instances, then wait for `orka rollout promote`.
+    canary: int = Field(default=0, ge=0, le=MAX_REPLICAS)
+
+    @model_validator(mode="after")
+    def _moves(self) -> UpdateStrategy:
+        if self.max_unavailable == 0 and self.max_surge == 0:
+            raise ValueError(
+                "max_surge: must be at least 1 when max_unavailable is 0 (with both 0 no"
+                " instance could ever be replaced)"
+            )
+        return self
+
+
 class WorkloadSpec(BaseModel):
     """What a user declares. Validation errors name the offending field."""
 
@@ -394,6 +436,8 @@ class WorkloadSpec(BaseModel):
     ports: list[PortSpec] = Field(default_factory=list, max_length=MAX_PORTS)
     # None: the kind's own (host for a process, bridge for containers and VMs).
     network: NetworkMode | None = None
+    # How a change of the spec rolls out (see UpdateStrategy).
+    update: UpdateStrategy = Field(default_factory=UpdateStrategy)
     # A check the agent runs against each running instance (see HealthCheck).
     health_check: HealthCheck | None = None
 
@@ -584,7 +628,62 @@ class WorkloadStatus(BaseModel):
     # Of the running ones, how many are HEALTHY.
     healthy: int = 0
     unschedulable_reasons: list[str] = Field(default_factory=list)
+    # Some replica waits for what waiting cannot bring (see the proto's comment).
+    unschedulable_unresolvable: bool = False
     message: str = ""
+    # Of the active instances, how many run the current generation, and of those how many are
+    # ready (RUNNING and HEALTHY for the spec's update.min_ready_seconds).
+    updated: int = 0
+    ready: int = 0
+
+
+class RolloutState(StrEnum):
+    """Where the rollout of a workload's current revision stands."""
+
+    PROGRESSING = "PROGRESSING"
+    PAUSED = "PAUSED"
+    AWAITING_PROMOTION = "AWAITING_PROMOTION"
+    COMPLETE = "COMPLETE"
+    FAILED = "FAILED"
+    ROLLED_BACK = "ROLLED_BACK"
+
+
+# States in which the rollout moves instances by itself.
+ROLLOUT_DONE = frozenset({RolloutState.COMPLETE, RolloutState.ROLLED_BACK})
+
+
+class Rollout(BaseModel):
+    """The rollout of revision `revision` (kept on the workload record, so that a new leader
+    carries on where the last one stopped)."""
+
+    state: RolloutState = RolloutState.COMPLETE
+    # The generation being rolled out.
+    revision: int = 1
+    # The last revision whose rollout completed: where an automatic rollback returns to.
+    stable: int = 0
+    # Set on the revision a rollback made: the revision that failed.
+    rollback_of: int = 0
+    message: str = ""
+    # The last progress (an instance became ready or was replaced); FAILED past the deadline.
+    progress_at: float = 0.0
+    # When it began: only instances made since count as its failures (instances a rollback
+    # adopted may have restarted long before).
+    started_at: float = 0.0
+    deadline: float = 0.0
+    # `orka rollout promote` let a canary rollout go on.
+    promoted: bool = False
+
+
+class Revision(BaseModel):
+    """One spec a workload ran with (a generation that needed new instances)."""
+
+    revision: int
+    # None on the current revision: it is the workload's spec (stored once, not twice).
+    spec: WorkloadSpec | None = None
+    created_at: float = Field(default_factory=time.time)
+    created_by: str = ""
+    # Why it was made: "update", "rollback to revision 2", "undo to revision 2".
+    cause: str = ""
 
 
 class Workload(BaseModel):
@@ -599,10 +698,26 @@ class Workload(BaseModel):
     status: WorkloadStatus = Field(default_factory=WorkloadStatus)
     # Drawn anew by each user write that changes the workload (orka/etags.py).
     etag: str = Field(default_factory=new_workload_etag)
+    rollout: Rollout = Field(default_factory=Rollout)
+    # The newest MAX_REVISIONS revisions, oldest first.
+    revisions: list[Revision] = Field(default_factory=list)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def history(self) -> list[Revision]:
+        """The revisions kept, oldest first, each with its spec (the current one's filled in)."""
+        return [
+            r if r.spec is not None else r.model_copy(update={"spec": self.spec})
+            for r in self.revisions
+        ]
+
+    def revision(self, number: int) -> Revision | None:
+        for r in self.history():
+            if r.revision == number:
+                return r
+        return None
 
 
 class Instance(BaseModel):

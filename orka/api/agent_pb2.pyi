@@ -291,7 +291,7 @@ class PlaceReason(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., node_count: _Optional[int] = ..., resolvable: _Optional[bool] = ...) -> None: ...
 
 class PlaceResult(_message.Message):
-    __slots__ = ("instance", "node", "reasons", "refusals")
+    __slots__ = ("instance", "node", "reasons", "refusals", "passed_over")
     class RefusalsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,11 +303,13 @@ class PlaceResult(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
     REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    PASSED_OVER_FIELD_NUMBER: _ClassVar[int]
     instance: str
     node: str
     reasons: _containers.RepeatedCompositeFieldContainer[PlaceReason]
     refusals: _containers.ScalarMap[str, str]
-    def __init__(self, instance: _Optional[str] = ..., node: _Optional[str] = ..., reasons: _Optional[_Iterable[_Union[PlaceReason, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    passed_over: _containers.RepeatedCompositeFieldContainer[PlaceReason]
+    def __init__(self, instance: _Optional[str] = ..., node: _Optional[str] = ..., reasons: _Optional[_Iterable[_Union[PlaceReason, _Mapping]]] = ..., refusals: _Optional[_Mapping[str, str]] = ..., passed_over: _Optional[_Iterable[_Union[PlaceReason, _Mapping]]] = ...) -> None: ...
 
 class PlaceResponse(_message.Message):
     __slots__ = ("results",)

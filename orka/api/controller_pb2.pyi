@@ -104,7 +104,7 @@ class HealthCheck(_message.Message):
     def __init__(self, exec: _Optional[_Union[HealthCheck.Exec, _Mapping]] = ..., tcp: _Optional[_Union[HealthCheck.Tcp, _Mapping]] = ..., http: _Optional[_Union[HealthCheck.Http, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., failure_threshold: _Optional[int] = ..., success_threshold: _Optional[int] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "health_check")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -180,6 +180,7 @@ class WorkloadSpec(_message.Message):
     SECRET_ENV_FILES_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
@@ -200,27 +201,84 @@ class WorkloadSpec(_message.Message):
     secret_env_files: _containers.ScalarMap[str, str]
     ports: _containers.RepeatedCompositeFieldContainer[PortSpec]
     network: WorkloadSpec.NetworkMode
+    update: UpdateStrategy
     health_check: HealthCheck
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ...) -> None: ...
+
+class UpdateStrategy(_message.Message):
+    __slots__ = ("max_unavailable", "max_surge", "min_ready_seconds", "progress_deadline_seconds", "auto_rollback", "canary")
+    MAX_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SURGE_FIELD_NUMBER: _ClassVar[int]
+    MIN_READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    max_unavailable: int
+    max_surge: int
+    min_ready_seconds: int
+    progress_deadline_seconds: int
+    auto_rollback: bool
+    canary: int
+    def __init__(self, max_unavailable: _Optional[int] = ..., max_surge: _Optional[int] = ..., min_ready_seconds: _Optional[int] = ..., progress_deadline_seconds: _Optional[int] = ..., auto_rollback: _Optional[bool] = ..., canary: _Optional[int] = ...) -> None: ...
 
 class WorkloadStatus(_message.Message):
-    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy")
+    __slots__ = ("desired", "placed", "running", "unschedulable_reasons", "message", "healthy", "unschedulable_unresolvable", "updated", "ready")
     DESIRED_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     UNSCHEDULABLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    UNSCHEDULABLE_UNRESOLVABLE_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     desired: int
     placed: int
     running: int
     unschedulable_reasons: _containers.RepeatedScalarFieldContainer[str]
     message: str
     healthy: int
-    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ...) -> None: ...
+    unschedulable_unresolvable: bool
+    updated: int
+    ready: int
+    def __init__(self, desired: _Optional[int] = ..., placed: _Optional[int] = ..., running: _Optional[int] = ..., unschedulable_reasons: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., healthy: _Optional[int] = ..., unschedulable_unresolvable: _Optional[bool] = ..., updated: _Optional[int] = ..., ready: _Optional[int] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("state", "revision", "stable_revision", "rollback_of", "message", "deadline_time", "promoted")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[RolloutStatus.State]
+        PROGRESSING: _ClassVar[RolloutStatus.State]
+        PAUSED: _ClassVar[RolloutStatus.State]
+        AWAITING_PROMOTION: _ClassVar[RolloutStatus.State]
+        COMPLETE: _ClassVar[RolloutStatus.State]
+        FAILED: _ClassVar[RolloutStatus.State]
+        ROLLED_BACK: _ClassVar[RolloutStatus.State]
+    STATE_UNSPECIFIED: RolloutStatus.State
+    PROGRESSING: RolloutStatus.State
+    PAUSED: RolloutStatus.State
+    AWAITING_PROMOTION: RolloutStatus.State
+    COMPLETE: RolloutStatus.State
+    FAILED: RolloutStatus.State
+    ROLLED_BACK: RolloutStatus.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    STABLE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_OF_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    state: RolloutStatus.State
+    revision: int
+    stable_revision: int
+    rollback_of: int
+    message: str
+    deadline_time: _timestamp_pb2.Timestamp
+    promoted: bool
+    def __init__(self, state: _Optional[_Union[RolloutStatus.State, str]] = ..., revision: _Optional[int] = ..., stable_revision: _Optional[int] = ..., rollback_of: _Optional[int] = ..., message: _Optional[str] = ..., deadline_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., promoted: _Optional[bool] = ...) -> None: ...
 
 class Workload(_message.Message):
-    __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "revision")
+    __slots__ = ("spec", "status", "generation", "deleting", "created_by", "updated_by", "create_time", "update_time", "etag", "rollout", "revision")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +288,7 @@ class Workload(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     spec: WorkloadSpec
     status: WorkloadStatus
@@ -240,8 +299,9 @@ class Workload(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     etag: str
+    rollout: RolloutStatus
     revision: int
-    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "revision")
@@ -576,6 +636,60 @@ class Event(_message.Message):
     revision: int
     def __init__(self, type: _Optional[_Union[Event.Type, str]] = ..., workload: _Optional[_Union[Workload, _Mapping]] = ..., instance: _Optional[_Union[Instance, _Mapping]] = ..., node: _Optional[_Union[Node, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
+class WorkloadRevision(_message.Message):
+    __slots__ = ("revision", "spec", "create_time", "created_by", "cause")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    spec: WorkloadSpec
+    create_time: _timestamp_pb2.Timestamp
+    created_by: str
+    cause: str
+    def __init__(self, revision: _Optional[int] = ..., spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., cause: _Optional[str] = ...) -> None: ...
+
+class ListWorkloadRevisionsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListWorkloadRevisionsResponse(_message.Message):
+    __slots__ = ("revisions",)
+    REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    revisions: _containers.RepeatedCompositeFieldContainer[WorkloadRevision]
+    def __init__(self, revisions: _Optional[_Iterable[_Union[WorkloadRevision, _Mapping]]] = ...) -> None: ...
+
+class RollbackWorkloadRequest(_message.Message):
+    __slots__ = ("name", "revision", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    revision: int
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., revision: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class PauseRolloutRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ResumeRolloutRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PromoteRolloutRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
 class EventBatch(_message.Message):
     __slots__ = ("events",)
     EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -669,3 +783,45 @@ class AttachConsoleResponse(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     output: bytes
     def __init__(self, output: _Optional[bytes] = ...) -> None: ...
+
+class Activity(_message.Message):
+    __slots__ = ("type", "reason", "message", "count", "first_time", "last_time")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[Activity.Type]
+        NORMAL: _ClassVar[Activity.Type]
+        WARNING: _ClassVar[Activity.Type]
+    TYPE_UNSPECIFIED: Activity.Type
+    NORMAL: Activity.Type
+    WARNING: Activity.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_TIME_FIELD_NUMBER: _ClassVar[int]
+    type: Activity.Type
+    reason: str
+    message: str
+    count: int
+    first_time: _timestamp_pb2.Timestamp
+    last_time: _timestamp_pb2.Timestamp
+    def __init__(self, type: _Optional[_Union[Activity.Type, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., count: _Optional[int] = ..., first_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ListActivitiesRequest(_message.Message):
+    __slots__ = ("object", "page_size", "page_token")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    object: str
+    page_size: int
+    page_token: str
+    def __init__(self, object: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListActivitiesResponse(_message.Message):
+    __slots__ = ("activities", "next_page_token")
+    ACTIVITIES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    activities: _containers.RepeatedCompositeFieldContainer[Activity]
+    next_page_token: str
+    def __init__(self, activities: _Optional[_Iterable[_Union[Activity, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

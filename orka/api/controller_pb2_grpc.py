@@ -110,6 +110,36 @@ class ControllerStub:
                 request_serializer=controller__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=controller__pb2.EventBatch.FromString,
                 _registered_method=True)
+        self.ListActivities = channel.unary_unary(
+                '/orka.v1.Controller/ListActivities',
+                request_serializer=controller__pb2.ListActivitiesRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListActivitiesResponse.FromString,
+                _registered_method=True)
+        self.ListWorkloadRevisions = channel.unary_unary(
+                '/orka.v1.Controller/ListWorkloadRevisions',
+                request_serializer=controller__pb2.ListWorkloadRevisionsRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListWorkloadRevisionsResponse.FromString,
+                _registered_method=True)
+        self.RollbackWorkload = channel.unary_unary(
+                '/orka.v1.Controller/RollbackWorkload',
+                request_serializer=controller__pb2.RollbackWorkloadRequest.SerializeToString,
+                response_deserializer=controller__pb2.Workload.FromString,
+                _registered_method=True)
+        self.PauseRollout = channel.unary_unary(
+                '/orka.v1.Controller/PauseRollout',
+                request_serializer=controller__pb2.PauseRolloutRequest.SerializeToString,
+                response_deserializer=controller__pb2.Workload.FromString,
+                _registered_method=True)
+        self.ResumeRollout = channel.unary_unary(
+                '/orka.v1.Controller/ResumeRollout',
+                request_serializer=controller__pb2.ResumeRolloutRequest.SerializeToString,
+                response_deserializer=controller__pb2.Workload.FromString,
+                _registered_method=True)
+        self.PromoteRollout = channel.unary_unary(
+                '/orka.v1.Controller/PromoteRollout',
+                request_serializer=controller__pb2.PromoteRolloutRequest.SerializeToString,
+                response_deserializer=controller__pb2.Workload.FromString,
+                _registered_method=True)
         self.ReadLogs = channel.unary_stream(
                 '/orka.v1.Controller/ReadLogs',
                 request_serializer=controller__pb2.ReadLogsRequest.SerializeToString,
@@ -223,6 +253,47 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListActivities(self, request, context):
+        """---- views ----
+        The object's recent activity, newest first (see Activity). An object that exists but has
+        none answers an empty list; NOT_FOUND only for an object that does not exist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkloadRevisions(self, request, context):
+        """---- rollout ----
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackWorkload(self, request, context):
+        """A new revision with an earlier one's spec (at today's replicas), rolled out as any update.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromoteRollout(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadLogs(self, request, context):
         """---- streams ----
         An instance's stdout and stderr, from its node (admin only: output may hold secrets).
@@ -322,6 +393,36 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.WatchEventBatches,
                     request_deserializer=controller__pb2.WatchEventsRequest.FromString,
                     response_serializer=controller__pb2.EventBatch.SerializeToString,
+            ),
+            'ListActivities': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListActivities,
+                    request_deserializer=controller__pb2.ListActivitiesRequest.FromString,
+                    response_serializer=controller__pb2.ListActivitiesResponse.SerializeToString,
+            ),
+            'ListWorkloadRevisions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkloadRevisions,
+                    request_deserializer=controller__pb2.ListWorkloadRevisionsRequest.FromString,
+                    response_serializer=controller__pb2.ListWorkloadRevisionsResponse.SerializeToString,
+            ),
+            'RollbackWorkload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackWorkload,
+                    request_deserializer=controller__pb2.RollbackWorkloadRequest.FromString,
+                    response_serializer=controller__pb2.Workload.SerializeToString,
+            ),
+            'PauseRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseRollout,
+                    request_deserializer=controller__pb2.PauseRolloutRequest.FromString,
+                    response_serializer=controller__pb2.Workload.SerializeToString,
+            ),
+            'ResumeRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRollout,
+                    request_deserializer=controller__pb2.ResumeRolloutRequest.FromString,
+                    response_serializer=controller__pb2.Workload.SerializeToString,
+            ),
+            'PromoteRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteRollout,
+                    request_deserializer=controller__pb2.PromoteRolloutRequest.FromString,
+                    response_serializer=controller__pb2.Workload.SerializeToString,
             ),
             'ReadLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadLogs,
@@ -744,6 +845,168 @@ class Controller:
             '/orka.v1.Controller/WatchEventBatches',
             controller__pb2.WatchEventsRequest.SerializeToString,
             controller__pb2.EventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListActivities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListActivities',
+            controller__pb2.ListActivitiesRequest.SerializeToString,
+            controller__pb2.ListActivitiesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkloadRevisions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListWorkloadRevisions',
+            controller__pb2.ListWorkloadRevisionsRequest.SerializeToString,
+            controller__pb2.ListWorkloadRevisionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackWorkload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/RollbackWorkload',
+            controller__pb2.RollbackWorkloadRequest.SerializeToString,
+            controller__pb2.Workload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/PauseRollout',
+            controller__pb2.PauseRolloutRequest.SerializeToString,
+            controller__pb2.Workload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ResumeRollout',
+            controller__pb2.ResumeRolloutRequest.SerializeToString,
+            controller__pb2.Workload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/PromoteRollout',
+            controller__pb2.PromoteRolloutRequest.SerializeToString,
+            controller__pb2.Workload.FromString,
             options,
             channel_credentials,
             insecure,

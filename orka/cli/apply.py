@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
 
-from orka.cli.client import AdminClient
+from orka.cli.client import AdminClient, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.cli.manifest import load_manifests
-from orka.errors import Aborted, AlreadyExists, NotFound, OrkaError
-from orka.models import Workload, WorkloadSpec
-
-POLL_SECONDS = 0.5
-
+from orka.errors import Aborted, AlreadyExists, NotFound, OutOfRange
+from orka.models import Instance, InstancePhase, RestartPolicy, Workload, WorkloadSpec
 
 REREAD = "nothing was applied; re-read it (orka get workload {name}) and apply again"
 
@@ -57,37 +57,192 @@ async def apply_one(client: AdminClient, spec: WorkloadSpec, etag: str = "") -> 
     return "configured" if after.etag != current.etag else "unchanged"
 
 
-def _ready(w: Workload) -> bool:
-    return w.status.running >= w.spec.replicas and w.status.placed <= w.spec.replicas
+# Exit codes of `apply --wait` a script can rely on (orka/cli/main.py has the rest): 0 every
+# workload runs all its replicas, healthy; 1 one cannot get there (a replica FAILED under
+# restart policy NEVER, no node can ever take a replica, the workload was deleted), or any
+# other failed operation; 2 the timeout passed first. 2 is also argparse's usage error (a bad
+# flag): both mean "nothing went wrong with the workloads", and a usage error is refused
+# before anything is applied.
+EXIT_DONE = 0
+EXIT_FAILED = 1
+EXIT_TIMED_OUT = 2
 
 
-async def wait_ready(client: AdminClient, names: list[str], timeout: float) -> list[Workload]:
-    """Poll until every workload runs all its replicas; returns the ones that did not."""
-    deadline = time.monotonic() + timeout
-    pending = list(names)
-    latest: dict[str, Workload] = {}
-    while pending:
-        still: list[str] = []
-        for name in pending:
-            w = await client.get_workload(name)
-            latest[name] = w
-            if _ready(w):
-                print(f"workload/{name} ready: {w.status.running}/{w.spec.replicas} running")
-            else:
-                still.append(name)
-        pending = still
-        if not pending or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(POLL_SECONDS)
-    return [latest[n] for n in pending]
+@dataclass
+class Progress:
+    """One workload as `apply --wait` follows it: its record, and its current instances."""
+
+    workload: Workload
+    instances: dict[str, Instance] = field(default_factory=dict)
+    revisions: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+    deleted: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.workload.name
+
+    def line(self) -> str:
+        w, st = self.workload, self.workload.status
+        text = (
+            f"workload/{self.name}: desired {w.spec.replicas}, placed {st.placed},"
+            f" running {st.running}, healthy {st.healthy}"
+        )
+        failure = self.failure()
+        if failure:
+            return f"{text}: failed: {failure}"
+        if self.ready():
+            return f"{text}: ready"
+        if st.unschedulable_reasons:
+            text += f" (unschedulable: {st.unschedulable_reasons[0]})"
+        return text
+
+    def ready(self) -> bool:
+        w, st = self.workload, self.workload.status
+        want = w.spec.replicas
+        return (
+            not self.deleted
+            and st.running >= want
+            and st.healthy >= want
+            and st.placed <= want
+            and not w.deleting
+        )
+
+    def failure(self) -> str:
+        """Why this workload cannot get ready without someone changing it; "" if it can."""
+        w = self.workload
+        if self.deleted or w.deleting:
+            return "the workload was deleted"
+        if w.spec.restart_policy is RestartPolicy.NEVER:
+            for i in sorted(self.instances.values(), key=lambda i: i.name):
+                if (
+                    i.phase is InstancePhase.FAILED
+                    and i.generation == w.generation
+                    and not i.desired_stop
+                ):
+                    code = "" if i.exit_code is None else f" with exit code {i.exit_code}"
+                    return f"instance {i.name} failed{code} and restart policy is NEVER"
+        if w.status.unschedulable_unresolvable:
+            why = "; ".join(w.status.unschedulable_reasons) or "no node can take it"
+            return f"no node can ever take a replica as specified: {why}"
+        return ""
 
 
-def _not_ready_message(items: list[Workload], timeout: float) -> str:
-    lines = [f"timed out after {timeout:g}s waiting for:"]
-    for w in items:
+class ProgressView:
+    """Progress lines: on a terminal redrawn in place (one line per workload), piped one
+    plain line each time a workload's line changes (so a log reads as a history)."""
+
+    def __init__(self, out: TextIO, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self.shown: dict[str, str] = {}
+        self._drawn = 0
+
+    def show(self, items: list[Progress]) -> None:
+        lines = {p.name: p.line() for p in items}
+        if lines == self.shown:
+            return
+        if self.tty:
+            # Up to the first line drawn, then each line rewritten and cleared to its end.
+            up = f"\x1b[{self._drawn}F" if self._drawn else ""
+            body = "".join(f"\x1b[2K{text}\n" for text in lines.values())
+            self.out.write(up + body)
+            self._drawn = len(lines)
+        else:
+            for name, text in lines.items():
+                if self.shown.get(name) != text:
+                    self.out.write(text + "\n")
+        self.out.flush()
+        self.shown = lines
+
+
+async def _list(client: AdminClient, names: list[str]) -> tuple[dict[str, Progress], int]:
+    """The workloads and their instances, and the revision to watch from (the lowest of the
+    listings': events a later listing already holds are skipped by revision)."""
+    listed, since = await client.list_at("workloads")
+    by_name = {o.name: (r, o) for r, o in listed if isinstance(o, Workload)}
+    out: dict[str, Progress] = {}
+    for name in names:
+        if name not in by_name:
+            raise NotFound(f"workload/{name} not found (deleted meanwhile?)")
+        r, w = by_name[name]
+        p = out[name] = Progress(w, revision=r)
+        insts, rev = await client.list_at("instances", workload=name)
+        since = min(since, rev)
+        for ri, i in insts:
+            assert isinstance(i, Instance)
+            p.instances[i.name], p.revisions[i.name] = i, ri
+    return out, since
+
+
+def _apply_change(items: dict[str, Progress], change: WatchedChange) -> bool:
+    """Apply one watched change; True when it changed what is followed."""
+    obj = change.obj
+    if isinstance(obj, Workload):
+        p = items.get(obj.name)
+        if p is None or p.revision >= change.revision:
+            return False
+        p.revision = change.revision
+        if change.type == "DELETED":
+            p.deleted = True
+        else:
+            p.workload = obj
+        return True
+    if isinstance(obj, Instance):
+        p = items.get(obj.workload)
+        if p is None or p.revisions.get(obj.name, 0) >= change.revision:
+            return False
+        p.revisions[obj.name] = change.revision
+        if change.type == "DELETED":
+            p.instances.pop(obj.name, None)
+        else:
+            p.instances[obj.name] = obj
+        return True
+    return False
+
+
+def _verdict(items: dict[str, Progress], view: ProgressView) -> int | None:
+    view.show(list(items.values()))
+    if any(p.failure() for p in items.values()):
+        return EXIT_FAILED
+    if all(p.ready() for p in items.values()):
+        return EXIT_DONE
+    return None
+
+
+async def follow(
+    client: AdminClient, names: list[str], view: ProgressView
+) -> tuple[int, list[Progress]]:
+    """Follow the workloads (list, then watch from the list's revision) until every one is
+    ready (EXIT_DONE) or one cannot get there (EXIT_FAILED). No timeout here: the caller's.
+    One stream for the whole wait; listed again only when it ends or falls too far behind."""
+    watch_one = names[0] if len(names) == 1 else ""
+    while True:
+        items, since = await _list(client, names)
+        code = _verdict(items, view)
+        if code is not None:
+            return code, list(items.values())
+        try:
+            async with contextlib.aclosing(client.watch(since, workload=watch_one)) as changes:
+                async for change in changes:
+                    if _apply_change(items, change):
+                        code = _verdict(items, view)
+                        if code is not None:
+                            return code, list(items.values())
+        except OutOfRange:
+            pass  # fell too far behind: list again
+        # Else the stream ended (a new leader): list again too.
+
+
+def _not_ready_message(items: list[Progress], timeout: float) -> str:
+    lines = [f"error: timed out after {timeout:g}s waiting for:"]
+    for p in items:
+        if p.ready():
+            continue
+        w = p.workload
         lines.append(
             f"  workload/{w.name}: {w.status.running}/{w.spec.replicas} running, "
-            f"{w.status.placed} placed"
+            f"{w.status.placed} placed, {w.status.healthy} healthy"
         )
         for reason in w.status.unschedulable_reasons:
             lines.append(f"    unschedulable: {reason}")
@@ -102,13 +257,28 @@ async def _apply(args: argparse.Namespace, specs: list[WorkloadSpec]) -> int:
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
         for spec in specs:
             verb = await apply_one(client, spec, etag=args.etag)
-            print(f"workload/{spec.name} {verb}")
+            print(f"workload/{spec.name} {verb}", flush=True)
         if not args.wait:
-            return 0
-        missing = await wait_ready(client, [s.name for s in specs], args.timeout)
-    if missing:
-        raise OrkaError(_not_ready_message(missing, args.timeout))
-    return 0
+            return EXIT_DONE
+        view = ProgressView(sys.stdout, sys.stdout.isatty())
+        names = [s.name for s in specs]
+        try:
+            async with asyncio.timeout(args.timeout):
+                code, items = await follow(client, names, view)
+        except TimeoutError:
+            items = list((await _list(client, names))[0].values())
+            print(_not_ready_message(items, args.timeout), file=sys.stderr)
+            return EXIT_TIMED_OUT
+    if code == EXIT_FAILED:
+        for p in items:
+            if p.failure():
+                print(f"error: workload/{p.name}: {p.failure()}", file=sys.stderr)
+        print("(see `orka describe workload NAME`)", file=sys.stderr)
+        return EXIT_FAILED
+    for p in items:
+        st = p.workload.status
+        print(f"workload/{p.name} ready: {st.running}/{p.workload.spec.replicas} running")
+    return EXIT_DONE
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -126,7 +296,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("apply", help="create or update workloads from a YAML manifest")
     add_flag(p, "--file", "-f", metavar="FILE", help="YAML manifest, - for stdin")
-    add_flag(p, "--wait", action="store_true", help="wait until every replica runs")
+    add_flag(
+        p,
+        "--wait",
+        action="store_true",
+        help="follow progress until every replica runs healthy: exit 0 done, 1 failed, 2 timed out",
+    )
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait (120)")
     # Not from the environment: an etag belongs to one object as read at one time.
     p.add_argument(

@@ -10,26 +10,83 @@ here reads it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
 import grpc
+from pydantic import BaseModel
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.errors import Invalid, NotLeader, OrkaError, Unavailable
-from orka.models import Endpoint, Instance, InstancePhase, Node, Workload, WorkloadSpec
+from orka.errors import Invalid, NotLeader, OrkaError, Unavailable, from_rpc_error
+from orka.models import (
+    Endpoint,
+    Instance,
+    InstancePhase,
+    Node,
+    Revision,
+    Workload,
+    WorkloadSpec,
+)
 from orka.rpc import convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.pages import list_all
 from orka.security.tls import TlsFiles
 
 Req = TypeVar("Req")
+Change = Workload | Instance | Node
 Resp = TypeVar("Resp")
 
 RPC_TIMEOUT = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class WatchedChange:
+    """One event of WatchEvents as domain types: `type` is ADDED, MODIFIED or DELETED, `kind`
+    workload, instance or node, `obj` the object as written (its last state for DELETED)."""
+
+    type: str
+    kind: str
+    obj: Change
+    revision: int
+
+
+def change_from_pb(ev: pb.Event) -> WatchedChange | None:
+    kind = ev.WhichOneof("object")
+    if kind is None:
+        return None  # a kind this client does not know yet
+    msg = getattr(ev, kind)
+    convert_one: Callable[..., Change] = {
+        "workload": convert.workload_from_pb,
+        "instance": convert.instance_from_pb,
+        "node": convert.node_from_pb,
+    }[kind]
+    return WatchedChange(pb.Event.Type.Name(ev.type), kind, convert_one(msg), ev.revision)
+
+
+class Activity(BaseModel):
+    """One entry of an object's recent activity (ListActivities), as `orka describe` shows it."""
+
+    type: str
+    reason: str
+    message: str
+    count: int = 1
+    first_at: float | None = None
+    last_at: float | None = None
+
+
+def activity_from_pb(msg: pb.Activity) -> Activity:
+    return Activity(
+        type=pb.Activity.Type.Name(msg.type).title(),
+        reason=msg.reason,
+        message=msg.message,
+        count=msg.count,
+        first_at=convert.seconds_from_pb(msg.first_time),
+        last_at=convert.seconds_from_pb(msg.last_time),
+    )
 
 
 def admin_tls(certs: Path) -> TlsFiles:
@@ -186,6 +243,55 @@ class AdminClient:
         items, _ = await list_all(page, request, field)
         return items
 
+    async def list_at(
+        self, kind: str, workload: str = "", node: str = "", phase: InstancePhase | None = None
+    ) -> tuple[list[tuple[int, Change]], int]:
+        """Every object of `kind` (workloads, instances, nodes) with its revision, and the
+        revision to watch from (the first page's, see proto/controller.proto)."""
+
+        async def page(req: Req) -> object:
+            return await self._call(rpc, req)
+
+        if kind == "workloads":
+            rpc, req, field, conv = (
+                "ListWorkloads",
+                pb.ListWorkloadsRequest(),
+                "workloads",
+                convert.workload_from_pb,
+            )
+        elif kind == "instances":
+            req = pb.ListInstancesRequest(workload=workload, node=node)
+            if phase is not None:
+                req.phase = convert.phase_to_pb(phase)
+            rpc, field, conv = "ListInstances", "instances", convert.instance_from_pb
+        else:
+            req = pb.ListNodesRequest()
+            rpc, field, conv = "ListNodes", "nodes", convert.node_from_pb
+        items, revision = await list_all(page, req, field)
+        return [(m.revision, conv(m)) for m in items], revision
+
+    async def list_activities(self, kind: str, name: str) -> list[Activity]:
+        """The object's recent activity, newest first; `kind` workload, instance or node."""
+        req = pb.ListActivitiesRequest(object=f"{kind}/{name}")
+        items = await self._list("ListActivities", req, "activities")
+        return [activity_from_pb(a) for a in items]  # type: ignore[arg-type]
+
+    async def watch(self, since_revision: int, workload: str = "") -> AsyncIterator[WatchedChange]:
+        """WatchEvents from `since_revision` (0: from now), as domain types; runs until the
+        stream ends. A failure raises the OrkaError the server sent (OutOfRange: list again)."""
+        stream = self.stub.WatchEvents(
+            pb.WatchEventsRequest(workload=workload, since_revision=since_revision)
+        )
+        try:
+            async for ev in stream:
+                change = change_from_pb(ev)
+                if change is not None:
+                    yield change
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            stream.cancel()
+
     async def list_workloads(self) -> list[Workload]:
         items = await self._list("ListWorkloads", pb.ListWorkloadsRequest(), "workloads")
         return [convert.workload_from_pb(w) for w in items]  # type: ignore[arg-type]
@@ -230,3 +336,18 @@ class AdminClient:
     async def drain(self, name: str, etag: str = "") -> Node:
         req = pb.DrainNodeRequest(name=name, etag=etag)
         return convert.node_from_pb(await self._call("DrainNode", req))
+
+    # ---- rollout ----
+
+    async def list_revisions(self, name: str) -> list[Revision]:
+        resp = await self._call("ListWorkloadRevisions", pb.ListWorkloadRevisionsRequest(name=name))
+        return [convert.revision_from_pb(r) for r in resp.revisions]
+
+    async def rollback(self, name: str, revision: int = 0, etag: str = "") -> Workload:
+        req = pb.RollbackWorkloadRequest(name=name, revision=revision, etag=etag)
+        return convert.workload_from_pb(await self._call("RollbackWorkload", req))
+
+    async def rollout_action(self, action: str, name: str) -> Workload:
+        """`action`: Pause, Resume or Promote."""
+        req = getattr(pb, f"{action}RolloutRequest")(name=name)
+        return convert.workload_from_pb(await self._call(f"{action}Rollout", req))

@@ -1,6 +1,10 @@
 """The `orka` command: parse, dispatch to one command module, turn errors into exit codes.
 
-Exit codes: 0 success, 1 a failed operation (`error: ...` on stderr), 2 a usage error.
+Exit codes: 0 success, 1 a failed operation (`error: ...` on stderr), 2 a usage error,
+130 interrupted (Ctrl-C, e.g. ending `orka get -w`). `orka apply --wait` also exits 2 when its
+`--timeout` passes first and 1 when a workload cannot get ready (orka/cli/apply.py): 2 is kept
+for usage errors too (argparse's convention, and a usage error applies nothing), so to a script
+2 means "nothing failed; not done".
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, console, health, logs, resources, services, top, up
+from orka.cli import apply, certs, console, health, logs, resources, rollout, services, top, up
 from orka.cli import exec as exec_cmd
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
@@ -86,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     apply.register(sub)
     resources.register(sub)
     health.register(sub)
+    rollout.register(sub)
     top.register(sub)
     logs.register(sub)
     exec_cmd.register(sub)

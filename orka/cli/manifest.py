@@ -20,6 +20,7 @@ from orka.models import (
     HttpCheck,
     PortSpec,
     TcpCheck,
+    UpdateStrategy,
     VmSpec,
     WorkloadKind,
     WorkloadSpec,
@@ -135,6 +136,51 @@ def _kind(value: Any, where: str) -> str:
     return value.strip().upper()
 
 
+def _percent(value: Any, replicas: Any, up: bool, where: str) -> Any:
+    """`25%` of the replicas, rounded up for max_surge and down for max_unavailable, as
+    Kubernetes does; anything else is left for the model to name."""
+    if not isinstance(value, str) or not value.strip().endswith("%"):
+        return value
+    text = value.strip()[:-1]
+    if not text.isdigit() or int(text) > 100:
+        raise Invalid(f"{where}: {value!r} is not a percentage from 0% to 100%")
+    count = replicas if isinstance(replicas, int) and not isinstance(replicas, bool) else 1
+    share = int(text) * count
+    return -(-share // 100) if up else share // 100
+
+
+def _seconds(value: Any, where: str) -> Any:
+    """Whole seconds as a number, or a duration (`30s`, `10m`)."""
+    if isinstance(value, str):
+        seconds = parse_duration(value, where)
+        if seconds != int(seconds):
+            raise Invalid(f"{where}: must be whole seconds, got {value!r}")
+        return int(seconds)
+    return value
+
+
+def _update(value: Any, replicas: Any, where: str) -> Any:
+    """The `update:` mapping: keys in either case; max_surge / max_unavailable as counts or
+    percentages of the replicas; min_ready_seconds / progress_deadline_seconds as seconds or
+    durations."""
+    if not isinstance(value, dict):
+        return value
+    data = _normalise_keys(value, set(UpdateStrategy.model_fields), f"{where}: update")
+    for key, up in (("max_surge", True), ("max_unavailable", False)):
+        if key in data:
+            data[key] = _percent(data[key], replicas, up, f"{where}: update.{key}")
+    if (
+        data.get("max_surge") == 0
+        and data.get("max_unavailable") == 0
+        and any(isinstance(value.get(k), str) for k in value)
+    ):
+        data["max_surge"] = 1  # both percentages rounded to 0: Kubernetes keeps one moving
+    for key in ("min_ready_seconds", "progress_deadline_seconds"):
+        if key in data:
+            data[key] = _seconds(data[key], f"{where}: update.{key}")
+    return data
+
+
 def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
     """One flat workload mapping (camelCase or snake_case keys) to a validated spec."""
     data = _normalise_keys(doc, _SPEC_KEYS, where)
@@ -162,6 +208,8 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
         data["network"] = data["network"].strip().lower()
     if isinstance(data.get("ports"), list):
         data["ports"] = [_port(p, f"{where}: ports[{i}]") for i, p in enumerate(data["ports"])]
+    if "update" in data:
+        data["update"] = _update(data["update"], data.get("replicas", 1), where)
     if "health_check" in data:
         data["health_check"] = _health_check(data["health_check"], f"{where}: health_check")
     try:

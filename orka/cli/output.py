@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import yaml
 from pydantic import BaseModel
 
+from orka.cli.client import Activity
 from orka.cli.units import format_cpu, format_duration, format_memory
 from orka.etags import node_etag
 from orka.models import (
@@ -80,6 +81,8 @@ _TIME_FIELDS = {
     "last_heartbeat": "last_heartbeat_time",
     "joined_at": "join_time",
     "health_changed_at": "health_time",
+    "first_at": "first_time",
+    "last_at": "last_time",
 }
 # A health check's spans, shown as the API's Durations (`10s`) as the grace period is.
 _CHECK_SPANS = ("interval", "timeout", "initial_delay")
@@ -115,6 +118,8 @@ def _plain(model: BaseModel) -> object:
     if isinstance(model, Node):
         # Derived, not stored (orka/etags.py); shown so that `--etag` can be given it.
         plain["etag"] = node_etag(model)
+    if isinstance(model, Workload):
+        plain.pop("revisions", None)  # not on the wire: `orka rollout history` lists them
     return _api_shape(plain)
 
 
@@ -125,20 +130,23 @@ def dump(data: BaseModel | Sequence[BaseModel], fmt: str) -> str:
     return yaml.safe_dump(plain, sort_keys=False, default_flow_style=False).rstrip("\n")
 
 
+WORKLOAD_HEADERS = ("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "HEALTHY", "AGE")
+
+
+def workload_row(w: Workload, now: float | None = None) -> tuple[object, ...]:
+    return (
+        w.name + (" (deleting)" if w.deleting else ""),
+        w.spec.kind.value,
+        w.spec.replicas,
+        w.status.placed,
+        w.status.running,
+        w.status.healthy,
+        age(w.created_at, now),
+    )
+
+
 def workloads_table(items: Sequence[Workload], now: float | None = None) -> str:
-    rows = [
-        (
-            w.name + (" (deleting)" if w.deleting else ""),
-            w.spec.kind.value,
-            w.spec.replicas,
-            w.status.placed,
-            w.status.running,
-            w.status.healthy,
-            age(w.created_at, now),
-        )
-        for w in items
-    ]
-    return table(("NAME", "KIND", "DESIRED", "PLACED", "RUNNING", "HEALTHY", "AGE"), rows)
+    return table(WORKLOAD_HEADERS, [workload_row(w, now) for w in items])
 
 
 def port_text(b: PortBinding) -> str:
@@ -152,37 +160,37 @@ def ports_text(ports: Sequence[PortBinding]) -> str:
     return ",".join(port_text(b) for b in ports) or NONE
 
 
-def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
-    rows = [
-        (
-            i.name,
-            i.workload,
-            i.node or NONE,
-            i.phase.value,
-            i.address or NONE,
-            ports_text(i.ports),
-            i.health.value,
-            i.restarts,
-            age(i.created_at, now),
-            _one_line(i.message or i.reason),
-        )
-        for i in items
-    ]
-    return table(
-        (
-            "NAME",
-            "WORKLOAD",
-            "NODE",
-            "PHASE",
-            "ADDRESS",
-            "PORTS",
-            "HEALTH",
-            "RESTARTS",
-            "AGE",
-            "MESSAGE",
-        ),
-        rows,
+INSTANCE_HEADERS = (
+    "NAME",
+    "WORKLOAD",
+    "NODE",
+    "PHASE",
+    "ADDRESS",
+    "PORTS",
+    "HEALTH",
+    "RESTARTS",
+    "AGE",
+    "MESSAGE",
+)
+
+
+def instance_row(i: Instance, now: float | None = None) -> tuple[object, ...]:
+    return (
+        i.name,
+        i.workload,
+        i.node or NONE,
+        i.phase.value,
+        i.address or NONE,
+        ports_text(i.ports),
+        i.health.value,
+        i.restarts,
+        age(i.created_at, now),
+        _one_line(i.message or i.reason),
     )
+
+
+def instances_table(items: Sequence[Instance], now: float | None = None) -> str:
+    return table(INSTANCE_HEADERS, [instance_row(i, now) for i in items])
 
 
 def endpoints_table(items: Sequence[Endpoint]) -> str:
@@ -201,21 +209,82 @@ def schedulable(n: Node) -> str:
     return "true" if n.schedulable else "false (cordoned)"
 
 
+NODE_HEADERS = ("NAME", "STATE", "SCHEDULABLE", "CPU", "MEMORY", "INSTANCES", "DRIVERS")
+
+
+def node_row(n: Node, now: float | None = None) -> tuple[object, ...]:
+    return (
+        n.name,
+        n.state.value,
+        schedulable(n),
+        f"{format_cpu(n.allocated.cpu_millis)}/{format_cpu(n.allocatable.cpu_millis)}",
+        f"{format_memory(n.allocated.memory_bytes)}/{format_memory(n.allocatable.memory_bytes)}",
+        n.instance_count,
+        ",".join(n.drivers) or NONE,
+    )
+
+
 def nodes_table(items: Sequence[Node]) -> str:
-    rows = [
-        (
-            n.name,
-            n.state.value,
-            schedulable(n),
-            f"{format_cpu(n.allocated.cpu_millis)}/{format_cpu(n.allocatable.cpu_millis)}",
-            f"{format_memory(n.allocated.memory_bytes)}/"
-            f"{format_memory(n.allocatable.memory_bytes)}",
-            n.instance_count,
-            ",".join(n.drivers) or NONE,
-        )
-        for n in items
-    ]
-    return table(("NAME", "STATE", "SCHEDULABLE", "CPU", "MEMORY", "INSTANCES", "DRIVERS"), rows)
+    return table(NODE_HEADERS, [node_row(n) for n in items])
+
+
+# ---- get -w: the list as a table, then one row (or document) per change ----
+
+_WATCHED = {
+    "workloads": (WORKLOAD_HEADERS, workload_row),
+    "instances": (INSTANCE_HEADERS, instance_row),
+    "nodes": (NODE_HEADERS, node_row),
+}
+
+
+class WatchPrinter:
+    """What `orka get KIND -w` prints, like `kubectl get -w`: the listed objects as a table,
+    then each change as one more row aligned to that table's columns, without repeating the
+    header (json/yaml: one document per change, yaml documents separated by `---`).
+
+    `events` (`--output-watch-events`) adds an EVENT column (ADDED, MODIFIED, DELETED; a
+    listed object is ADDED) and wraps each json/yaml document as {type, object}, so that a
+    deletion can be told from a change.
+    """
+
+    def __init__(self, kind: str, fmt: str, events: bool = False) -> None:
+        self.headers, self._row = _WATCHED[kind]
+        if events:
+            self.headers = ("EVENT", *self.headers)
+        self.fmt = fmt
+        self.events = events
+        self.widths: list[int] = [len(h) for h in self.headers]
+        self.documents = 0
+
+    def _cells(self, obj: BaseModel, type_: str, now: float | None) -> list[str]:
+        row = self._row(obj, now)  # type: ignore[arg-type]
+        return [str(c) for c in ((type_, *row) if self.events else row)]
+
+    def listed(self, items: Sequence[BaseModel], now: float | None = None) -> str:
+        """The first print: a table with its header (kept even when empty, so that the rows
+        that follow have one), or the documents."""
+        if self.fmt != "table":
+            return "\n".join(self.change(obj, "ADDED") for obj in items)
+        rows = [self._cells(obj, "ADDED", now) for obj in items]
+        for row in rows:
+            self.widths = [max(w, len(c)) for w, c in zip(self.widths, row, strict=True)]
+        return "\n".join(self._line(r) for r in [list(self.headers), *rows])
+
+    def change(self, obj: BaseModel, type_: str, now: float | None = None) -> str:
+        if self.fmt == "table":
+            return self._line(self._cells(obj, type_, now))
+        doc: object = _plain(obj)
+        if self.events:
+            doc = {"type": type_, "object": doc}
+        if self.fmt == "json":
+            return json.dumps(doc, indent=2)
+        text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")
+        self.documents += 1
+        return text if self.documents == 1 else "---\n" + text
+
+    def _line(self, cells: Sequence[str]) -> str:
+        # A wider cell than the first table had just pushes its row out, as kubectl's does.
+        return _GAP.join(c.ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
 
 
 def _one_line(text: str, limit: int = 80) -> str:
@@ -364,3 +433,34 @@ def _section(title: str, body: str) -> str:
     if not body:
         return f"{title}:  {NONE}"
     return f"{title}:\n{indent(body)}"
+
+
+# ---- describe: the object's recent activity (kubectl describe's "Events:") ----
+
+
+def activity_age(a: Activity, now: float | None = None) -> str:
+    """'12s', or like kubectl for a repeat: '12s (x3 over 2m)'."""
+    last = age(a.last_at, now)
+    if a.count <= 1:
+        return last
+    return f"{last} (x{a.count} over {age(a.first_at, now)})"
+
+
+def activity_section(items: Sequence[Activity], now: float | None = None) -> str:
+    """Oldest first, as kubectl lists events; `items` come newest first from the API."""
+    rows = [
+        (activity_age(a, now), a.type, a.reason, _one_line(a.message, 200)) for a in reversed(items)
+    ]
+    body = table(("AGE", "TYPE", "REASON", "MESSAGE"), rows) if rows else ""
+    return _section("Activity", body)
+
+
+def describe_document(obj: BaseModel, activities: Sequence[Activity], fmt: str) -> str:
+    """`orka describe -o json|yaml`: the object as `get` shows it, plus `activities` (newest
+    first, as ListActivities answers)."""
+    doc = _plain(obj)
+    assert isinstance(doc, dict)
+    doc["activities"] = [_plain(a) for a in activities]
+    if fmt == "json":
+        return json.dumps(doc, indent=2)
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False).rstrip("\n")

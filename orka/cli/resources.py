@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import sys
 import time
 
 from orka.cli import output
-from orka.cli.client import AdminClient
+from orka.cli.client import AdminClient, Change, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
-from orka.errors import Aborted, NotFound, OrkaError
-from orka.models import InstancePhase
+from orka.errors import Aborted, NotFound, OrkaError, OutOfRange
+from orka.models import Instance, InstancePhase
 
 # Every accepted spelling -> the canonical resource.
 ALIASES: dict[str, str] = {
@@ -78,12 +80,131 @@ async def _get(args: argparse.Namespace) -> str:
         return output.dump(nodes, fmt) if fmt != "table" else output.nodes_table(nodes)
 
 
+# ---- get -w ----
+
+
+def _wanted(args: argparse.Namespace, kind: str, phase: InstancePhase | None, obj: Change) -> bool:
+    """Whether a watched object is one `get` would list with these filters."""
+    if args.name and obj.name != args.name:
+        return False
+    if kind == "instances" and isinstance(obj, Instance):
+        return (
+            (not args.workload or obj.workload == args.workload)
+            and (not args.node or obj.node == args.node)
+            and (phase is None or obj.phase is phase)
+        )
+    return True
+
+
+def _emit(text: str) -> None:
+    # Flushed per change: a pipe would otherwise hold the rows back until 4 KiB piled up.
+    print(text, flush=True)
+
+
+async def _watch(args: argparse.Namespace) -> None:
+    """List, print, then WatchEvents from the list's revision, printing each change once.
+
+    Each object's revision is kept, and an event applies only when it is newer than the copy
+    held (the rule of proto/controller.proto), so an event a later page already showed is not
+    printed twice. A revision the controller no longer holds (OutOfRange, "list again") lists
+    again and goes on from the new list's revision; objects that changed meanwhile are printed
+    again, those that were deleted meanwhile are printed as deleted.
+    """
+    kind = resource_kind(args.resource)
+    phase = _phase(args.phase)
+    printer = output.WatchPrinter(kind, args.output, events=args.output_watch_events)
+    # Server side, the watch narrows to one workload when `get` does.
+    workload = args.workload if kind == "instances" else ""
+    if kind == "workloads" and args.name:
+        workload = args.name
+    held: dict[str, tuple[int, Change]] = {}
+    first = True
+    async with _client(args) as c:
+        while True:
+            items, revision = await c.list_at(
+                kind, workload=args.workload or "", node=args.node or "", phase=phase
+            )
+            items = sorted(
+                ((r, o) for r, o in items if _wanted(args, kind, phase, o)),
+                key=lambda ro: _sort_key(ro[1]),
+            )
+            if first:
+                text = printer.listed([o for _, o in items])
+                if text:  # json/yaml of an empty listing: nothing, not an empty line
+                    _emit(text)
+                first = False
+            else:
+                _relisted(printer, held, items)
+            held = {o.name: (r, o) for r, o in items}
+            try:
+                async with contextlib.aclosing(c.watch(revision, workload=workload)) as changes:
+                    async for change in changes:
+                        _apply(args, kind, phase, printer, held, change)
+            except OutOfRange:
+                continue  # list again, watch from there
+            # The stream ended without an error (the controller stopping): watch again.
+
+
+def _sort_key(obj: Change) -> tuple[str, str]:
+    return (obj.workload, obj.name) if isinstance(obj, Instance) else ("", obj.name)
+
+
+def _apply(
+    args: argparse.Namespace,
+    kind: str,
+    phase: InstancePhase | None,
+    printer: output.WatchPrinter,
+    held: dict[str, tuple[int, Change]],
+    change: WatchedChange,
+) -> None:
+    if change.kind + "s" != kind:
+        return
+    obj = change.obj
+    have = held.get(obj.name)
+    if have is not None and have[0] >= change.revision:
+        return  # a later page of the list already showed it
+    if change.type == "DELETED" or not _wanted(args, kind, phase, obj):
+        # An object that left the filter (an instance no longer in --phase) is gone from
+        # the listing, as kubectl's field selectors report it.
+        if held.pop(obj.name, None) is not None:
+            _emit(printer.change(obj, "DELETED"))
+        return
+    held[obj.name] = (change.revision, obj)
+    _emit(printer.change(obj, "ADDED" if have is None else change.type))
+
+
+def _relisted(
+    printer: output.WatchPrinter,
+    held: dict[str, tuple[int, Change]],
+    items: list[tuple[int, Change]],
+) -> None:
+    fresh = {o.name for _, o in items}
+    for name, (_, old) in held.items():
+        if name not in fresh:
+            _emit(printer.change(old, "DELETED"))
+    for r, o in items:
+        have = held.get(o.name)
+        if have is None or have[0] < r:
+            _emit(printer.change(o, "ADDED" if have is None else "MODIFIED"))
+
+
 def cmd_get(args: argparse.Namespace) -> int:
     # Usage errors before any connection attempt.
+    if args.watch and resource_kind(args.resource) == "endpoints":
+        raise UsageError("get -w: endpoints cannot be watched; watch instances --workload W")
     if resource_kind(args.resource) == "endpoints" and not args.name:
         raise UsageError("get endpoints: name the workload (orka get endpoints WORKLOAD)")
     if args.output not in output.FORMATS:
         raise UsageError(f"-o/--output: {args.output!r} is not one of {', '.join(output.FORMATS)}")
+    if args.output_watch_events and not args.watch:
+        raise UsageError("--output-watch-events: only with -w/--watch")
+    if args.watch:
+        try:
+            asyncio.run(_watch(args))
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            raise
+        return 0
     text = asyncio.run(_get(args))
     if args.output == "table" and text.count("\n") == 0:
         # Only the header row: say so, like kubectl, instead of printing a bare header.
@@ -98,21 +219,35 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 async def _describe(args: argparse.Namespace) -> str:
     kind = resource_kind(args.resource)
+    fmt = args.output
     async with _client(args) as c:
+        obj: Change
         if kind == "workloads":
-            w = await c.get_workload(args.name)
-            insts = sorted(await c.list_instances(workload=args.name), key=lambda i: i.name)
-            return output.describe_workload(w, insts)
-        if kind == "instances":
-            return output.describe_instance(await c.get_instance(args.name))
-        n = await c.get_node(args.name)
-        insts = sorted(await c.list_instances(node=args.name), key=lambda i: i.name)
-        return output.describe_node(n, insts)
+            obj = await c.get_workload(args.name)
+        elif kind == "instances":
+            obj = await c.get_instance(args.name)
+        else:
+            obj = await c.get_node(args.name)
+        activities = await c.list_activities(kind.removesuffix("s"), args.name)
+        if fmt != "table":
+            return output.describe_document(obj, activities, fmt)
+        if isinstance(obj, Instance):
+            text = output.describe_instance(obj)
+        else:
+            kw = {"workload": args.name} if kind == "workloads" else {"node": args.name}
+            insts = sorted(await c.list_instances(**kw), key=lambda i: i.name)
+            if kind == "workloads":
+                text = output.describe_workload(obj, insts)  # type: ignore[arg-type]
+            else:
+                text = output.describe_node(obj, insts)  # type: ignore[arg-type]
+        return text + "\n" + output.activity_section(activities)
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
     if resource_kind(args.resource) == "endpoints":
         raise UsageError("describe: endpoints are listed, not described (orka get endpoints W)")
+    if args.output not in output.FORMATS:
+        raise UsageError(f"-o/--output: {args.output!r} is not one of {', '.join(output.FORMATS)}")
     print(asyncio.run(_describe(args)))
     return 0
 
@@ -193,12 +328,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--workload", metavar="W", help="instances of this workload only")
     add_flag(p, "--node", metavar="N", help="instances on this node only")
     add_flag(p, "--phase", metavar="PHASE", help="instances in this phase only")
+    # Not from the environment: a watch that never ends must be asked for each time.
+    p.add_argument(
+        "--watch",
+        "-w",
+        action="store_true",
+        help="after listing, print each change as it happens, until Ctrl-C",
+    )
+    p.add_argument(
+        "--output-watch-events",
+        action="store_true",
+        help="with -w: an EVENT column (ADDED, MODIFIED, DELETED); json/yaml: {type, object}",
+    )
     add_client_flags(p)
     p.set_defaults(func=cmd_get)
 
     p = sub.add_parser("describe", help="show one workload, instance or node in detail")
     p.add_argument("resource", metavar="workload|instance|node")
     p.add_argument("name")
+    add_flag(
+        p,
+        "--output",
+        "-o",
+        default="table",
+        metavar="FORMAT",
+        help="table (text), json or yaml (the object with its recent activity)",
+    )
     add_client_flags(p)
     p.set_defaults(func=cmd_describe)
 

@@ -14,7 +14,9 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging, streams
+from orka.controller import paging, rollout, rollout_api, streams
+from orka.controller.activity import ActivityLog
+from orka.controller.activity_rpc import list_activities
 from orka.controller.events import EventHub
 from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
@@ -110,6 +112,12 @@ def _name(value: str, field: str = "name") -> str:
     DrainNode=(unary(roles=ADMIN), leader_only),
     WatchEvents=stream(roles=READERS),
     WatchEventBatches=stream(roles=READERS),
+    ListActivities=(unary(roles=READERS), leader_only),
+    ListWorkloadRevisions=(unary(roles=READERS), leader_only),
+    RollbackWorkload=(unary(roles=ADMIN), leader_only),
+    PauseRollout=(unary(roles=ADMIN), leader_only),
+    ResumeRollout=(unary(roles=ADMIN), leader_only),
+    PromoteRollout=(unary(roles=ADMIN), leader_only),
     ReadLogs=stream(roles=ADMIN),
     ExecInstance=stream(roles=ADMIN),
     AttachConsole=stream(roles=ADMIN),
@@ -117,6 +125,8 @@ def _name(value: str, field: str = "name") -> str:
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
     auditor: Auditor | None = None
+    # Recent activity per object (orka/controller/activity.py); set by the controller.
+    activity: ActivityLog = ActivityLog()
 
     def __init__(
         self,
@@ -138,6 +148,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # Each workload's current spec and its serialized size (quota checks sum them all):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    # The rollout RPCs (orka/controller/rollout_api.py).
+    ListWorkloadRevisions = rollout_api.list_revisions
+    RollbackWorkload = rollout_api.rollback
+    PauseRollout = rollout_api.pause
+    ResumeRollout = rollout_api.resume
+    PromoteRollout = rollout_api.promote
 
     # The RPCs that reach into instances through their agents (orka/controller/streams.py).
 
@@ -208,7 +225,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = keep_redacted(None, convert.spec_from_pb(request.spec))
-        workload = Workload(spec=spec, created_by=str(who), updated_by=str(who))
+        workload = rollout.first_revision(
+            Workload(spec=spec, created_by=str(who), updated_by=str(who)), str(who)
+        )
 
         def plan() -> list[Change]:
             if spec.name in self.repo.workloads:
@@ -248,18 +267,20 @@ class ControllerApi(pb_grpc.ControllerServicer):
             size = request.spec.ByteSize()
             if size > self._stored_spec_bytes(spec.name, old.spec):
                 self._check_spec_bytes(size, skip=spec.name)
-            # Only a change to what runs needs new instances; replicas alone just scales.
-            runs_same = old.spec.model_copy(update={"replicas": spec.replicas}) == new_spec
-            generation = old.generation if runs_same else old.generation + 1
-            new = old.model_copy(
-                update={
-                    "spec": new_spec,
-                    "generation": generation,
-                    "updated_at": time.time(),
-                    "updated_by": str(who),
-                    "etag": new_workload_etag(),
-                }
-            )
+            # Only a change to what runs needs new instances (a revision and its rollout);
+            # replicas or the update strategy alone restart nothing.
+            now = time.time()
+            if rollout.runs_same(old.spec, new_spec):
+                new = old.model_copy(
+                    update={
+                        "spec": new_spec,
+                        "updated_at": now,
+                        "updated_by": str(who),
+                        "etag": new_workload_etag(),
+                    }
+                )
+            else:
+                new = rollout.new_revision(old, new_spec, str(who), now, "update")
             return [Change("workloads", spec.name, new)]
 
         await self.repo.mutate(plan)
@@ -403,6 +424,13 @@ class ControllerApi(pb_grpc.ControllerServicer):
             next_page_token=paging.encode_token(last, filters) if last else "",
             revision=self.repo.revision,
         )
+
+    # ---- views ----
+
+    async def ListActivities(
+        self, request: pb.ListActivitiesRequest, who: Identity
+    ) -> pb.ListActivitiesResponse:
+        return list_activities(self.activity, self.repo, request)
 
     async def GetInstance(self, request: pb.GetInstanceRequest, who: Identity) -> pb.Instance:
         if not request.name:

@@ -54,6 +54,8 @@ class PlaceResult:
     reasons: list[fit.ReasonCount] = field(default_factory=list)
     refusals: dict[str, str] = field(default_factory=dict)
     raw: apb.PlaceResult | None = field(default=None, compare=False, repr=False)
+    # With `node`: why the filters left the other nodes out, when the scheduler counted it.
+    passed_over: list[fit.ReasonCount] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
         reasons=reasons_from_pb(r),
         refusals=dict(r.refusals),
         raw=r,
+        passed_over=reasons_from_pb(r, "passed_over") if r.passed_over else [],
     )
 
 

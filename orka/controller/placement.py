@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from orka import fit, metrics
+from orka.controller.activity import NORMAL, WARNING, ActivityLog, placed_text
 from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
-from orka.controller.link import SchedulerLink, assignment_bytes
+from orka.controller.link import PlaceResult, SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
 from orka.models import Instance, InstancePhase, InstanceReason, NodeState, WorkloadSpec
@@ -68,6 +69,8 @@ class PlacementQueue:
     _changes: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _batches: set[asyncio.Task[None]] = field(default_factory=set)
+    # Where placements and failed placements are recorded (orka/controller/activity.py).
+    activity: ActivityLog = field(default_factory=ActivityLog)
 
     def add(self, name: str) -> None:
         if name not in self.pending and name not in self.inflight:
@@ -214,6 +217,7 @@ class PlacementQueue:
             unplaced = {name: fit.format_reasons(counts) for name, counts in why.items()}
             metrics.unschedulable(why)
             committed = await self._bind(bound)
+            self._record(results, committed, unplaced)
             if unplaced:
                 await self._mark_unplaced(unplaced)
                 self._park(why, changed=self._changes != changes)
@@ -221,6 +225,20 @@ class PlacementQueue:
         finally:
             for inst in batch:
                 self.inflight.discard(inst.name)
+
+    def _record(
+        self, results: list[PlaceResult], committed: list[Instance], unplaced: dict[str, str]
+    ) -> None:
+        record = self.activity.record
+        if committed:
+            by_name = {r.instance: r for r in results if r.node}
+            for inst in committed:
+                r = by_name[inst.name]
+                text = placed_text(r.node, r.passed_over, r.refusals)
+                record("instance", inst.name, NORMAL, "Scheduled", text)
+        for name, why in unplaced.items():
+            # The same reasons again fold into one entry with a count (retries with backoff).
+            record("instance", name, WARNING, "FailedScheduling", f"no node took it: {why}")
 
     async def _bind(self, bound: dict[str, str]) -> list[Instance]:
         released: list[tuple[str, str]] = []

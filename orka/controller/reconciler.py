@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from orka.controller import rollout
+from orka.controller.activity import ActivityLog
 from orka.controller.commands import (
     ClusterUpdate,
     InstanceReported,
@@ -39,6 +41,7 @@ from orka.models import (
     Node,
     NodeState,
     RestartPolicy,
+    RolloutState,
     Workload,
     WorkloadStatus,
 )
@@ -164,6 +167,8 @@ class Reconciler:
         # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
         self.crashes: dict[str, CrashBackoff] = {}
         self.clock: Callable[[], float] = time.time
+        # For recording steps `orka describe` shows (rollouts): the controller's shared log.
+        self.activity = ActivityLog()
 
     def kick(self) -> None:
         self._dirty.set()
@@ -314,16 +319,37 @@ class Reconciler:
         if self._settled(w, insts):
             if w.name in self.crashes:
                 self._crash_streak(w, insts, now)  # a settled workload may end its streak
-            return self._status_change(w, insts.values(), now)
+            return self._status_change(w, w, insts.values(), now)
         step = WorkloadStep(w, insts, now)
         self._lose_on_gone_nodes(step)
         _release_replaced(step)
         crash = self._crash_streak(w, step.current(), now)
-        self._surge_replacements(step, crash)
-        done = _completed(w, step.current())
-        _scale(step, done, crash)
+        self._drain_replacements(step, crash)
+        rolling = self._roll(step, crash)
+        done = _completed(step.workload, step.current())
+        if not rolling:
+            _scale(step, done, crash)
         self._forget_finished(step, done)
-        return step.changes + self._status_change(w, step.current().values(), now)
+        return step.changes + self._status_change(w, step.workload, step.current().values(), now)
+
+    def _roll(self, step: WorkloadStep, crash: CrashBackoff | None) -> bool:
+        """Step 3b. The rolling update (orka/controller/rollout.py): advances the rollout's state
+        (a rollback changes the workload) and replaces outdated instances within its bounds.
+        True while outdated instances remain: the rollout, not scaling, sets the count then."""
+        may_add = crash is None or step.now >= crash.not_before
+        out = rollout.plan_rollout(step.workload, step.current(), step.now, may_add, new_instance)
+        step.workload = out.workload
+        for inst in out.puts:
+            if crash is not None and inst.name not in step.insts:
+                crash.probes.add(inst.name)
+            step.put(inst)
+        if out.wake_in is not None:
+            self._wake_at(step.workload.name, out.wake_in)
+        generation = step.workload.generation
+        return any(
+            i.generation != generation and not (i.terminal or i.desired_stop or i.replaced_by)
+            for i in step.current().values()
+        )
 
     def _lose_on_gone_nodes(self, step: WorkloadStep) -> None:
         """Step 1. An instance on a lost or departed node runs nowhere the controller can see:
@@ -336,28 +362,12 @@ class Reconciler:
                 message = f"node {node.name} is {node.state.value}"
                 step.put(inst.lost(InstanceReason.NODE_LOST, message, step.now))
 
-    def _surge_replacements(self, step: WorkloadStep, crash: CrashBackoff | None) -> None:
-        """Step 3. An instance of an old generation (rolling update) or on a draining node gets
-        a successor before it stops (surge, so capacity never dips): one at a time for an
-        update, all at once for a drain, none while a crash backoff runs. An outdated instance
-        not yet placed is simply relabelled: it has nothing to hand over."""
+    def _drain_replacements(self, step: WorkloadStep, crash: CrashBackoff | None) -> None:
+        """Step 3. An instance on a draining node gets a successor before it stops (surge, so
+        capacity never dips), all at once, none while a crash backoff runs. (Outdated
+        instances elsewhere are the rollout's, step 3b.)"""
         w, now = step.workload, step.now
-        current = step.current()
-        replacing = [
-            i for i in current.values() if i.replaced_by and not i.desired_stop and not i.terminal
-        ]
-        for inst in self._to_replace(w, current):
-            if inst.phase is InstancePhase.PENDING:
-                if inst.generation != w.generation:
-                    step.put(inst.relabelled(w.generation))
-                continue
-            node = self._node(inst.node)
-            draining = node is not None and (node.draining or node.leaving)
-            outdated = inst.generation != w.generation
-            if not (draining or outdated):
-                continue
-            if outdated and not draining and replacing:
-                continue  # a rolling update replaces one instance at a time
+        for inst in self._draining(step.current()):
             if crash is not None and now < crash.not_before:
                 continue  # a successor failed: the next waits out the backoff
             succ = new_instance(w)
@@ -365,19 +375,15 @@ class Reconciler:
                 crash.probes.add(succ.name)
             step.put(succ)
             step.put(inst.hand_over(succ.name))
-            replacing.append(inst)
 
-    def _to_replace(self, w: Workload, current: dict[str, Instance]) -> list[Instance]:
-        """The instances step 3 has work for, oldest first: outdated ones, and bound ones on a
-        draining node. They are few, so they alone are sorted, not the whole workload each
-        pass."""
+    def _draining(self, current: dict[str, Instance]) -> list[Instance]:
+        """The bound instances on a draining node that have no successor yet, oldest first.
+        They are few, so they alone are sorted, not the whole workload each pass."""
         todo = []
         for inst in current.values():
             if inst.terminal or inst.desired_stop or inst.replaced_by:
                 continue
-            if inst.generation != w.generation:
-                todo.append(inst)
-            elif inst.phase is not InstancePhase.PENDING:
+            if inst.phase is not InstancePhase.PENDING:
                 node = self._node(inst.node)
                 if node is not None and (node.draining or node.leaving):
                     todo.append(inst)
@@ -487,6 +493,9 @@ class Reconciler:
         looks at every one), and one loop tells, where the steps take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
+        r = w.rollout
+        if r.revision != w.generation or r.state is RolloutState.PROGRESSING:
+            return False
         generation = w.generation
         for i in insts.values():
             if (
@@ -502,15 +511,20 @@ class Reconciler:
                     return False
         return True
 
-    def _status_change(self, w: Workload, insts: Iterable[Instance], now: float) -> list[Change]:
-        status = self._status(w, insts)
+    def _status_change(
+        self, old: Workload, w: Workload, insts: Iterable[Instance], now: float
+    ) -> list[Change]:
+        """The write of `w` (the workload as the pass left it: a rollback changes it) with its
+        status now, if it differs from the stored `old`."""
+        insts = list(insts)
+        status = self._status(w, insts, now)
         crash = self.crashes.get(w.name)
         if crash is not None and now < crash.not_before and not status.message:
             status.message = (
                 f"{crash.failures} instance failure(s) in a row (the last: {crash.last_error});"
                 f" replaced with backoff, up to {CRASH_BACKOFF_MAX:.0f}s"
             )
-        if status == w.status:
+        if status == w.status and w is old:
             return []
         return [
             Change("workloads", w.name, w.model_copy(update={"status": status, "updated_at": now}))
@@ -522,14 +536,18 @@ class Reconciler:
         node = self._node(inst.node)
         return node is not None and node.state is NodeState.READY
 
-    def _status(self, w: Workload, insts: Iterable[Instance]) -> WorkloadStatus:
-        placed = running = healthy = 0
+    def _status(self, w: Workload, insts: Iterable[Instance], now: float) -> WorkloadStatus:
+        placed = running = healthy = updated = ready = 0
+        min_ready = w.spec.update.min_ready_seconds
         unplaced: list[Instance] = []
         for i in insts:
             if i.terminal or i.desired_stop or i.replaced_by:
                 continue
             if i.node:
                 placed += 1
+            if i.generation == w.generation:
+                updated += 1
+                ready += rollout.is_ready(i, min_ready, now)
             if i.phase is InstancePhase.RUNNING:
                 running += 1
                 if i.health is HealthState.HEALTHY:
@@ -550,7 +568,11 @@ class Reconciler:
             running=running,
             healthy=healthy,
             unschedulable_reasons=reasons,
+            # Parked by the placement queue: refused by every node for unresolvable reasons.
+            unschedulable_unresolvable=any(i.name in self.queue.parked for i in unplaced),
             message=message,
+            updated=updated,
+            ready=ready,
         )
 
     # ---- commands to nodes ----

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2
 
 from orka import metrics
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.controller.activity import ActivityLog
 from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
 from orka.controller.commands import ClusterUpdate, NodeSynced
@@ -89,12 +90,17 @@ class Controller:
         self.repo.listeners.append(self.events.on_change)
         self.repo.listeners.append(metrics.on_change)  # placements, restarts
         self.repo.on_reload.append(self.events.reset)
+        # Recent activity per object, for `orka describe`: in memory, written only by the
+        # leader (a follower's repo makes no writes), so a new leader starts with none.
+        self.activity = ActivityLog()
+        self.repo.listeners.append(self.activity.on_change)
         self._build()
         self.api = ControllerApi(
             self.repo, self.reconciler, self.link, self.events, self._gate, config.quotas
         )
         self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
         self.api.auditor = self.audit
+        self.api.activity = self.activity
         self.election: Election | None = None
         self.leadership: Leadership | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -117,6 +123,7 @@ class Controller:
         )
         self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
         self.reconciler = Reconciler(self.repo, self.link, self.queue, self.config.history)
+        self.queue.activity = self.reconciler.activity = self.activity
 
     async def _on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         await self.reconciler.on_updates(updates)

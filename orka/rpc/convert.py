@@ -38,6 +38,10 @@ from orka.models import (
     PortSpec,
     Resources,
     RestartPolicy,
+    Revision,
+    Rollout,
+    RolloutState,
+    UpdateStrategy,
     Workload,
     WorkloadSpec,
     WorkloadStatus,
@@ -82,7 +86,8 @@ def invalid_from(err: ValidationError, prefix: str = "") -> Invalid:
         # of its message ("[1].name: ...", "ports[0].port: ..."): that is the field.
         named = _NAMED_FIELD.match(msg)
         if named and (loc or not named.group(1).startswith("[")):
-            loc, msg = f"{loc}{named.group(1)}", msg[named.end() :]
+            dot = "." if loc and not named.group(1).startswith("[") else ""
+            loc, msg = f"{loc}{dot}{named.group(1)}", msg[named.end() :]
         field = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         parts.append(f"{field}: {msg}" if field else msg)
         if field:
@@ -253,6 +258,8 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         data["network"] = _NETWORK_FROM_PB[msg.network]
     if msg.HasField("vm"):
         data["vm"] = {"kernel": msg.vm.kernel, "initrd": msg.vm.initrd, "cmdline": msg.vm.cmdline}
+    if msg.HasField("update"):
+        data["update"] = update_from_pb(msg.update)
     if msg.HasField("stop_grace_period"):
         grace = duration_from_pb(msg.stop_grace_period, "spec.stop_grace_period")
         if not 0 <= grace <= MAX_STOP_GRACE_SECONDS:
@@ -267,6 +274,93 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:
         raise invalid_from(err, "spec.") from None
+
+
+def update_from_pb(msg: pb.UpdateStrategy) -> dict[str, object]:
+    """The update strategy's fields; both bounds 0 is refused here with a violation for each
+    (the model's own check names one), so a client can mark both fields."""
+    data: dict[str, object] = {
+        "max_unavailable": msg.max_unavailable,
+        "min_ready_seconds": msg.min_ready_seconds,
+        "auto_rollback": msg.auto_rollback,
+        "canary": msg.canary,
+    }
+    if msg.HasField("max_surge"):
+        data["max_surge"] = msg.max_surge
+    if msg.HasField("progress_deadline_seconds"):
+        data["progress_deadline_seconds"] = msg.progress_deadline_seconds
+    if msg.max_unavailable == 0 and data.get("max_surge", 1) == 0:
+        why = "max_unavailable and max_surge are both 0: no instance could ever be replaced"
+        raise Invalid(
+            f"spec.update: {why}",
+            fields=[
+                FieldViolation("spec.update.max_unavailable", why),
+                FieldViolation("spec.update.max_surge", why),
+            ],
+        )
+    return data
+
+
+def update_to_pb(u: UpdateStrategy) -> pb.UpdateStrategy:
+    return pb.UpdateStrategy(
+        max_unavailable=u.max_unavailable,
+        max_surge=u.max_surge,
+        min_ready_seconds=u.min_ready_seconds,
+        progress_deadline_seconds=u.progress_deadline_seconds,
+        auto_rollback=u.auto_rollback,
+        canary=u.canary,
+    )
+
+
+_ROLLOUT_STATE_TO_PB = {state: pb.RolloutStatus.State.Value(state.value) for state in RolloutState}
+
+
+def rollout_to_pb(r: Rollout) -> pb.RolloutStatus:
+    return pb.RolloutStatus(
+        state=_ROLLOUT_STATE_TO_PB[r.state],  # type: ignore[arg-type]
+        revision=r.revision,
+        stable_revision=r.stable,
+        rollback_of=r.rollback_of,
+        message=r.message,
+        deadline_time=timestamp_fields(r.deadline),
+        promoted=r.promoted,
+    )
+
+
+def rollout_from_pb(msg: pb.RolloutStatus) -> Rollout:
+    state = RolloutState.COMPLETE
+    if msg.state:
+        state = RolloutState(pb.RolloutStatus.State.Name(msg.state))
+    return Rollout(
+        state=state,
+        revision=msg.revision,
+        stable=msg.stable_revision,
+        rollback_of=msg.rollback_of,
+        message=msg.message,
+        deadline=seconds_from_pb(msg.deadline_time) or 0.0,
+        promoted=msg.promoted,
+    )
+
+
+def revision_to_pb(r: Revision) -> pb.WorkloadRevision:
+    """For users: secret values redacted, as in every spec a user reads."""
+    return pb.WorkloadRevision(
+        revision=r.revision,
+        spec=spec_to_pb(r.spec, redact=True) if r.spec is not None else None,
+        create_time=timestamp_fields(r.created_at),
+        created_by=r.created_by,
+        cause=r.cause,
+    )
+
+
+def revision_from_pb(msg: pb.WorkloadRevision) -> Revision:
+    return Revision(
+        revision=msg.revision,
+        spec=spec_from_pb(msg.spec),
+        created_at=seconds_from_pb(msg.create_time) or 0.0,
+        created_by=msg.created_by,
+        cause=msg.cause,
+    )
 
 
 def _health_check(msg: pb.HealthCheck) -> dict[str, object]:
@@ -401,6 +495,7 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         secret_env_files=spec.secret_env_files,
         ports=[port_spec_to_pb(p) for p in spec.ports],
         network=_NETWORK_TO_PB[spec.network] if spec.network else None,
+        update=update_to_pb(spec.update),
     )
     if spec.health_check is not None:
         msg.health_check.CopyFrom(health_check_to_pb(spec.health_check))
@@ -422,8 +517,12 @@ def workload_to_pb(w: Workload) -> pb.Workload:
             running=s.running,
             healthy=s.healthy,
             unschedulable_reasons=s.unschedulable_reasons,
+            unschedulable_unresolvable=s.unschedulable_unresolvable,
             message=s.message,
+            updated=s.updated,
+            ready=s.ready,
         ),
+        rollout=rollout_to_pb(w.rollout),
         generation=w.generation,
         deleting=w.deleting,
         create_time=timestamp_fields(w.created_at),
@@ -444,8 +543,12 @@ def workload_from_pb(msg: pb.Workload) -> Workload:
             running=s.running,
             healthy=s.healthy,
             unschedulable_reasons=list(s.unschedulable_reasons),
+            unschedulable_unresolvable=s.unschedulable_unresolvable,
             message=s.message,
+            updated=s.updated,
+            ready=s.ready,
         ),
+        rollout=rollout_from_pb(msg.rollout),
         generation=msg.generation,
         deleting=msg.deleting,
         created_at=seconds_from_pb(msg.create_time) or 0.0,

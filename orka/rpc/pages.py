@@ -25,7 +25,7 @@ async def list_all(
     for n in range(MAX_PAGES):
         resp = await call(req)
         if n == 0:
-            revision = resp.revision
+            revision = getattr(resp, "revision", 0)  # ListActivities has none
         items.extend(getattr(resp, field))
         if not resp.next_page_token:
             return items, revision

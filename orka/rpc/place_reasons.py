@@ -18,9 +18,11 @@ def place_result_to_pb(
     node: str = "",
     refusals: Mapping[str, fit.Reason] | None = None,
     rejections: Mapping[fit.Reason, int] | None = None,
+    passed_over: Mapping[fit.Reason, int] | None = None,
 ) -> apb.PlaceResult:
-    """The outcome of placing one instance: the node that took it, or why none did."""
-    if not refusals and not rejections:
+    """The outcome of placing one instance: the node that took it, or why none did; with a
+    node, `passed_over` says why the filters left the others out (when it was counted)."""
+    if not refusals and not rejections and not passed_over:
         # Most results: the first offer was taken (one per instance, thousands per second).
         return apb.PlaceResult(instance=instance, node=node)
     msg = apb.PlaceResult(
@@ -32,11 +34,16 @@ def place_result_to_pb(
         msg.reasons.add(
             code=c.code, message=c.message, node_count=c.node_count, resolvable=c.resolvable
         )
+    for c in fit.count_reasons(passed_over or {}):
+        msg.passed_over.add(
+            code=c.code, message=c.message, node_count=c.node_count, resolvable=c.resolvable
+        )
     return msg
 
 
-def reasons_from_pb(msg: apb.PlaceResult) -> list[fit.ReasonCount]:
-    """Why nowhere took the instance, as the scheduler counted it (bounded, order kept)."""
+def reasons_from_pb(msg: apb.PlaceResult, field: str = "reasons") -> list[fit.ReasonCount]:
+    """Why nowhere took the instance, as the scheduler counted it (bounded, order kept); with
+    field "passed_over", why the nodes it was not placed on were left out."""
     return [
         fit.ReasonCount(
             code=r.code[:_MAX_TEXT],
@@ -44,5 +51,5 @@ def reasons_from_pb(msg: apb.PlaceResult) -> list[fit.ReasonCount]:
             node_count=max(0, r.node_count),
             resolvable=r.resolvable,
         )
-        for r in msg.reasons[:MAX_REASONS]
+        for r in getattr(msg, field)[:MAX_REASONS]
     ]

@@ -74,6 +74,11 @@ class Ranking:
             f" stage={self.stage!r})"
         )
 
+    def counted_rejections(self) -> Mapping[fit.Reason, int] | None:
+        """The rejections when they were counted already (an exhaustive ranking), else None:
+        for explaining a placement that needs no explaining to succeed, never worth a count."""
+        return self._rejections
+
     def reason_counts(self) -> list[fit.ReasonCount]:
         return fit.count_reasons(self.rejections)
 

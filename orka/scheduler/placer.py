@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orka import fit
@@ -84,6 +85,13 @@ class _Attempt:
     tried: set[str] = field(default_factory=set)
     refusals: dict[str, fit.Reason] = field(default_factory=dict)
     result: apb.PlaceResult | None = None
+    # What the filters left out on the first ranking, when it counted that (for the record).
+    passed_over: Mapping[fit.Reason, int] | None = None
+
+
+# Up to this many nodes a placed instance also says why the other nodes were passed over
+# (recorded as the instance's activity); beyond it only when the ranking counted that anyway.
+EXPLAIN_NODES = 64
 
 
 class Placer:
@@ -122,7 +130,9 @@ class Placer:
         answers = await replies([e for _, (_, e) in sent], self.offer_timeout)
         for (at, (node, e)), reply in zip(sent, answers, strict=True):
             if self._settle_offer(at, node, e.session, reply):
-                at.result = place_result_to_pb(at.req.instance, node.name, at.refusals)
+                at.result = place_result_to_pb(
+                    at.req.instance, node.name, at.refusals, passed_over=at.passed_over
+                )
         # The rest (refused, timed out, nothing reservable) go on one by one.
         rest = [at for at in attempts if at.result is None]
         if rest:
@@ -132,7 +142,13 @@ class Placer:
     def _first_offer(self, at: _Attempt, held: _Held) -> tuple[NodeRecord, Expected] | None:
         """Reserve on the best node that takes it and hold the offer in `held` for the caller
         to send; None when no node could be reserved."""
-        ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=RANK_FIRST)
+        snapshot = self.registry.snapshot()
+        ranking = self.pipeline.rank(at.req, snapshot, limit=RANK_FIRST)
+        at.passed_over = ranking.counted_rejections()
+        if at.passed_over is None and len(snapshot.nodes) <= EXPLAIN_NODES:
+            # Counting is one filter pass over the nodes: cheap on a small cluster, where an
+            # operator reads why a replica went where it did; skipped on a large one.
+            at.passed_over = ranking.rejections
         for name in ranking.candidates:
             offer = self._reserve_and_offer(at, name, held)
             if offer is not None:
@@ -197,7 +213,9 @@ class Placer:
                 node, e = offer
                 (reply,) = await replies([e], self.offer_timeout)
                 if self._settle_offer(at, node, e.session, reply):
-                    at.result = place_result_to_pb(at.req.instance, name, at.refusals)
+                    at.result = place_result_to_pb(
+                        at.req.instance, name, at.refusals, passed_over=at.passed_over
+                    )
                     return
             if limit is None or len(ranking.candidates) < limit:
                 break

@@ -734,3 +734,39 @@ async def test_close_cancels_the_batches_in_flight_and_swallows_how_they_end(
     ended = sorted("cancelled" if t.cancelled() else repr(t.exception()) for t in batches)
     assert ended == ["RuntimeError('link closed')", "cancelled"]
     assert q.inflight == set()
+
+
+async def test_place_records_the_chosen_node_the_passed_over_and_folds_failures(
+    repo: Repo,
+) -> None:
+    names = await add(repo, spec("web"), 2)
+    cordoned = fit.CORDONED
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        return apb.PlaceResponse(
+            results=[
+                place_result_to_pb(
+                    names[0],
+                    "n2",
+                    refusals={"n1": fit.refused("image missing")},
+                    passed_over={cordoned: 3},
+                ),
+                place_result_to_pb(names[1], rejections={fit.INSUFFICIENT_MEMORY: 2}),
+            ]
+        )
+
+    q = PlacementQueue(repo, link=_RecordingLink(place=place))  # type: ignore[arg-type]
+    for _ in range(2):
+        for n in names:
+            q.pending.pop(n, None)
+            q.add(n)
+        await q._place(q._take(time.monotonic() + 100))
+    (placed,) = q.activity.entries("instance", names[0])
+    assert (placed.type, placed.reason) == ("Normal", "Scheduled")
+    assert placed.message == (
+        "placed on n2; 3 nodes passed over: 3 nodes: cordoned;"
+        " refused the offer: n1: refused: image missing"
+    )
+    (failed,) = q.activity.entries("instance", names[1])
+    assert (failed.type, failed.reason, failed.count) == ("Warning", "FailedScheduling", 2)
+    assert failed.message == "no node took it: 2 nodes: insufficient memory"

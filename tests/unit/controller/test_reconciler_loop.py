@@ -321,18 +321,23 @@ def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) 
     w = workload("web", replicas=1)
     insts = [inst("web-a", P.RUNNING)]
     env.rec.crashes["web"] = CrashBackoff(failures=2, not_before=50.0, last_error="exit code 1")
-    waiting = env.rec._status_change(w, insts, 49.99)
+    waiting = env.rec._status_change(w, w, insts, 49.99)
     assert [(c.kind, c.name) for c in waiting] == [("workloads", "web")]
     assert waiting[0].value.updated_at == 49.99
     assert waiting[0].value.status == WorkloadStatus(
         desired=1,
         placed=1,
         running=1,
+        healthy=1,
+        updated=1,
+        ready=1,
         message=(
             "2 instance failure(s) in a row (the last: exit code 1);"
             " replaced with backoff, up to 300s"
         ),
     )
-    done = env.rec._status_change(w, insts, 50.0)
-    assert done[0].value.status == WorkloadStatus(desired=1, placed=1, running=1)
+    done = env.rec._status_change(w, w, insts, 50.0)
+    assert done[0].value.status == WorkloadStatus(
+        desired=1, placed=1, running=1, healthy=1, updated=1, ready=1
+    )
     assert done[0].value.updated_at == 50.0

@@ -180,7 +180,7 @@ def test_scale_down_is_not_held_by_a_crash_backoff() -> None:
     assert crash.probes == set()
 
 
-async def test_to_replace_is_outdated_or_draining_oldest_first(env: Env) -> None:
+async def test_draining_is_bound_instances_on_draining_nodes_oldest_first(env: Env) -> None:
     env.repo.nodes = {"n1": node("n1"), "n2": node("n2", draining=True)}
     w = workload(generation=2)
     insts = table(
@@ -191,7 +191,9 @@ async def test_to_replace_is_outdated_or_draining_oldest_first(env: Env) -> None
         inst("web-k", P.RUNNING, "n1", generation=2, created_at=0.1),  # current, ready node
         inst("web-r", P.RUNNING, "n2", generation=1, replaced_by="x"),  # already replaced
     )
-    assert [i.name for i in env.rec._to_replace(w, insts)] == ["web-o", "web-p", "web-d"]
+    # Outdated ones are the rollout's (orka/controller/rollout.py), not the drain's.
+    del w
+    assert [i.name for i in env.rec._draining(insts)] == ["web-d"]
 
 
 async def test_forget_finished_drops_stopped_unplaced_ones_not_in_flight(env: Env) -> None:
