@@ -317,8 +317,9 @@ def _current_kernel_package() -> str | None:
 
 
 # Runs as PID 1: proves it is the guest talking (the kernel release is only known inside),
-# then idles, or powers off when asked on the kernel command line. Given `orka.ip=` it loads
-# the NIC modules and configures eth0; given `orka.httpd=PORT` it serves a page on that port.
+# then reads commands from the console (a shell), or powers off when asked on the kernel
+# command line. Given `orka.ip=` it loads the NIC modules and configures eth0; given
+# `orka.httpd=PORT` it serves a page on that port.
 INIT = f"""#!/bin/busybox sh
 bb=/bin/busybox
 $bb mount -t proc proc /proc
@@ -355,7 +356,8 @@ if [ -n "$httpd" ]; then
   echo "{MARKER} kernel=$($bb uname -r) ip=$ip" > /www/index.html
   $bb httpd -p "$httpd" -h /www
 fi
-while :; do $bb sleep 3600; done
+# The console's input is a shell's (orka console types into it); idle otherwise.
+while :; do $bb sh; $bb sleep 1; done
 """
 
 

@@ -24,8 +24,10 @@ import psutil
 import structlog
 
 from orka.agent.admission import Admission
+from orka.agent.logs import LogKeeper
 from orka.agent.runner import Runner
 from orka.agent.secret_files import SecretFiles
+from orka.agent.sessions import Sessions
 from orka.agent.state import StateFile
 from orka.agent.stream import Stream
 from orka.agent.supervisor import Supervised
@@ -36,6 +38,7 @@ from orka.rpc import convert
 from orka.runtime.base import Driver
 from orka.runtime.host_ports import DEFAULT_RANGE, HostPorts
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER
+from orka.runtime.logs import DEFAULT_MAX_BYTES as DEFAULT_LOG_MAX_BYTES
 from orka.runtime.network import DEFAULT_BIN_DIRS, CniNetwork
 from orka.runtime.registry import make_driver, takes
 from orka.security.tls import TlsFiles
@@ -81,6 +84,8 @@ class AgentConfig:
     network_subnet: str = ""
     network_masquerade: bool = False
     cni_bin_dirs: list[Path] = field(default_factory=lambda: list(DEFAULT_BIN_DIRS))
+    # Each instance's stdout and stderr are rotated past this size (one rotated file kept).
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
 
     def __post_init__(self) -> None:
         if not self.schedulers:
@@ -101,6 +106,7 @@ class AgentConfig:
         for flag, value in (
             ("--cpu-millis", self.cpu_millis),
             ("--memory-bytes", self.memory_bytes),
+            ("--log-max-bytes", self.log_max_bytes),
         ):
             if value is not None and value <= 0:
                 raise Invalid(f"{flag}: must be > 0, got {value}")
@@ -169,6 +175,9 @@ class Agent:
             host_ip=config.host_ip,
         )
         self.connected = self.stream.connected
+        self.logs = LogKeeper(self.instances, config.log_max_bytes)
+        self.sessions = Sessions(self.instances, self.stream.send, self.logs)
+        self.stream.on_disconnect = self.sessions.close_all
         self.parts = Parts("agent", self._fail)
         self._stopping = asyncio.Event()
         self._leaving = False
@@ -217,6 +226,7 @@ class Agent:
         self.parts.watch("state file", self.state_file.writer())
         await self.runner.adopt()
         await self._sweep_network()
+        self.parts.start("logs", self.logs.run)
         self.parts.start("stream", self.stream.run)
 
     async def _sweep_network(self) -> None:
@@ -352,6 +362,10 @@ class Agent:
             self.runner.on_stop(msg.stop)
         elif kind == "leave_reply":
             self._leave_reply = msg.leave_reply
+        elif kind == "session_open":
+            self.sessions.on_open(msg.session_open)
+        elif kind == "session_input":
+            self.sessions.on_input(msg.session_input)
         elif kind == "release":
             self.admission.release(msg.release.instance)
             self.stream.ack(msg.release.command_id, convert.ok_status())

@@ -42,6 +42,9 @@ _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
 
 
 class Stream:
+    # Called when a registered stream ends (the sessions on it end too: orka/agent/sessions.py).
+    on_disconnect: Callable[[], None] = staticmethod(lambda: None)
+
     """Keeps one stream to a scheduler open (`run()`: connect, register, serve, and on any
     end reconnect with backoff, trying each scheduler in turn). While connected it sends a
     heartbeat per interval and each instance change as an event at once; messages queued
@@ -197,6 +200,7 @@ class Stream:
                     job.cancel()
                 await asyncio.gather(*jobs, return_exceptions=True)
                 self.outbox = None
+                self.on_disconnect()
             for job in done:
                 if not job.cancelled() and job.exception() is not None:
                     raise job.exception()  # type: ignore[misc]

@@ -57,6 +57,50 @@ class Assignment(_message.Message):
     spec: _controller_pb2.WorkloadSpec
     def __init__(self, instance: _Optional[str] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[_controller_pb2.WorkloadSpec, _Mapping]] = ...) -> None: ...
 
+class SessionOpen(_message.Message):
+    __slots__ = ("session", "logs", "exec", "console", "credit")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LOGS_FIELD_NUMBER: _ClassVar[int]
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    CONSOLE_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    logs: _controller_pb2.ReadLogsRequest
+    exec: _controller_pb2.ExecStart
+    console: str
+    credit: int
+    def __init__(self, session: _Optional[str] = ..., logs: _Optional[_Union[_controller_pb2.ReadLogsRequest, _Mapping]] = ..., exec: _Optional[_Union[_controller_pb2.ExecStart, _Mapping]] = ..., console: _Optional[str] = ..., credit: _Optional[int] = ...) -> None: ...
+
+class SessionInput(_message.Message):
+    __slots__ = ("session", "data", "resize", "close_input", "credit", "cancel")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_INPUT_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    data: bytes
+    resize: _controller_pb2.TerminalSize
+    close_input: bool
+    credit: int
+    cancel: bool
+    def __init__(self, session: _Optional[str] = ..., data: _Optional[bytes] = ..., resize: _Optional[_Union[_controller_pb2.TerminalSize, _Mapping]] = ..., close_input: _Optional[bool] = ..., credit: _Optional[int] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("session", "log", "exec", "console", "end")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    CONSOLE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    log: _controller_pb2.LogChunk
+    exec: _controller_pb2.ExecResponse
+    console: bytes
+    end: _status_pb2.Status
+    def __init__(self, session: _Optional[str] = ..., log: _Optional[_Union[_controller_pb2.LogChunk, _Mapping]] = ..., exec: _Optional[_Union[_controller_pb2.ExecResponse, _Mapping]] = ..., console: _Optional[bytes] = ..., end: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
 class NodeInfo(_message.Message):
     __slots__ = ("capacity", "allocatable", "labels", "drivers", "version")
     class LabelsEntry(_message.Message):
@@ -135,7 +179,7 @@ class AgentBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[AgentMessage, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "instance_status", "offer_reply", "ack", "leave", "batch")
+    __slots__ = ("register", "heartbeat", "instance_status", "offer_reply", "ack", "leave", "batch", "session_output")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +187,7 @@ class AgentMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     instance_status: InstanceStatus
@@ -150,7 +195,8 @@ class AgentMessage(_message.Message):
     ack: CommandAck
     leave: Leave
     batch: AgentBatch
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., instance_status: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ...) -> None: ...
+    session_output: SessionOutput
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., instance_status: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ..., session_output: _Optional[_Union[SessionOutput, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval")
@@ -205,7 +251,7 @@ class SchedulerBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply")
+    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply", "session_open", "session_input")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +259,8 @@ class SchedulerMessage(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LEAVE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_INPUT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     offer: Offer
     start: StartInstance
@@ -220,7 +268,9 @@ class SchedulerMessage(_message.Message):
     release: ReleaseOffer
     batch: SchedulerBatch
     leave_reply: LeaveReply
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ...) -> None: ...
+    session_open: SessionOpen
+    session_input: SessionInput
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("items",)
@@ -344,3 +394,19 @@ class ClusterUpdates(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[ClusterUpdate]
     def __init__(self, updates: _Optional[_Iterable[_Union[ClusterUpdate, _Mapping]]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("node", "open", "input")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    open: SessionOpen
+    input: SessionInput
+    def __init__(self, node: _Optional[str] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: SessionOutput
+    def __init__(self, output: _Optional[_Union[SessionOutput, _Mapping]] = ...) -> None: ...

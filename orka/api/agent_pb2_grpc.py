@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=agent__pb2.WatchClusterRequest.SerializeToString,
                 response_deserializer=agent__pb2.ClusterUpdates.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/orka.v1.Scheduler/Session',
+                request_serializer=agent__pb2.SessionRequest.SerializeToString,
+                response_deserializer=agent__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -105,6 +110,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """---- streams ----
+        Controller: a logs, exec or console session with the agent of a node, relayed over
+        that agent's Connect stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +146,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=agent__pb2.WatchClusterRequest.FromString,
                     response_serializer=agent__pb2.ClusterUpdates.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=agent__pb2.SessionRequest.FromString,
+                    response_serializer=agent__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +288,33 @@ class Scheduler:
             '/orka.v1.Scheduler/Watch',
             agent__pb2.WatchClusterRequest.SerializeToString,
             agent__pb2.ClusterUpdates.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/orka.v1.Scheduler/Session',
+            agent__pb2.SessionRequest.SerializeToString,
+            agent__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

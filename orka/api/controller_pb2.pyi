@@ -696,6 +696,94 @@ class EventBatch(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[Event]
     def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ...) -> None: ...
 
+class ReadLogsRequest(_message.Message):
+    __slots__ = ("instance", "follow", "tail_lines", "since_time", "stream")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_TIME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    follow: bool
+    tail_lines: int
+    since_time: _timestamp_pb2.Timestamp
+    stream: LogChunk.Stream
+    def __init__(self, instance: _Optional[str] = ..., follow: _Optional[bool] = ..., tail_lines: _Optional[int] = ..., since_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stream: _Optional[_Union[LogChunk.Stream, str]] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("stream", "data")
+    class Stream(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STREAM_UNSPECIFIED: _ClassVar[LogChunk.Stream]
+        STDOUT: _ClassVar[LogChunk.Stream]
+        STDERR: _ClassVar[LogChunk.Stream]
+    STREAM_UNSPECIFIED: LogChunk.Stream
+    STDOUT: LogChunk.Stream
+    STDERR: LogChunk.Stream
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    stream: LogChunk.Stream
+    data: bytes
+    def __init__(self, stream: _Optional[_Union[LogChunk.Stream, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TerminalSize(_message.Message):
+    __slots__ = ("rows", "cols")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLS_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    cols: int
+    def __init__(self, rows: _Optional[int] = ..., cols: _Optional[int] = ...) -> None: ...
+
+class ExecStart(_message.Message):
+    __slots__ = ("instance", "command", "tty", "size", "stdin")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    TTY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    tty: bool
+    size: TerminalSize
+    stdin: bool
+    def __init__(self, instance: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tty: _Optional[bool] = ..., size: _Optional[_Union[TerminalSize, _Mapping]] = ..., stdin: _Optional[bool] = ...) -> None: ...
+
+class ExecInstanceRequest(_message.Message):
+    __slots__ = ("start", "stdin", "resize", "close_stdin")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    start: ExecStart
+    stdin: bytes
+    resize: TerminalSize
+    close_stdin: bool
+    def __init__(self, start: _Optional[_Union[ExecStart, _Mapping]] = ..., stdin: _Optional[bytes] = ..., resize: _Optional[_Union[TerminalSize, _Mapping]] = ..., close_stdin: _Optional[bool] = ...) -> None: ...
+
+class ExecResponse(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit_code")
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit_code: _Optional[int] = ...) -> None: ...
+
+class AttachConsoleRequest(_message.Message):
+    __slots__ = ("instance", "input")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    input: bytes
+    def __init__(self, instance: _Optional[str] = ..., input: _Optional[bytes] = ...) -> None: ...
+
+class AttachConsoleResponse(_message.Message):
+    __slots__ = ("output",)
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    output: bytes
+    def __init__(self, output: _Optional[bytes] = ...) -> None: ...
+
 class Activity(_message.Message):
     __slots__ = ("type", "reason", "message", "count", "first_time", "last_time")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):

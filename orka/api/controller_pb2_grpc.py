@@ -140,6 +140,21 @@ class ControllerStub:
                 request_serializer=controller__pb2.PromoteRolloutRequest.SerializeToString,
                 response_deserializer=controller__pb2.Workload.FromString,
                 _registered_method=True)
+        self.ReadLogs = channel.unary_stream(
+                '/orka.v1.Controller/ReadLogs',
+                request_serializer=controller__pb2.ReadLogsRequest.SerializeToString,
+                response_deserializer=controller__pb2.LogChunk.FromString,
+                _registered_method=True)
+        self.ExecInstance = channel.stream_stream(
+                '/orka.v1.Controller/ExecInstance',
+                request_serializer=controller__pb2.ExecInstanceRequest.SerializeToString,
+                response_deserializer=controller__pb2.ExecResponse.FromString,
+                _registered_method=True)
+        self.AttachConsole = channel.stream_stream(
+                '/orka.v1.Controller/AttachConsole',
+                request_serializer=controller__pb2.AttachConsoleRequest.SerializeToString,
+                response_deserializer=controller__pb2.AttachConsoleResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -279,6 +294,28 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLogs(self, request, context):
+        """---- streams ----
+        An instance's stdout and stderr, from its node (admin only: output may hold secrets).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecInstance(self, request_iterator, context):
+        """Run a command inside an instance (admin only): stdin in, stdout, stderr, exit code out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachConsole(self, request_iterator, context):
+        """A VM's serial console, both ways (admin only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -386,6 +423,21 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.PromoteRollout,
                     request_deserializer=controller__pb2.PromoteRolloutRequest.FromString,
                     response_serializer=controller__pb2.Workload.SerializeToString,
+            ),
+            'ReadLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadLogs,
+                    request_deserializer=controller__pb2.ReadLogsRequest.FromString,
+                    response_serializer=controller__pb2.LogChunk.SerializeToString,
+            ),
+            'ExecInstance': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecInstance,
+                    request_deserializer=controller__pb2.ExecInstanceRequest.FromString,
+                    response_serializer=controller__pb2.ExecResponse.SerializeToString,
+            ),
+            'AttachConsole': grpc.stream_stream_rpc_method_handler(
+                    servicer.AttachConsole,
+                    request_deserializer=controller__pb2.AttachConsoleRequest.FromString,
+                    response_serializer=controller__pb2.AttachConsoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -955,6 +1007,87 @@ class Controller:
             '/orka.v1.Controller/PromoteRollout',
             controller__pb2.PromoteRolloutRequest.SerializeToString,
             controller__pb2.Workload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/orka.v1.Controller/ReadLogs',
+            controller__pb2.ReadLogsRequest.SerializeToString,
+            controller__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecInstance(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/orka.v1.Controller/ExecInstance',
+            controller__pb2.ExecInstanceRequest.SerializeToString,
+            controller__pb2.ExecResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachConsole(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/orka.v1.Controller/AttachConsole',
+            controller__pb2.AttachConsoleRequest.SerializeToString,
+            controller__pb2.AttachConsoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

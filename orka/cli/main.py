@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, health, resources, rollout, services, top, up
+from orka.cli import apply, certs, console, health, logs, resources, rollout, services, top, up
+from orka.cli import exec as exec_cmd
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
 
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.register(sub)
     rollout.register(sub)
     top.register(sub)
+    logs.register(sub)
+    exec_cmd.register(sub)
+    console.register(sub)
     parser.commands = set(sub.choices)
     return parser
 

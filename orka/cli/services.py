@@ -399,6 +399,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _positive("--cpu-millis", args.cpu_millis)
     _positive("--memory-bytes", args.memory_bytes)
     _positive("--leave-timeout", args.leave_timeout)
+    _positive("--log-max-bytes", args.log_max_bytes)
     labels = parse_labels(args.labels)
     driver_options = _driver_options(args)
     # Empty (e.g. ORKA_WORKLOAD_USER=) is the default, never "no user".
@@ -422,6 +423,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_bytes,
         labels=labels,
         leave_timeout=args.leave_timeout,
+        log_max_bytes=args.log_max_bytes,
         driver_options=driver_options,
         workload_user=workload_user,
         workload_group=workload_group,
@@ -723,6 +725,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=60.0,
         metavar="S",
         help="on SIGTERM, wait this long for instances to move (60)",
+    )
+    add_flag(
+        p,
+        "--log-max-bytes",
+        type=_int_arg,
+        default=10 << 20,
+        metavar="N",
+        help="rotate each instance's stdout/stderr past this size, keeping one old file (10 MiB)",
     )
     add_flag(
         p,

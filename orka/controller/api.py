@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging, rollout, rollout_api
+from orka.controller import paging, rollout, rollout_api, streams
 from orka.controller.activity import ActivityLog
 from orka.controller.activity_rpc import list_activities
 from orka.controller.events import EventHub
@@ -118,6 +118,9 @@ def _name(value: str, field: str = "name") -> str:
     PauseRollout=(unary(roles=ADMIN), leader_only),
     ResumeRollout=(unary(roles=ADMIN), leader_only),
     PromoteRollout=(unary(roles=ADMIN), leader_only),
+    ReadLogs=stream(roles=ADMIN),
+    ExecInstance=stream(roles=ADMIN),
+    AttachConsole=stream(roles=ADMIN),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -152,6 +155,21 @@ class ControllerApi(pb_grpc.ControllerServicer):
     PauseRollout = rollout_api.pause
     ResumeRollout = rollout_api.resume
     PromoteRollout = rollout_api.promote
+
+    # The RPCs that reach into instances through their agents (orka/controller/streams.py).
+
+    def ReadLogs(self, request: pb.ReadLogsRequest, who: Identity) -> AsyncIterator[pb.LogChunk]:
+        return streams.read_logs(self, request, who)
+
+    def ExecInstance(
+        self, requests: AsyncIterator[pb.ExecInstanceRequest], who: Identity
+    ) -> AsyncIterator[pb.ExecResponse]:
+        return streams.exec_instance(self, requests, who)
+
+    def AttachConsole(
+        self, requests: AsyncIterator[pb.AttachConsoleRequest], who: Identity
+    ) -> AsyncIterator[pb.AttachConsoleResponse]:
+        return streams.attach_console(self, requests, who)
 
     # Messages of stored objects carry the revision of their last write.
 

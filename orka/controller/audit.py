@@ -50,13 +50,13 @@ def _bounded(text: str, limit: int) -> str:
 
 def object_of(method: str, request: Any) -> dict[str, str]:
     """The object a call is about: the kind from the method's name after its verb
-    (CreateWorkload -> workload, DrainNode -> node), the name from the request's `name` or
-    `spec.name`."""
+    (CreateWorkload -> workload, DrainNode -> node), the name from the request's `name`,
+    `spec.name` or `instance` (ReadLogs)."""
     kind = _CAMEL_RE.sub(r"_\1", _FIRST_WORD_RE.sub("", method, count=1)).lower()
     name = ""
     spec = getattr(request, "spec", None)
-    for source in (spec, request):
-        value = getattr(source, "name", None)
+    for source, field in ((spec, "name"), (request, "name"), (request, "instance")):
+        value = getattr(source, field, None)
         if isinstance(value, str) and value:
             name = value
             break

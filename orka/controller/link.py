@@ -150,6 +150,12 @@ class SchedulerLink:
             attempt += 1
             await asyncio.sleep(min(0.1 * 2 ** min(attempt, 6), 3.0) * random.uniform(0.5, 1.0))
 
+    def stub(self) -> apb_grpc.SchedulerStub:
+        """The connected scheduler's stub, for calls of its own (orka/controller/streams.py)."""
+        if not self.connected.is_set():
+            raise Unavailable(f"scheduler {self.current} is not connected")
+        return self._ensure()
+
     @property
     def current(self) -> str:
         return self.targets[self._index % len(self.targets)]

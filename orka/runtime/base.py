@@ -21,8 +21,9 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orka.errors import Invalid, RuntimeFailure
+from orka.errors import Conflict, Invalid, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
+from orka.runtime.execs import ExecHandle, ExecOptions
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -189,6 +190,10 @@ class TrackedTask:
 class Driver(ABC):
     """A runtime driver. Every method is safe to call for tasks started by an earlier process."""
 
+    # None: the agent bounds the task's log files (copytruncate into `<file>.1`, see
+    # orka/runtime/logs.py). A suffix: their writer rotates them itself, renaming the full file
+    # to `<file><suffix>` (libvirt's virtlogd: `.0`), and the agent leaves them alone.
+    log_backup: ClassVar[str | None] = None
     name: ClassVar[str]
 
     @abstractmethod
@@ -233,6 +238,14 @@ class Driver(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop watching tasks; tasks keep running so a restarted agent can re-adopt them."""
+
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
+        """Run a command inside the running instance (`orka exec`, orka/runtime/execs.py)."""
+        raise Conflict(f"{self.name}: exec is not supported for this kind of instance")
+
+    async def console(self, instance: str) -> ExecHandle:
+        """Attach to the instance's serial console (VMs: orka/runtime/libvirt_console.py)."""
+        raise Conflict(f"{self.name}: only VMs have a console; use exec")
 
     async def check_exec(
         self, instance: str, spec: WorkloadSpec, command: list[str]

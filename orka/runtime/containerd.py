@@ -18,10 +18,13 @@ Everything goes over containerd's socket (`grpc.aio`, namespace `orka` in the
 - **Run.** A snapshot per instance (`Prepare`, key = instance), a container carrying an OCI
   runtime spec we build ourselves (`orka.runtime.oci.build_spec`: command, env, cwd, cgroups
   path, memory limit, CPU quota) and the labels `orka.instance` / `orka.workload`, then a task
-  whose output goes to a `file://` URI in `<data_dir>/instances/<instance>/stdout.log`. The
-  runc v2 shim of containerd 1.6 opens only the stdout URI of a `file://` task and sends both
-  streams there, so stdout and stderr are interleaved in that one file and `log_paths` names
-  it twice; the shim keeps writing it with no agent around, which FIFOs would not allow.
+  whose output goes to containerd's `binary://` logging driver: the shim runs our log writer
+  (`orka.runtime.logwriter`, through a launcher script in the data dir) with the task's stdout
+  and stderr on two pipes, and it appends them to `<data_dir>/instances/<instance>/stdout.log`
+  and `stderr.log`. (`file://` would interleave them: the runc v2 shim of containerd 1.6 opens
+  only the stdout URI of a `file://` task.) The writer belongs to the shim and keeps writing
+  with no agent around, which FIFOs would not allow. The agent rotates the files
+  (orka.runtime.logs).
 - **Network.** With the node's instance network (`orka.runtime.network`), each container
   joins a namespace of its own on the bridge (the spec's network namespace is its path), with
   an address and its host ports mapped; remove gives both back (CNI DEL). Re-adoption reads
@@ -83,9 +86,9 @@ from orka.api.containerd.services.tasks.v1 import tasks_pb2_grpc as tgrpc
 from orka.api.containerd.services.version.v1 import version_pb2_grpc as vgrpc
 from orka.api.containerd.types import descriptor_pb2 as descpb
 from orka.api.containerd.types.task import task_pb2 as taskpb
-from orka.errors import AlreadyExists, NotFound, RuntimeFailure
+from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import WorkloadKind, WorkloadSpec
-from orka.runtime import oci
+from orka.runtime import logwriter, oci
 from orka.runtime.base import (
     Attachment,
     DriverHealth,
@@ -102,6 +105,8 @@ from orka.runtime.base import (
     terminate,
     usable_network,
 )
+from orka.runtime.containerd_exec import ContainerdExec
+from orka.runtime.execs import ExecHandle, ExecOptions
 
 log = structlog.get_logger(__name__)
 
@@ -297,9 +302,36 @@ class ContainerdDriver(TrackingDriver[_Task]):
         return Usage(cpu_millis=millis, memory_bytes=mem or 0)
 
     def log_paths(self, instance: str) -> tuple[Path, Path]:
-        """One file for both: the shim interleaves stderr into stdout (module docstring)."""
-        out = self._root / check_instance(instance) / "stdout.log"
-        return out, out
+        task_dir = self._root / check_instance(instance)
+        return task_dir / "stdout.log", task_dir / "stderr.log"
+
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
+        task = await self._require(instance)
+        if task.done.is_set():
+            raise Conflict(f"containerd: instance {instance!r} is not running")
+        return await ContainerdExec.start(
+            self._containers(),
+            self._task_api(),
+            self._md(),
+            instance,
+            self._root / instance,
+            options,
+        )
+
+    def _log_uri(self) -> str:
+        """The `binary://` URI of the log writer's launcher, written on first use."""
+        launcher = self._root.parent / "logwriter"
+        script = logwriter.launcher_script(self._root)
+        try:
+            current = launcher.read_text()
+        except OSError:
+            current = ""
+        if current != script:
+            tmp = launcher.with_name("logwriter.tmp")
+            tmp.write_text(script)
+            tmp.chmod(0o700)
+            os.replace(tmp, launcher)
+        return f"binary://{launcher}"
 
     async def close(self) -> None:
         """Stop watching; containers keep running so that the next agent re-adopts them."""
@@ -355,7 +387,18 @@ class ContainerdDriver(TrackingDriver[_Task]):
         spec = oci.build_spec(run, image.config, self.cgroups_path(instance), netns)
         task_dir = self._root / instance
         await asyncio.to_thread(task_dir.mkdir, parents=True, exist_ok=True)
-        stdout, _ = self.log_paths(instance)
+        log_uri = await asyncio.to_thread(self._log_uri)
+        # /etc/hostname names the container, as Docker's and Kubernetes' do.
+        hostname = task_dir / "hostname"
+        await asyncio.to_thread(hostname.write_text, f"{spec.get('hostname') or instance}\n")
+        spec.setdefault("mounts", []).append(
+            {
+                "destination": "/etc/hostname",
+                "type": "bind",
+                "source": str(hostname),
+                "options": ["rbind", "ro"],
+            }
+        )
         started_at = time.time()
         container = cpb.Container(
             id=instance,
@@ -389,8 +432,8 @@ class ContainerdDriver(TrackingDriver[_Task]):
                 tpb.CreateTaskRequest(
                     container_id=instance,
                     rootfs=list(prepared.mounts),
-                    stdout=stdout.as_uri(),
-                    stderr=stdout.as_uri(),
+                    stdout=log_uri,
+                    stderr=log_uri,
                 ),
                 metadata=self._md(),
                 timeout=self._timeout,

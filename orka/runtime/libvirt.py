@@ -34,9 +34,11 @@ image. `remove()` gives the address back (`detach`), as does a start that fails 
 attached. Without a network (or where the host cannot have one: `unavailable()`), a VM has no
 NIC at all, and one with ports is refused at admission.
 
-Console. The first serial port writes to `<data_dir>/instances/<instance>/console.log`, which
-`log_paths()` returns as both stdout and stderr. libvirt opens that file itself (as root for
-qemu:///system), so the qemu user does not need access to the agent's data dir. Disk images
+Console. The first serial port is a pty (`console()` attaches to it, for `orka console`) logged
+to `<data_dir>/instances/<instance>/console.log`, which `log_paths()` returns as both stdout
+and stderr. libvirt writes that file itself (through virtlogd, as root for qemu:///system), so
+the qemu user does not need access to the agent's data dir; virtlogd also bounds it (it
+renames a full file to console.log.0: `log_backup`), so the agent does not rotate it. Disk images
 and kernels, however, are opened by QEMU, which runs as the user in libvirt's qemu.conf
 (`libvirt-qemu` on Debian): they must be readable by it, parent directories included.
 
@@ -81,7 +83,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import structlog
 
-from orka.errors import AlreadyExists, NotFound, RuntimeFailure
+from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime.base import (
     Attachment,
@@ -99,6 +101,8 @@ from orka.runtime.base import (
     usable_network,
     write_json,
 )
+from orka.runtime.execs import ExecHandle
+from orka.runtime.libvirt_console import LibvirtConsole
 
 log = structlog.get_logger(__name__)
 
@@ -288,8 +292,10 @@ def build_domain_xml(cfg: DomainConfig) -> str:
         ET.SubElement(iface, "source", bridge=cfg.nic.bridge)
         ET.SubElement(iface, "target", dev=cfg.nic.dev)
         ET.SubElement(iface, "model", type="virtio")
-    serial = ET.SubElement(devices, "serial", type="file")
-    ET.SubElement(serial, "source", path=str(cfg.console_log), append="on")
+    # A pty, so that `orka console` can attach (virDomainOpenConsole), logged to the file
+    # `orka logs` reads.
+    serial = ET.SubElement(devices, "serial", type="pty")
+    ET.SubElement(serial, "log", file=str(cfg.console_log), append="on")
     ET.SubElement(serial, "target", port="0")
     ET.SubElement(devices, "memballoon", model="virtio")
     ET.register_namespace(METADATA_PREFIX, METADATA_NS)
@@ -355,6 +361,8 @@ class _Vm(TrackedTask):
 
 class LibvirtDriver(TrackingDriver[_Vm]):
     name: ClassVar[str] = "libvirt"
+    # virtlogd writes the console log and rotates it (2 MiB, 3 old files, by default).
+    log_backup: ClassVar[str | None] = ".0"
 
     def __init__(
         self,
@@ -496,6 +504,26 @@ class LibvirtDriver(TrackingDriver[_Vm]):
     def log_paths(self, instance: str) -> tuple[Path, Path]:
         console = self._root / check_instance(instance) / CONSOLE_LOG
         return console, console
+
+    async def console(self, instance: str) -> ExecHandle:
+        """The VM's serial console, both ways (orka/runtime/libvirt_console.py)."""
+        vm = await self._require(instance)
+        if vm.done.is_set():
+            raise Conflict(f"libvirt: instance {instance!r} is not running")
+
+        def find() -> tuple[Any, Any]:
+            dom = self._domain(domain_name(instance))
+            if dom is None:
+                raise Conflict(f"libvirt: instance {instance!r} has no domain")
+            return self._connection(), dom
+
+        conn, dom = await self._call(find)
+        try:
+            return await LibvirtConsole.open(conn, dom, self._call)
+        except Exception as exc:
+            if self._lib is not None and isinstance(exc, self._lib.libvirtError):
+                raise RuntimeFailure(f"libvirt: console of {instance!r}: {_text(exc)}") from None
+            raise
 
     async def close(self) -> None:
         """Stop watching; the VMs keep running so that the next agent re-adopts them."""

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 import psutil
 import structlog
 
-from orka.errors import AlreadyExists, NotFound, RuntimeFailure
+from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 from orka.runtime import launch
 from orka.runtime.base import (
@@ -75,6 +75,7 @@ from orka.runtime.base import (
     write_json,
 )
 from orka.runtime.cgroups import Cgroups, detect
+from orka.runtime.execs import ExecHandle, ExecOptions, SubprocessExec
 from orka.runtime.host_ports import HostPorts
 from orka.runtime.identity import DEFAULT_WORKLOAD_USER, Identity, IdentityRefused, UserPolicy
 
@@ -362,12 +363,12 @@ class ProcessDriver(TrackingDriver[_Task]):
             return argv
         return [*_LAUNCH, *prefix, "--", *argv]
 
-    async def check_exec(
+    async def _in_context(
         self, instance: str, spec: WorkloadSpec, command: list[str]
-    ) -> tuple[int, str]:
-        """A health check's command as the instance runs: its user and group, working dir,
-        environment (ports included), cgroup, and network namespace when it has its own. Not
-        its private /tmp (a mount namespace of its own, which the check does not join)."""
+    ) -> tuple[list[str], str, dict[str, str]]:
+        """`command` as the instance runs (health checks, `orka exec`): its user and group,
+        working dir, environment (ports included), cgroup, and network namespace when it has
+        its own, through the launcher. Not its private /tmp (a mount namespace of its own)."""
         task = await self._require(instance)
         try:
             identity = self._policy.resolve(spec)
@@ -386,6 +387,15 @@ class ProcessDriver(TrackingDriver[_Task]):
             prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         if prefix:
             argv = [*_LAUNCH, *prefix, "--", *argv]
+        return argv, cwd, env
+
+    async def check_exec(
+        self, instance: str, spec: WorkloadSpec, command: list[str]
+    ) -> tuple[int, str]:
+        """A health check's command as the instance runs: its user and group, working dir,
+        environment (ports included), cgroup, and network namespace when it has its own. Not
+        its private /tmp (a mount namespace of its own, which the check does not join)."""
+        argv, cwd, env = await self._in_context(instance, spec, command)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -427,6 +437,17 @@ class ProcessDriver(TrackingDriver[_Task]):
         if task.done.is_set():
             return Usage()
         return await asyncio.to_thread(_measure, task)
+
+    async def exec(self, instance: str, spec: WorkloadSpec, options: ExecOptions) -> ExecHandle:
+        """`orka exec`: the command in the instance's context (`_in_context`), interactive."""
+        task = await self._require(instance)
+        if task.done.is_set():
+            raise Conflict(f"process: instance {instance!r} is not running")
+        argv, cwd, env = await self._in_context(instance, spec, list(options.command))
+        try:
+            return await SubprocessExec.start(argv, env, cwd, options)
+        except OSError as exc:
+            raise RuntimeFailure(f"process: cannot run {options.command[0]!r}: {exc}") from None
 
     def log_paths(self, instance: str) -> tuple[Path, Path]:
         task_dir = self._root / check_instance(instance)

@@ -19,6 +19,7 @@ from orka.scheduler.feed import Feed
 from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession
+from orka.scheduler.streams import SessionRelay
 from orka.validation import (
     MAX_DRIVER_NAME,
     MAX_DRIVERS,
@@ -59,6 +60,8 @@ class Gateway:
         # of the liveness clock (`recheck_leaves`), so that one whose last possible taker goes
         # away (lost, left, cordoned) is told at once there is nothing more to wait for.
         self._waiting: dict[str, AgentSession] = {}
+        # Logs, exec and console sessions on the agents' streams (orka/scheduler/streams.py).
+        self.sessions = SessionRelay(registry)
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
@@ -218,6 +221,8 @@ class Gateway:
             session.send(apb.SchedulerMessage(leave_reply=reply))
             if reply.wait:
                 self._waiting[node.name] = session
+        elif kind == "session_output":
+            self.sessions.on_output(session, msg.session_output)
         elif kind == "batch":
             for inner in msg.batch.messages:
                 if inner.WhichOneof("body") == "batch":
@@ -271,6 +276,7 @@ class Gateway:
             self.feed.publish_instance(node, status)
 
     def _disconnected(self, session: AgentSession) -> None:
+        self.sessions.agent_gone(session)
         node = self.registry.get(session.node)
         if node is None or node.session is not session:
             return

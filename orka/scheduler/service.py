@@ -71,6 +71,7 @@ class SchedulerConfig:
     Command=unary(roles={"controller"}),
     SetNode=unary(roles={"controller"}),
     Watch=stream(roles={"controller"}),
+    Session=stream(roles={"controller"}),
 )
 class Scheduler(apb_grpc.SchedulerServicer):
     def __init__(
@@ -184,3 +185,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self, request: apb.WatchClusterRequest, who: Identity
     ) -> AsyncIterator[apb.ClusterUpdates]:
         return self.feed.watch()
+
+    def Session(
+        self, request_iterator: AsyncIterator[apb.SessionRequest], who: Identity
+    ) -> AsyncIterator[apb.SessionResponse]:
+        return self.gateway.sessions.session(request_iterator)

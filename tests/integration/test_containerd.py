@@ -114,6 +114,8 @@ async def test_output_exit_code_and_cleanup(
         return "hello from hello-0" in text and "oops" in err.read_text()
 
     await eventually(logged, timeout=5)
+    # Each stream in its own file (the log writer, not the shim's interleaving file://).
+    assert "oops" not in out.read_text() and "hello" not in err.read_text()
     # The exited task is still listed (its exit code survives until remove).
     assert [(t.instance, t.exit_code) for t in await driver.list()] == [("hello-0", 3)]
     await driver.remove("hello-0")

@@ -22,6 +22,7 @@ from orka.models import InstancePhase, Resources, RestartPolicy, VmSpec, Workloa
 from orka.runtime.base import RunSpec, TaskState, Usage
 from orka.runtime.libvirt import EXIT_DESTROYED, LibvirtDriver, domain_name
 from tests.integration.cluster import Cluster, eventually
+from tests.integration.console_check import check_console
 from tests.libvirt_env import DOMAIN_TYPE, MARKER, RUN, Guest, LibvirtDaemons, needs_libvirt
 
 pytestmark = [needs_libvirt, pytest.mark.timeout(600)]
@@ -156,6 +157,9 @@ async def test_vm_runs_through_scheduler_and_agent(
         assert domain_limits(libvirt_daemons.uri, domain_name(inst.name)) == (128 << 10, 1)
         usage = await driver.usage(inst.name)
         assert usage.memory_bytes > 0
+
+        # `orka console`: boot output, typed input answered, the log still written.
+        await check_console(cluster, inst.name, BOOT_TIMEOUT)
 
         supervised = agent.instances[inst.name]
         await cluster.api.DeleteWorkload(pb.DeleteWorkloadRequest(name=name))

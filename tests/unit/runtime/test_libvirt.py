@@ -81,7 +81,9 @@ def test_direct_kernel_boot_xml() -> None:
     assert root.find("os/boot") is None
     assert root.find("devices/disk") is None
     assert root.find("features/acpi") is not None
-    assert root.find("devices/serial/source").get("path") == (  # type: ignore[union-attr]
+    # A pty (for `orka console`) logged to the console log (`orka logs`).
+    assert root.find("devices/serial").get("type") == "pty"  # type: ignore[union-attr]
+    assert root.find("devices/serial/log").get("file") == (  # type: ignore[union-attr]
         "/data/instances/web-1/console.log"
     )
     assert root.findtext("on_reboot") == "destroy"

@@ -128,3 +128,51 @@ class WaitResponse(_message.Message):
     exit_status: int
     exited_at: _timestamp_pb2.Timestamp
     def __init__(self, exit_status: _Optional[int] = ..., exited_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class DeleteProcessRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ...) -> None: ...
+
+class ExecProcessRequest(_message.Message):
+    __slots__ = ("container_id", "stdin", "stdout", "stderr", "terminal", "spec", "exec_id")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    stdin: str
+    stdout: str
+    stderr: str
+    terminal: bool
+    spec: _any_pb2.Any
+    exec_id: str
+    def __init__(self, container_id: _Optional[str] = ..., stdin: _Optional[str] = ..., stdout: _Optional[str] = ..., stderr: _Optional[str] = ..., terminal: _Optional[bool] = ..., spec: _Optional[_Union[_any_pb2.Any, _Mapping]] = ..., exec_id: _Optional[str] = ...) -> None: ...
+
+class ResizePtyRequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "width", "height")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    width: int
+    height: int
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
+
+class CloseIORequest(_message.Message):
+    __slots__ = ("container_id", "exec_id", "stdin")
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXEC_ID_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    container_id: str
+    exec_id: str
+    stdin: bool
+    def __init__(self, container_id: _Optional[str] = ..., exec_id: _Optional[str] = ..., stdin: _Optional[bool] = ...) -> None: ...

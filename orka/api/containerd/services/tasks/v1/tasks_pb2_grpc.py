@@ -71,6 +71,26 @@ class TasksStub:
                 request_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitRequest.SerializeToString,
                 response_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitResponse.FromString,
                 _registered_method=True)
+        self.DeleteProcess = channel.unary_unary(
+                '/containerd.services.tasks.v1.Tasks/DeleteProcess',
+                request_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteProcessRequest.SerializeToString,
+                response_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteResponse.FromString,
+                _registered_method=True)
+        self.Exec = channel.unary_unary(
+                '/containerd.services.tasks.v1.Tasks/Exec',
+                request_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ExecProcessRequest.SerializeToString,
+                response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ResizePty = channel.unary_unary(
+                '/containerd.services.tasks.v1.Tasks/ResizePty',
+                request_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ResizePtyRequest.SerializeToString,
+                response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                _registered_method=True)
+        self.CloseIO = channel.unary_unary(
+                '/containerd.services.tasks.v1.Tasks/CloseIO',
+                request_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.CloseIORequest.SerializeToString,
+                response_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class TasksServicer:
@@ -118,6 +138,30 @@ class TasksServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteProcess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Exec(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResizePty(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseIO(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TasksServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +199,26 @@ def add_TasksServicer_to_server(servicer, server):
                     servicer.Wait,
                     request_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitRequest.FromString,
                     response_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitResponse.SerializeToString,
+            ),
+            'DeleteProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteProcess,
+                    request_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteProcessRequest.FromString,
+                    response_serializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Exec': grpc.unary_unary_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ExecProcessRequest.FromString,
+                    response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            ),
+            'ResizePty': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResizePty,
+                    request_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ResizePtyRequest.FromString,
+                    response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            ),
+            'CloseIO': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseIO,
+                    request_deserializer=containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.CloseIORequest.FromString,
+                    response_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -346,6 +410,114 @@ class Tasks:
             '/containerd.services.tasks.v1.Tasks/Wait',
             containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitRequest.SerializeToString,
             containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.WaitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/containerd.services.tasks.v1.Tasks/DeleteProcess',
+            containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteProcessRequest.SerializeToString,
+            containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/containerd.services.tasks.v1.Tasks/Exec',
+            containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ExecProcessRequest.SerializeToString,
+            google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResizePty(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/containerd.services.tasks.v1.Tasks/ResizePty',
+            containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.ResizePtyRequest.SerializeToString,
+            google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseIO(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/containerd.services.tasks.v1.Tasks/CloseIO',
+            containerd_dot_services_dot_tasks_dot_v1_dot_tasks__pb2.CloseIORequest.SerializeToString,
+            google_dot_protobuf_dot_empty__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
