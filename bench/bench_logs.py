@@ -68,7 +68,7 @@ async def run(lines: int) -> dict[str, float]:
             await c.stop()
     ms = [x * 1000 for x in lags]
     return {
-        "lines": float(len(ms)),
+        "lines": len(ms),
         "median_ms": statistics.median(ms),
         "p99_ms": percentile(ms, 99),
         "max_ms": max(ms),

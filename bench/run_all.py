@@ -40,6 +40,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "paging": ("paging", ()),
     "network": ("network", ()),
     "health": ("health", ()),
+    "logs": ("logs", ()),
 }
 FULL_ONLY = {"placement_5000_nodes"}
 

@@ -565,12 +565,12 @@ class WorkloadSpec(BaseModel):
                 "health_check: give exactly one of exec, tcp or http"
                 + (f" (got {', '.join(given)})" if given else "")
             )
-        if check.exec is not None and self.kind is not WorkloadKind.PROCESS:
-            # The agent runs exec checks of processes only, for now; a container's or VM's
-            # would need the driver's exec (containerd's), which comes with `orka exec`.
+        if check.exec is not None and self.kind is WorkloadKind.VM:
+            # A command runs in a process's context or a container (its driver's exec); a VM
+            # has no such way in (its console is a terminal, not a command runner).
             raise ValueError(
-                f"health_check.exec: exec checks are for PROCESS workloads for now; use tcp or"
-                f" http for a {self.kind.value}"
+                "health_check.exec: exec checks are for PROCESS and CONTAINER workloads; use"
+                " tcp or http for a VM"
             )
         if check.timeout > check.interval:
             raise ValueError(

@@ -40,7 +40,22 @@ def test_run_all_smoke() -> None:
         "healing",
         "paging",
         "network",
+        "health",
+        "logs",
     }
+    # 100 instances checked each second: every check probed about once a second and passing
+    # (none restarted); without checks, no probes.
+    health = results["health"]
+    assert health["instances"] == 100
+    assert health["none"]["probes_per_s"] == 0
+    for kind in ("tcp", "http"):
+        figures = health[kind]
+        assert (figures["not_healthy_at_end"], figures["restarts"]) == (0, 0), kind
+        assert 0.5 * 100 <= figures["probes_per_s"] <= 1.5 * 100, kind
+    # 50 lines followed through `orka logs -f`: each one seen, delays ordered.
+    logs = results["logs"]
+    assert logs["lines"] == 50
+    assert 0 < logs["median_ms"] <= logs["p99_ms"] <= logs["max_ms"]
     # The instance network: every attachment given back (or, on a host without the plugins
     # or root, why it was not measured).
     network = results["network"]

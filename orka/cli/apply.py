@@ -136,8 +136,10 @@ class Progress:
                     return f"instance {i.name} failed{code} and restart policy is NEVER"
         r = w.rollout
         if r.rollback_of and r.state in (RolloutState.PROGRESSING, RolloutState.ROLLED_BACK):
-            why = f": {r.message}" if r.message else ""
-            return f"revision {r.rollback_of} failed and is rolled back{why}"
+            # The rollback's revision says why (its cause names the failure).
+            cause = next((v.cause for v in w.revisions if v.revision == r.revision), "")
+            why = f" ({cause})" if cause else ""
+            return f"revision {r.rollback_of} failed and is being rolled back{why}"
         if r.state is RolloutState.FAILED:
             why = f": {r.message}" if r.message else ""
             return f"the rollout of revision {r.revision} failed{why}"

@@ -22,6 +22,7 @@ from orka.models import (
     PortBinding,
     PortProtocol,
     Resources,
+    RolloutState,
     Workload,
 )
 
@@ -82,6 +83,8 @@ _TIME_FIELDS = {
     "joined_at": "join_time",
     "health_changed_at": "health_time",
     "first_at": "first_time",
+    "progress_at": "progress_time",
+    "deadline": "deadline_time",
     "last_at": "last_time",
 }
 # A health check's spans, shown as the API's Durations (`10s`) as the grace period is.
@@ -349,7 +352,7 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
     r = w.rollout
     rollout = f"{r.state.value} (revision {r.revision}), updated {w.status.updated}, ready"
     rollout += f" {w.status.ready}"
-    if r.rollback_of:
+    if r.rollback_of and r.state is RolloutState.PROGRESSING:
         rollout += f", rolling back revision {r.rollback_of}"
     pairs.append(("Rollout", rollout + (f": {r.message}" if r.message else "")))
     out = [fields(pairs)]

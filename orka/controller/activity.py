@@ -236,12 +236,14 @@ class ActivityLog:
         r, was = new.rollout, old.rollout
         if (r.state, r.revision) == (was.state, was.revision):
             return
+        if r.revision != was.revision and r.rollback_of:
+            # An automatic rollback: its revision's cause names what failed.
+            cause = next((v.cause for v in new.revisions if v.revision == r.revision), "")
+            text = f"revision {r.rollback_of} failed; revision {r.revision} rolls back"
+            self.record("workload", new.name, WARNING, "RollingBack", _then(text, cause))
+            return
         reason, type_ = _ROLLOUT_REASONS[r.state]
-        text = f"revision {r.revision}: {r.state.value.lower().replace('_', ' ')}"
-        if r.rollback_of and r.revision != was.revision:
-            text += f" (rolling back revision {r.rollback_of})"
-        if r.message:
-            text += f"; {r.message}"
+        text = _then(f"revision {r.revision}: {r.state.value.lower().replace('_', ' ')}", r.message)
         self.record("workload", new.name, type_, reason, text)
 
 
@@ -251,6 +253,10 @@ _NODE_REASONS = {
     NodeState.LOST: "NodeLost",
     NodeState.LEFT: "NodeLeft",
 }
+
+
+def _then(text: str, more: str) -> str:
+    return f"{text}: {more}" if more else text
 
 
 _ROLLOUT_REASONS: dict[RolloutState, tuple[str, Type]] = {

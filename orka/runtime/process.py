@@ -59,6 +59,7 @@ from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 from orka.runtime import launch
 from orka.runtime.base import (
+    MAX_CHECK_OUTPUT,
     Attachment,
     DriverHealth,
     InstanceNetwork,
@@ -97,8 +98,6 @@ EXIT_CODE_FILE = "exit_code"
 OOM_REASON = "OOMKilled"
 # The launcher runs as a script: isolated mode (-I: no PYTHON* variables from the workload's
 # env, no user site) and no site module (-S: it needs only the standard library; faster start).
-# How much of an exec health check's output is kept (its start goes into the failure message).
-MAX_CHECK_OUTPUT = 4096
 _LAUNCH = [sys.executable, "-I", "-S", launch.__file__]
 
 

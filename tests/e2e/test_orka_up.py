@@ -282,6 +282,54 @@ class Tour:
         return "\n".join(parts)
 
 
+async def day2_tour(tour: Tour, instances: list[str]) -> None:
+    """The README's day-2 lines on the web workload: logs, exec, a rollout, a release that
+    rolls itself back, and the activity that says so."""
+    first = instances[0]
+    # Logs: the health checks' GETs, each replica's lines prefixed with its name.
+    logs = await tour.orka("logs", "web", "--tail", "2")
+    got = {line.split("] ", 1)[0].lstrip("[") for line in logs.splitlines() if line}
+    assert got <= set(instances) and "GET /index.html" in logs, logs
+    rc, out, err = await tour.run(
+        sys.executable, "-m", "orka.cli.main", "exec", first, "--", "sh", "-c",
+        "cat index.html; exit 3",
+    )  # fmt: skip
+    assert (rc, out.strip()) == (3, f"hello from {first}"), (rc, out, err)
+
+    # A good release rolls out; every replica answers with the new page.
+    await tour.orka("apply", "-f", str(EXAMPLES / "web-v2.yaml"), "--wait", timeout=90)
+    v2 = await tour.running("web")
+    assert len(v2) == 2 and not {i["name"] for i in v2} & set(instances), v2
+    for inst in v2:
+        port = inst["ports"][0]["host_port"]
+        body = (await asyncio.to_thread(http_get, "127.0.0.1", port))[1]
+        assert body.decode().strip() == f"hello v2 from {inst['name']}"
+
+    # A broken one: apply --wait fails, and the rollout goes back to revision 2's spec.
+    rc, out, err = await tour.run(
+        sys.executable, "-m", "orka.cli.main", "apply", "-f",
+        str(EXAMPLES / "web-broken.yaml"), "--wait", timeout=90,
+    )  # fmt: skip
+    assert rc == 1 and "revision 3 failed and is being rolled back" in out + err, (out, err)
+    # The rollback's own rollout finishes: revision 4, running revision 2's spec.
+    status = await _soon(lambda: _status_when(tour, "ROLLED_BACK"), timeout=60)
+    history = await tour.json("rollout", "history", "web")
+    assert [r["revision"] for r in history] == [1, 2, 3, 4], history
+    assert status["rollout"]["revision"] == 4, status
+    assert status["spec"]["command"] == history[1]["command"] == history[3]["command"], status
+    described = await tour.orka("describe", "workload", "web")
+    assert re.search(r"Warning\s+RollingBack\s+revision 3 failed; revision 4 rolls back", described)
+    assert re.search(r"Warning\s+RolledBack\s+revision 4: rolled back", described), described
+    running = await tour.running("web")
+    assert {i["name"] for i in running} == {i["name"] for i in v2}, running  # kept, not restarted
+
+
+async def _status_when(tour: Tour, state: str) -> dict[str, Any] | None:
+    w = await tour.json("get", "workload", "web")
+    w = w[0] if isinstance(w, list) else w
+    return w if w.get("rollout", {}).get("state") == state else None
+
+
 async def _soon(check: Any, timeout: float) -> Any:
     """`eventually` for checks that run the CLI: a failed command is just 'not yet'."""
 
@@ -398,8 +446,11 @@ async def test_orka_up_tour(tour: Tour) -> None:
                 return None
 
         assert (await _soon(answers, timeout=20)).decode().strip() == f"hello from {instance}"
-    await tour.orka("delete", "workload", "web", "--wait", timeout=60)
     timings["apply web --wait -> answers at its endpoints"] = time.monotonic() - t
+    t = time.monotonic()
+    await day2_tour(tour, sorted(web))
+    await tour.orka("delete", "workload", "web", "--wait", timeout=60)
+    timings["day-2: logs, exec, rollout, automatic rollback"] = time.monotonic() - t
 
     # 2c. The same with network: bridge: an address of its own, and a host port mapped to it.
     if host_unavailable() is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from orka.api import controller_pb2 as pb
 from orka.rpc.client import call
@@ -39,10 +40,22 @@ async def test_container_logs_apart_and_exec(
             image=containerd.image,
             command=["sh", "-c", TALK],
             replicas=1,
+            # An exec check runs through containerd's exec, like `orka exec`.
+            health_check=pb.HealthCheck(
+                exec=pb.HealthCheck.Exec(command=["cat", "/etc/hostname"]),
+                interval=Duration(seconds=1),
+                timeout=Duration(seconds=1),
+            ),
         )
         await call(c.api.CreateWorkload, pb.CreateWorkloadRequest(spec=spec))
         (inst,) = await eventually(lambda: c.running("box"))
         name = inst.name
+
+        async def healthy() -> pb.Instance | None:
+            got = await call(c.api.GetInstance, pb.GetInstanceRequest(name=name))
+            return got if got.health == pb.Instance.HEALTHY else None
+
+        assert (await eventually(healthy, timeout=20)).restarts == 0
 
         # Logs: stdout and stderr of a container arrive apart, each on its own output.
         async def three_lines() -> tuple[bytes, bytes] | None:

@@ -18,7 +18,7 @@ def wire(check: pb.HealthCheck, kind: int = pb.WorkloadSpec.PROCESS) -> pb.Workl
     if kind == pb.WorkloadSpec.PROCESS:
         msg.command.append("x")
     else:
-        msg.image = "busybox"
+        msg.image = "/srv/disk.qcow2" if kind == pb.WorkloadSpec.VM else "busybox"
         msg.ports[0].port = 80
     msg.health_check.CopyFrom(check)
     return msg
@@ -93,9 +93,9 @@ def wire(check: pb.HealthCheck, kind: int = pb.WorkloadSpec.PROCESS) -> pb.Workl
         ),
         (
             pb.HealthCheck(exec=pb.HealthCheck.Exec(command=["true"])),
-            pb.WorkloadSpec.CONTAINER,
+            pb.WorkloadSpec.VM,
             "spec.health_check.exec",
-            "exec checks are for PROCESS workloads for now; use tcp or http for a CONTAINER",
+            "exec checks are for PROCESS and CONTAINER workloads; use tcp or http for a VM",
         ),
         (
             pb.HealthCheck(exec=pb.HealthCheck.Exec()),
@@ -111,6 +111,13 @@ def test_a_bad_check_is_refused_naming_the_field(
     with pytest.raises(Invalid) as err:
         spec_from_pb(wire(check, kind))
     assert err.value.fields == [FieldViolation(field, description)]
+
+
+def test_a_container_may_have_an_exec_check() -> None:
+    check = pb.HealthCheck(exec=pb.HealthCheck.Exec(command=["cat", "/etc/hostname"]))
+    parsed = spec_from_pb(wire(check, pb.WorkloadSpec.CONTAINER)).health_check
+    assert parsed is not None and parsed.exec is not None
+    assert parsed.exec.command == ["cat", "/etc/hostname"]
 
 
 def test_a_udp_port_cannot_be_checked() -> None:

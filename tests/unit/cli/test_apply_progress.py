@@ -12,6 +12,7 @@ from orka.models import (
     Instance,
     InstancePhase,
     RestartPolicy,
+    Revision,
     Rollout,
     RolloutState,
     Workload,
@@ -72,9 +73,15 @@ def test_a_rollout_must_finish_and_a_failed_or_rolled_back_one_fails_the_wait() 
     assert not rolling(RolloutState.AWAITING_PROMOTION).ready()
     assert rolling(RolloutState.FAILED).failure() == "the rollout of revision 2 failed: m"
     back = rolling(RolloutState.PROGRESSING, generation=3, rollback_of=2)
-    assert back.failure() == "revision 2 failed and is rolled back: m"
+    assert back.failure() == "revision 2 failed and is being rolled back"
+    cause = "automatic rollback to revision 1: instance web-9 is unhealthy: status 404"
+    back.workload.revisions = [
+        Revision(revision=2, cause="update"),
+        Revision(revision=3, cause=cause),
+    ]
+    assert back.failure() == f"revision 2 failed and is being rolled back ({cause})"
     assert rolling(RolloutState.ROLLED_BACK, generation=3, rollback_of=2).failure() == (
-        "revision 2 failed and is rolled back: m"
+        "revision 2 failed and is being rolled back"
     )
 
 

@@ -12,6 +12,7 @@ from orka.models import (
     InstancePhase,
     Node,
     NodeState,
+    Revision,
     Rollout,
     RolloutState,
     Workload,
@@ -151,6 +152,7 @@ def test_rollout_steps_are_recorded_once_each() -> None:
     w2b = w2.model_copy(update={"updated_at": w2.updated_at + 1})  # a status write: no step
     w2f = at(w2, 3, state=RolloutState.FAILED, revision=3, stable=1, message="web-7 exited")
     w3 = at(w2f, 4, state=RolloutState.PROGRESSING, revision=4, stable=1, rollback_of=3)
+    w3.revisions = [Revision(revision=4, cause="automatic rollback to revision 2: web-7 exited")]
     w3c = at(w3, 4, state=RolloutState.ROLLED_BACK, revision=4, stable=4, rollback_of=3)
     for old, new in [(w1, w2a), (w2a, w2), (w2, w2b), (w2b, w2f), (w2f, w3), (w3, w3c)]:
         write(log, old, new)
@@ -158,8 +160,13 @@ def test_rollout_steps_are_recorded_once_each() -> None:
     assert [g for g in got if g[1].startswith("Roll")] == [
         (NORMAL, "RolloutProgressing", "revision 2: progressing"),
         (NORMAL, "RolloutProgressing", "revision 3: progressing"),
-        (WARNING, "RolloutFailed", "revision 3: failed; web-7 exited"),
-        (NORMAL, "RolloutProgressing", "revision 4: progressing (rolling back revision 3)"),
+        (WARNING, "RolloutFailed", "revision 3: failed: web-7 exited"),
+        (
+            WARNING,
+            "RollingBack",
+            "revision 3 failed; revision 4 rolls back: automatic rollback to revision 2:"
+            " web-7 exited",
+        ),
         (WARNING, "RolledBack", "revision 4: rolled back"),
     ]
 
