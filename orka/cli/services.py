@@ -561,6 +561,14 @@ def _driver_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         containerd["socket"] = args.containerd_socket
     if args.containerd_cgroup_parent:
         containerd["cgroup_parent"] = args.containerd_cgroup_parent
+    if args.containerd_logs:
+        from orka.runtime.containerd import LOG_MODES  # only when asked: it loads containerd's API
+
+        if args.containerd_logs not in LOG_MODES:
+            raise UsageError(
+                f"--containerd-logs: {args.containerd_logs!r} is not one of {', '.join(LOG_MODES)}"
+            )
+        containerd["logs"] = args.containerd_logs
     libvirt: dict[str, Any] = {"domain_type": args.libvirt_domain_type}
     if args.libvirt_uri:
         libvirt["uri"] = args.libvirt_uri
@@ -807,6 +815,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--containerd-socket",
         metavar="PATH",
         help="containerd's socket for the containerd driver (/run/containerd/containerd.sock)",
+    )
+    add_flag(
+        p,
+        "--containerd-logs",
+        metavar="writer|file",
+        help="how containers' output reaches their logs: writer (stdout and stderr apart, via"
+        " a log writer containerd's shim starts on the host with this agent's Python; the"
+        " default) or file (containerd's own file logging, the two interleaved: for an agent"
+        " in a container of its own)",
     )
     add_flag(
         p,

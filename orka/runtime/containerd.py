@@ -86,7 +86,7 @@ from orka.api.containerd.services.tasks.v1 import tasks_pb2_grpc as tgrpc
 from orka.api.containerd.services.version.v1 import version_pb2_grpc as vgrpc
 from orka.api.containerd.types import descriptor_pb2 as descpb
 from orka.api.containerd.types.task import task_pb2 as taskpb
-from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
+from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, RuntimeFailure
 from orka.models import WorkloadKind, WorkloadSpec
 from orka.runtime import logwriter, oci
 from orka.runtime.base import (
@@ -154,6 +154,10 @@ def _ts(stamp: Any) -> float | None:
     return seconds if seconds > 0 else None
 
 
+# How a container's output reaches its log files (the `logs` option, `--containerd-logs`).
+LOG_MODES = ("writer", "file")
+
+
 class ContainerdDriver(TrackingDriver[_Task]):
     name: ClassVar[str] = "containerd"
 
@@ -169,7 +173,15 @@ class ContainerdDriver(TrackingDriver[_Task]):
         rpc_timeout: float = 30.0,
         pull_timeout: float = 600.0,
         network: InstanceNetwork | None = None,
+        logs: str = "writer",
     ) -> None:
+        if logs not in LOG_MODES:
+            raise Invalid(f"containerd logs: {logs!r} is not one of {', '.join(LOG_MODES)}")
+        # "writer": stdout and stderr apart, through the log writer the shim starts (it runs on
+        # containerd's host, so the agent's Python must be there at the same path). "file":
+        # containerd's own file:// logging, for an agent in a container of its own (compose):
+        # one file, stdout and stderr interleaved.
+        self._logs = logs
         self._root = Path(data_dir).resolve() / "instances"
         self.socket = socket
         self.namespace = namespace
@@ -318,8 +330,11 @@ class ContainerdDriver(TrackingDriver[_Task]):
             options,
         )
 
-    def _log_uri(self) -> str:
-        """The `binary://` URI of the log writer's launcher, written on first use."""
+    def _log_uri(self, instance: str) -> str:
+        """Where the task's output goes: the `binary://` URI of the log writer's launcher
+        (written on first use), or in "file" mode its stdout.log."""
+        if self._logs == "file":
+            return (self._root / instance / "stdout.log").as_uri()
         launcher = self._root.parent / "logwriter"
         script = logwriter.launcher_script(self._root)
         try:
@@ -387,7 +402,7 @@ class ContainerdDriver(TrackingDriver[_Task]):
         spec = oci.build_spec(run, image.config, self.cgroups_path(instance), netns)
         task_dir = self._root / instance
         await asyncio.to_thread(task_dir.mkdir, parents=True, exist_ok=True)
-        log_uri = await asyncio.to_thread(self._log_uri)
+        log_uri = await asyncio.to_thread(self._log_uri, instance)
         # /etc/hostname names the container, as Docker's and Kubernetes' do.
         hostname = task_dir / "hostname"
         await asyncio.to_thread(hostname.write_text, f"{spec.get('hostname') or instance}\n")

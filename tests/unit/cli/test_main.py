@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from orka.cli.defaults import client_target
+from orka.cli.defaults import UsageError, client_target
 from orka.cli.main import build_parser, main
+from orka.errors import Invalid
 
 
 @pytest.fixture(autouse=True)
@@ -190,6 +191,22 @@ def test_agent_driver_flags_become_driver_options(monkeypatch: pytest.MonkeyPatc
     assert _driver_options(parse("agent", "--libvirt-domain-type", "kvm"))["libvirt"] == {
         "domain_type": "kvm"
     }
+    assert _driver_options(parse("agent", "--containerd-logs", "file"))["containerd"] == {
+        "logs": "file"
+    }
+    with pytest.raises(UsageError, match="--containerd-logs: 'both' is not one of writer, file"):
+        _driver_options(parse("agent", "--containerd-logs", "both"))
+
+
+def test_containerd_file_logs_go_to_one_file(tmp_path: Path) -> None:
+    from orka.runtime.containerd import ContainerdDriver
+
+    driver = ContainerdDriver(tmp_path, logs="file")
+    assert driver._log_uri("web-1") == (tmp_path / "instances" / "web-1" / "stdout.log").as_uri()
+    writer = ContainerdDriver(tmp_path)._log_uri("web-1")
+    assert writer == f"binary://{tmp_path / 'logwriter'}"
+    with pytest.raises(Invalid, match="containerd logs: 'both' is not one of writer, file"):
+        ContainerdDriver(tmp_path, logs="both")
 
 
 def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
