@@ -21,22 +21,10 @@ import grpc
 from orka.api import controller_pb2 as pb
 from orka.cli.client import AdminClient
 from orka.cli.defaults import add_client_flags, client_identity, client_target
-from orka.cli.exec import raw_terminal
+from orka.cli.exec import raw_terminal, read_stdin
 from orka.errors import from_rpc_error
 
 DETACH = b"\x1d"  # Ctrl-]
-READ_SIZE = 4096
-
-
-def _keys(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[bytes]) -> None:
-    while True:
-        try:
-            data = os.read(0, READ_SIZE)
-        except OSError:
-            data = b""
-        loop.call_soon_threadsafe(queue.put_nowait, data)
-        if not data or DETACH in data:
-            return
 
 
 async def attach(client: AdminClient, instance: str, interactive: bool, stdout: BinaryIO) -> int:
@@ -46,7 +34,7 @@ async def attach(client: AdminClient, instance: str, interactive: bool, stdout: 
 
     async def requests() -> AsyncIterator[pb.AttachConsoleRequest]:
         yield pb.AttachConsoleRequest(instance=instance)
-        threading.Thread(target=_keys, args=(loop, keys), daemon=True).start()
+        threading.Thread(target=read_stdin, args=(loop, keys, DETACH), daemon=True).start()
         while data := await keys.get():
             if DETACH in data:
                 before = data.split(DETACH, 1)[0]

@@ -40,15 +40,19 @@ def terminal_size() -> pb.TerminalSize:
     return pb.TerminalSize(rows=size.lines, cols=size.columns)
 
 
-def _stdin_reader(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[bytes]) -> None:
-    """A daemon thread: a blocking read of fd 0 must not hold up the exit."""
+def read_stdin(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[bytes], until: bytes = b""
+) -> None:
+    """A daemon thread (a blocking read of fd 0 must not hold up the exit): stdin's chunks
+    into `queue`, waiting for room (a bounded queue holds the reader back, not the loop), then
+    b"" at its end; it stops after a chunk holding `until` (the console's detach key)."""
     while True:
         try:
             data = os.read(0, READ_SIZE)
         except OSError:
             data = b""
-        loop.call_soon_threadsafe(queue.put_nowait, data)
-        if not data:
+        asyncio.run_coroutine_threadsafe(queue.put(data), loop).result()
+        if not data or (until and until in data):
             return
 
 
@@ -60,7 +64,7 @@ async def requests(
         return
     loop = asyncio.get_running_loop()
     data_q: asyncio.Queue[bytes] = asyncio.Queue(4)
-    threading.Thread(target=_stdin_reader, args=(loop, data_q), daemon=True).start()
+    threading.Thread(target=read_stdin, args=(loop, data_q), daemon=True).start()
     while True:
         get_data = asyncio.ensure_future(data_q.get())
         get_size = asyncio.ensure_future(resized.get())

@@ -10,12 +10,13 @@ whose behaviour (the function gRPC calls with the request and the context) check
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from orka.errors import Unauthenticated
+from orka.rpc.wrapping import WrappingInterceptor, replace_behaviour
 from orka.security.identity import PEER_CERT_KEY
 from orka.security.revocation import REVOCATIONS, REVOKED, REVOKED_DETAILS, Revocations
 
@@ -64,39 +65,18 @@ def _checked(behaviour: Behaviour, registry: Revocations) -> Behaviour:
     return call
 
 
-_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-
-
 def checked_handler(
     handler: grpc.RpcMethodHandler, registry: Revocations = REVOCATIONS
 ) -> grpc.RpcMethodHandler:
-    kind = next(k for k in _KINDS if getattr(handler, k, None) is not None)
-    # RpcMethodHandler is a namedtuple in grpc; _replace keeps the (de)serialisers.
-    return handler._replace(**{kind: _checked(getattr(handler, kind), registry)})  # type: ignore[attr-defined]
+    return replace_behaviour(handler, lambda behaviour: _checked(behaviour, registry))
 
 
-class RevocationInterceptor(grpc.aio.ServerInterceptor):
+class RevocationInterceptor(WrappingInterceptor):
     """Installed by `start_server` on every Orka server."""
 
     def __init__(self, registry: Revocations = REVOCATIONS) -> None:
+        super().__init__()
         self.registry = registry
-        # Method -> (the handler gRPC found, its checked copy): handlers are looked up per
-        # call, so the wrapping is done once per method, not per call.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler  # unknown method: gRPC answers UNIMPLEMENTED
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = checked_handler(handler, self.registry)
-        if len(self._wrapped) < 4096:  # methods are few; a generic handler could make more
-            self._wrapped[method] = (handler, wrapped)
-        return wrapped
+    def wrap(self, handler: grpc.RpcMethodHandler, path: str) -> grpc.RpcMethodHandler:
+        return checked_handler(handler, self.registry)

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from orka.errors import Invalid, OrkaError, trailing_metadata, wire_message
 from orka.rpc import own_cert
 from orka.rpc.revocation_check import RevocationInterceptor
+from orka.rpc.wrapping import WrappingInterceptor, replace_behaviour
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
 from orka.security.tls import TlsFiles, server_credentials
 
@@ -180,38 +181,14 @@ def _measured(behaviour: Callable[..., Any], service: str, method: str) -> Calla
     return call
 
 
-_KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(WrappingInterceptor):
     """RPCs by service, method and code, with their latency (orka.metrics), on every server.
     Outermost, so that calls the revocation check refuses are counted too. Methods the server
     does not have are not counted: the label values stay the server's own methods."""
 
-    def __init__(self) -> None:
-        # Method -> (the handler gRPC found, its measured copy): wrapped once per method.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler  # unknown method: gRPC answers UNIMPLEMENTED
-        path = handler_call_details.method  # /package.Service/Method
-        cached = self._wrapped.get(path)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
+    def wrap(self, handler: grpc.RpcMethodHandler, path: str) -> grpc.RpcMethodHandler:
         service, _, method = path.lstrip("/").rpartition("/")
-        kind = next(k for k in _KINDS if getattr(handler, k, None) is not None)
-        wrapped = handler._replace(  # type: ignore[attr-defined]
-            **{kind: _measured(getattr(handler, kind), service, method)}
-        )
-        if len(self._wrapped) < 4096:  # methods are few; a generic handler could make more
-            self._wrapped[path] = (handler, wrapped)
-        return wrapped
+        return replace_behaviour(handler, lambda behaviour: _measured(behaviour, service, method))
 
 
 @dataclass(frozen=True)
