@@ -287,9 +287,16 @@ async def day2_tour(tour: Tour, instances: list[str]) -> None:
     rolls itself back, and the activity that says so."""
     first = instances[0]
     # Logs: the health checks' GETs, each replica's lines prefixed with its name.
-    logs = await tour.orka("logs", "web", "--tail", "2")
+    # (http.server writes its request log to stderr: `orka logs` prints it on its own stderr.)
+    rc, out, logs = await tour.run(
+        sys.executable, "-m", "orka.cli.main", "logs", "web", "--tail", "2"
+    )
     got = {line.split("] ", 1)[0].lstrip("[") for line in logs.splitlines() if line}
-    assert got <= set(instances) and "GET /index.html" in logs, logs
+    assert (rc, out) == (0, "") and got == set(instances), (rc, out, logs)
+    lines = logs.splitlines()
+    assert len(lines) == 4 and all('"GET /' in line for line in lines), logs
+    for name in instances:  # its agent's health check, in its own log
+        assert f"[{name}] 127.0.0.1 - - " in logs and '"GET /index.html HTTP/1.0" 200' in logs
     rc, out, err = await tour.run(
         sys.executable, "-m", "orka.cli.main", "exec", first, "--", "sh", "-c",
         "cat index.html; exit 3",
