@@ -33,8 +33,8 @@ class LogKeeper:
     def paths(self) -> list[Path]:
         out: set[Path] = set()
         for inst in list(self.instances.values()):
-            if inst.driver.log_backup is not None:
-                continue  # its writer bounds them
+            if inst.driver.log_backup is not None or not inst.driver.keeps_logs:
+                continue  # its writer bounds them, or there are none
             try:
                 out.update(inst.driver.log_paths(inst.name))
             except Exception:  # a driver that cannot say: nothing to keep
@@ -62,5 +62,7 @@ class LogKeeper:
 
     async def run(self) -> None:
         while True:
-            await asyncio.to_thread(self.check, self.paths())
+            paths = self.paths()
+            if paths or self.indexes:  # nothing to look at: no trip to a thread
+                await asyncio.to_thread(self.check, paths)
             await asyncio.sleep(self.interval)

@@ -198,6 +198,10 @@ class Driver(ABC):
     # orka/runtime/logs.py). A suffix: their writer rotates them itself, renaming the full file
     # to `<file><suffix>` (libvirt's virtlogd: `.0`), and the agent leaves them alone.
     log_backup: ClassVar[str | None] = None
+    # Whether its instances have log files at `log_paths` for the agent to bound and index
+    # (the fake driver's write none: its agent skips them, a thousand simulated agents in one
+    # benchmark process would otherwise stat files that never exist).
+    keeps_logs: ClassVar[bool] = True
     name: ClassVar[str]
 
     @abstractmethod

@@ -103,6 +103,8 @@ class FakeDriver(Driver):
         task = self._get(instance)
         return task.usage if task.info.state is TaskState.RUNNING else Usage()
 
+    keeps_logs = False
+
     def log_paths(self, instance: str) -> tuple[Path, Path]:
         base = self._data_dir / "instances" / check_instance(instance)
         return base / "stdout.log", base / "stderr.log"

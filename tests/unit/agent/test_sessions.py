@@ -19,7 +19,7 @@ def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
     err = tmp_path / "stderr.log"
     out.write_bytes(b"x" * (100 << 10))  # four chunks
     err.write_bytes(b"")
-    driver = SimpleNamespace(log_paths=lambda name: (out, err), log_backup=None)
+    driver = SimpleNamespace(log_paths=lambda name: (out, err), log_backup=None, keeps_logs=True)
     instances = {"web-1": SimpleNamespace(name="web-1", driver=driver)}
     sent: list[apb.AgentMessage] = []
     sessions = Sessions(instances, sent.append, LogKeeper(instances, 1 << 20))  # type: ignore[arg-type]
@@ -84,3 +84,21 @@ async def test_a_follow_ends_when_the_instance_goes(tmp_path: Path) -> None:
         await asyncio.sleep(0.05)
     assert not len(sessions)
     assert outputs(sent)[-1].end.code == code_pb2.OK
+
+
+def test_the_log_keeper_looks_only_at_drivers_that_keep_log_files(tmp_path: Path) -> None:
+    def inst(name: str, **driver: object) -> SimpleNamespace:
+        paths = (tmp_path / name / "stdout.log", tmp_path / name / "stderr.log")
+        fields = {"log_paths": lambda _: paths, "log_backup": None, "keeps_logs": True} | driver
+        return SimpleNamespace(name=name, driver=SimpleNamespace(**fields))
+
+    instances = {
+        "web-1": inst("web-1"),
+        "vm-1": inst("vm-1", log_backup="console.log.0"),  # virtlogd bounds its own
+        "fake-1": inst("fake-1", keeps_logs=False),  # writes none
+    }
+    keeper = LogKeeper(instances, 1 << 20)  # type: ignore[arg-type]
+    assert keeper.paths() == [tmp_path / "web-1" / "stderr.log", tmp_path / "web-1" / "stdout.log"]
+    from orka.runtime.fake import FakeDriver
+
+    assert FakeDriver.keeps_logs is False
