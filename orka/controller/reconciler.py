@@ -317,9 +317,18 @@ class Reconciler:
         """The writes that move one live workload toward its spec, step by step; each step sees
         what the steps before it wrote."""
         if self._settled(w, insts):
+            crash = None
             if w.name in self.crashes:
-                self._crash_streak(w, insts, now)  # a settled workload may end its streak
-            return self._status_change(w, w, insts.values(), now)
+                crash = self._crash_streak(w, insts, now)  # a settled one may end its streak
+            if w.rollout.state is not RolloutState.PROGRESSING:
+                return self._status_change(w, w, insts.values(), now)
+            # Every instance is of the current revision: nothing to replace, scale or forget,
+            # only the rollout's state may move (its instances turn ready, or fail).
+            step = WorkloadStep(w, insts, now)
+            self._roll(step, crash)
+            return step.changes + self._status_change(
+                w, step.workload, step.current().values(), now
+            )
         step = WorkloadStep(w, insts, now)
         self._lose_on_gone_nodes(step)
         _release_replaced(step)
@@ -487,15 +496,15 @@ class Reconciler:
         self.kick()
 
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
-        """True when steps 1-5 of `_plan_workload` have nothing to do: as many instances as
-        replicas, none finished, stopping, replaced or of an old generation, none on a node
-        that is lost, departed or draining. Most workloads are so on most passes (a full pass
-        looks at every one), and one loop tells, where the steps take one or more each."""
+        """True when steps 1-5 of `_plan_workload` have nothing to do but move the rollout's
+        state: as many instances as replicas, none finished, stopping, replaced or of an old
+        generation, none on a node that is lost, departed or draining. Most workloads are so
+        on most passes (a full pass looks at every one), and one loop tells, where the steps
+        take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
-        r = w.rollout
-        if r.revision != w.generation or r.state is RolloutState.PROGRESSING:
-            return False
+        if w.rollout.revision != w.generation:
+            return False  # a rollout to start
         generation = w.generation
         for i in insts.values():
             if (

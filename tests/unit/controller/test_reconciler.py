@@ -49,7 +49,9 @@ from orka.models import (
     NodeState,
     Resources,
     RestartPolicy,
+    Rollout,
     RolloutState,
+    UpdateStrategy,
     Workload,
     WorkloadKind,
     WorkloadSpec,
@@ -589,7 +591,19 @@ async def test_workload_status_says_when_a_replica_waits_for_what_waiting_cannot
 def random_state(rng: random.Random) -> tuple[Workload, dict[str, Instance], dict[str, Node]]:
     """A workload, its instances and the nodes, in any mix of the states planning looks at."""
     gen = rng.choice([1, 2])
-    w = workload(replicas=rng.randint(0, 4), generation=gen)
+    now = time.time()
+    # Any rollout state, mostly of the current revision: a settled workload whose rollout
+    # progresses has only its state to move (instances turning ready, failing, a deadline).
+    rollout = Rollout(
+        state=rng.choice(list(RolloutState)),
+        revision=gen if rng.random() < 0.9 else 3 - gen,
+        stable=rng.choice([0, 1]),
+        started_at=now - 30,
+        deadline=now + rng.choice([-1, 600]),
+    )
+    w = workload(replicas=rng.randint(0, 4), generation=gen, rollout=rollout)
+    update = UpdateStrategy(min_ready_seconds=rng.choice([0, 5]), auto_rollback=rng.random() < 0.5)
+    w.spec = w.spec.model_copy(update={"update": update})
     nodes = {
         n: node(
             n,
@@ -612,6 +626,9 @@ def random_state(rng: random.Random) -> tuple[Workload, dict[str, Instance], dic
             desired_stop=rng.random() < 0.05,
             replaced_by=rng.choice(names) if rng.random() < 0.05 else "",
             message=rng.choice(["", "", "1 node: cordoned"]) if phase is P.PENDING else "",
+            health=rng.choice([HealthState.HEALTHY] * 4 + list(HealthState)),
+            health_changed_at=now - rng.choice([1, 60]),
+            restarts=rng.choice([0] * 9 + [1]),
         )
     return w, insts, nodes
 
