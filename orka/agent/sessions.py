@@ -11,6 +11,7 @@ it with nothing more sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -207,7 +208,7 @@ class Sessions:
             start = logfiles.Position(0, rotated=True)
         if tail_lines > 0:
             tail = await asyncio.to_thread(logfiles.tail_position, path, tail_lines, backup)
-            start = _later(start, tail)
+            start = dataclasses.replace(_later(start, tail), end=tail.end)
         renamed = renamed_to is not None
         async for data in logfiles.follow(path, start, follow, backup=backup, renamed=renamed):
             await session.emit(apb.SessionOutput(log=pb.LogChunk(stream=kind, data=data)))  # type: ignore[arg-type]

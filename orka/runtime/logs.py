@@ -21,6 +21,7 @@ what the reader had not yet read is in `<file>.1` at the same offsets.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from collections import deque
@@ -98,6 +99,9 @@ class Position:
 
     offset: int = 0
     rotated: bool = False
+    # Without follow, read the file up to here: its size when the start was found (lines
+    # written after a tail was counted are not part of it).
+    end: int | None = None
 
 
 def since_position(
@@ -132,12 +136,18 @@ def since_position(
 
 
 def tail_position(path: Path, lines: int, backup: str = BACKUP) -> Position:
-    """The start of the last `lines` lines kept (in the file, else in `<file>.1`). Blocking;
-    reads backwards in blocks, at most the files' bounded size."""
+    """The start of the last `lines` lines kept (in the file, else in `<file>.1`), and the
+    file's size they were counted up to (`end`). Blocking; reads backwards in blocks, at most
+    the files' bounded size."""
+    size = _size(path)
+    return dataclasses.replace(_tail_position(path, lines, backup, size), end=size)
+
+
+def _tail_position(path: Path, lines: int, backup: str, size: int) -> Position:
     if lines <= 0:
         return Position(0, rotated=True)
     need = lines
-    current = _size(path) > 0
+    current = size > 0
     for is_rotated, p in ((False, path), (True, rotated(path, backup))):
         try:
             f = p.open("rb")
@@ -145,6 +155,8 @@ def tail_position(path: Path, lines: int, backup: str = BACKUP) -> Position:
             continue
         with f:
             end = os.fstat(f.fileno()).st_size
+            if not is_rotated:
+                end = min(end, size)  # what the instance writes meanwhile is not counted
             pos = end
             first = True
             while pos > 0:
@@ -222,7 +234,7 @@ async def follow(
     seen = _inode(path if renamed else old)
     # Without follow: what the file held when reading began, not what comes while it is read
     # (a tail of 3 lines is 3 lines, however fast the instance writes).
-    end = None if follow else _size(path)
+    end = None if follow else (start.end if start.end is not None else _size(path))
     wait = POLL_MIN
     while True:
         # Checked before each read: the file may have grown past our offset again since the

@@ -51,6 +51,16 @@ def test_tail_position_reads_backwards_across_blocks(tmp_path: Path) -> None:
     assert lines_from(path, tail_position(path, 3)).splitlines()[0].startswith(b"line 1997 ")
 
 
+async def test_a_tail_is_the_lines_counted_not_what_is_written_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "stdout.log"
+    path.write_bytes(b"a\nb\nc\nd\n")
+    start = tail_position(path, 3)
+    assert start == Position(2, end=8)
+    write(path, b"e\n")  # the instance writes on while the tail is sent
+    got = b"".join([chunk async for chunk in follow(path, start, follow=False)])
+    assert got == b"b\nc\nd\n"
+
+
 def test_rotate_keeps_one_old_file_and_the_bound(tmp_path: Path) -> None:
     path = tmp_path / "stdout.log"
     path.write_bytes(b"x" * 100)
@@ -122,4 +132,4 @@ async def test_follow_a_writer_that_rotates_by_renaming(tmp_path: Path) -> None:
         while got != b"two\nthree\nfour\n":
             got += await anext(reader)
     await reader.aclose()
-    assert tail_position(path, 3, ".0") == Position(4, rotated=True)
+    assert tail_position(path, 3, ".0") == Position(4, rotated=True, end=11)
