@@ -72,9 +72,13 @@ def rotate(path: Path, max_bytes: int) -> bool:
     with path.open("rb") as src, open(tmp, "wb") as dst:
         os.fchmod(dst.fileno(), 0o600)
         shutil.copyfileobj(src, dst, 1 << 20)
-    # The rename replaces the inode readers watch (`follow`): the copy is complete by then.
-    os.replace(tmp, rotated(path))
+    # Truncated first, then the rename replaces the inode readers watch (`follow`): a reader
+    # that sees the new `<path>.1` reads its rest and then the file from 0, which must hold
+    # only what came after the copy by then (the other way round it read the copied lines
+    # twice). What the instance writes between the copy and the truncate is lost, as with
+    # any copytruncate.
     os.truncate(path, 0)
+    os.replace(tmp, rotated(path))
     return True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,26 @@ async def test_a_tail_is_the_lines_counted_not_what_is_written_meanwhile(tmp_pat
     write(path, b"e\n")  # the instance writes on while the tail is sent
     got = b"".join([chunk async for chunk in follow(path, start, follow=False)])
     assert got == b"b\nc\nd\n"
+
+
+def test_rotate_truncates_before_the_old_file_appears(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A follower takes a new `.1` as "rotated: read its rest, then the file from 0"; were the
+    # file not yet truncated then, it would read the copied lines twice (CI saw it).
+    path = tmp_path / "stdout.log"
+    path.write_bytes(b"line\n" * 100)
+    sizes: list[int] = []
+    real = os.replace
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        sizes.append(path.stat().st_size)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert rotate(path, 100)
+    assert sizes == [0]
+    assert (tmp_path / "stdout.log.1").read_bytes() == b"line\n" * 100
 
 
 def test_rotate_keeps_one_old_file_and_the_bound(tmp_path: Path) -> None:
