@@ -59,7 +59,6 @@ from orka.errors import AlreadyExists, Conflict, NotFound, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 from orka.runtime import launch
 from orka.runtime.base import (
-    MAX_CHECK_OUTPUT,
     Attachment,
     DriverHealth,
     InstanceNetwork,
@@ -387,43 +386,6 @@ class ProcessDriver(TrackingDriver[_Task]):
         if prefix:
             argv = [*_LAUNCH, *prefix, "--", *argv]
         return argv, cwd, env
-
-    async def check_exec(
-        self, instance: str, spec: WorkloadSpec, command: list[str]
-    ) -> tuple[int, str]:
-        """A health check's command as the instance runs: its user and group, working dir,
-        environment (ports included), cgroup, and network namespace when it has its own. Not
-        its private /tmp (a mount namespace of its own, which the check does not join)."""
-        argv, cwd, env = await self._in_context(instance, spec, command)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise RuntimeFailure(f"process: cannot run {argv[0]!r}: {exc.strerror}") from exc
-        try:
-            assert proc.stdout is not None
-            output = b""
-            while chunk := await proc.stdout.read(1 << 16):
-                # Past the bound the rest is read and dropped, so a chatty check cannot block
-                # on a full pipe.
-                output += chunk[: MAX_CHECK_OUTPUT - len(output)]
-            return await proc.wait(), output.decode(errors="replace")
-        finally:
-            if proc.returncode is None:
-                # Timed out (cancelled): the whole group goes, then it is reaped.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                # Bounded: a daemon that left the group may hold the pipe (which wait() also
-                # waits for); the child watcher reaps the killed command either way.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), _KILL_TIMEOUT)
 
     async def list(self) -> list[TaskInfo]:
         unknown = await asyncio.to_thread(self._scan, set(self._tasks))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from orka.errors import NotFound
-from orka.runtime.process import MAX_CHECK_OUTPUT, ProcessDriver
+from orka.runtime.base import MAX_CHECK_OUTPUT
+from orka.runtime.process import ProcessDriver
 from tests.cgroups import detect_mounts
 
 from .conftest import _kill_leftovers, run_spec
