@@ -399,6 +399,101 @@ class UpdateStrategy(BaseModel):
         return self
 
 
+MAX_VOLUMES = 16
+DEFAULT_POOL = "default"
+# Volume backends an agent may offer: a directory of enforced size (an ext4 file system on a
+# loop-mounted sparse file) for processes and containers, a qcow2 disk for VMs.
+VOLUME_BACKENDS = ("ext4", "qcow2")
+MIN_VOLUME_BYTES = 1 << 20
+MAX_VOLUME_BYTES = 1 << 50
+
+
+def volume_env_key(name: str) -> str:
+    """The variable a PROCESS finds a volume's host path in: ORKA_VOLUME_<NAME>."""
+    return "ORKA_VOLUME_" + re.sub(r"[^A-Z0-9]", "_", name.upper())
+
+
+def backend_for(kind: WorkloadKind) -> str:
+    """The backend a volume gets when neither it nor its class names one."""
+    return "qcow2" if kind is WorkloadKind.VM else "ext4"
+
+
+def _check_mount_path(value: str) -> str:
+    if value and (
+        not value.startswith("/")
+        or "\0" in value
+        or len(value) > MAX_PATH_CHARS
+        or posixpath.normpath(value) != value
+        or value == "/"
+    ):
+        raise ValueError(
+            f"{quote(value)} must be an absolute, normalised path other than / (no '..', '.'"
+            " or '//')"
+        )
+    return value
+
+
+class VolumeMount(BaseModel):
+    """A volume in a workload (see proto VolumeMount)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    volume: str
+    mount_path: str = ""
+    read_only: bool = False
+
+    @field_validator("volume")
+    @classmethod
+    def _volume(cls, v: str) -> str:
+        return check_name(v, "volume")
+
+    @field_validator("mount_path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _check_mount_path(v)
+
+
+def _check_size(v: int) -> int:
+    if not MIN_VOLUME_BYTES <= v <= MAX_VOLUME_BYTES:
+        raise ValueError(f"{v} bytes is not between 1Mi and 1Pi")
+    return v
+
+
+class VolumeTemplate(BaseModel):
+    """A volume per replica (see proto VolumeTemplate)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    size_bytes: int
+    class_name: str = ""
+    mount_path: str = ""
+    read_only: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("class_name")
+    @classmethod
+    def _class(cls, v: str) -> str:
+        return check_name(v, "class_name") if v else v
+
+    @field_validator("size_bytes")
+    @classmethod
+    def _size(cls, v: int) -> int:
+        return _check_size(v)
+
+    @field_validator("mount_path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _check_mount_path(v)
+
+    def volume_name(self, workload: str, ordinal: int) -> str:
+        return f"{self.name}-{workload}-{ordinal}"
+
+
 class WorkloadSpec(BaseModel):
     """What a user declares. Validation errors name the offending field."""
 
@@ -440,6 +535,16 @@ class WorkloadSpec(BaseModel):
     update: UpdateStrategy = Field(default_factory=UpdateStrategy)
     # A check the agent runs against each running instance (see HealthCheck).
     health_check: HealthCheck | None = None
+    # A COMPUTE class: resolved into `resources` when the workload is written (see proto).
+    class_name: str = ""
+    pool: str = ""
+    volumes: list[VolumeMount] = Field(default_factory=list, max_length=MAX_VOLUMES)
+    volume_template: VolumeTemplate | None = None
+
+    @field_validator("class_name", "pool")
+    @classmethod
+    def _optional_name(cls, v: str, info: ValidationInfo) -> str:
+        return check_name(v, info.field_name or "name") if v else v
 
     @field_validator("name")
     @classmethod
@@ -555,7 +660,30 @@ class WorkloadSpec(BaseModel):
             )
         if self.health_check is not None:
             self._check_health(self.health_check)
+        self._check_volumes()
         return self
+
+    def _check_volumes(self) -> None:
+        mounts: list[tuple[str, str, str, bool]] = [
+            (f"volumes[{i}]", m.volume, m.mount_path, m.read_only)
+            for i, m in enumerate(self.volumes)
+        ]
+        if self.volume_template is not None:
+            t = self.volume_template
+            mounts.append(("volume_template", t.name, t.mount_path, t.read_only))
+        names: set[str] = set()
+        paths: set[str] = set()
+        for where, name, path, _ in mounts:
+            if name in names:
+                raise ValueError(f"{where}.volume: {quote(name)} is given twice")
+            names.add(name)
+            if self.kind is WorkloadKind.CONTAINER and not path:
+                raise ValueError(
+                    f"{where}.mount_path: is required for a CONTAINER (where it sees the volume)"
+                )
+            if path and path in paths:
+                raise ValueError(f"{where}.mount_path: {quote(path)} is used by two volumes")
+            paths.add(path)
 
     def _check_health(self, check: HealthCheck) -> None:
         # Messages start with the field's path: the API reports each as a field violation.
@@ -749,6 +877,8 @@ class Instance(BaseModel):
     health: HealthState = HealthState.UNKNOWN
     health_message: str = ""
     health_changed_at: float | None = None
+    # Which replica it is: a replacement takes its predecessor's (and its template volume).
+    ordinal: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -913,6 +1043,9 @@ class Node(BaseModel):
     last_heartbeat: float = 0.0
     joined_at: float = Field(default_factory=time.time)
     message: str = ""
+    pool: str = DEFAULT_POOL
+    volume_backends: list[str] = Field(default_factory=list)
+    volume_capacity_bytes: int = 0
 
 
 class InstanceReport(BaseModel):
@@ -934,3 +1067,162 @@ class InstanceReport(BaseModel):
     health: HealthState = HealthState.UNKNOWN
     health_message: str = ""
     health_changed_at: float | None = None
+
+
+# ---- pools, classes and volumes ----
+
+
+class ComputeShape(BaseModel):
+    """What an instance of a COMPUTE class gets (see proto Class.Compute)."""
+
+    resources: Resources = Field(default_factory=Resources)
+    kinds: list[WorkloadKind] = Field(default_factory=list)
+
+
+class VolumeShape(BaseModel):
+    """What a volume of a VOLUME class may be (see proto Class.Volume)."""
+
+    min_size_bytes: int = Field(default=0, ge=0)
+    max_size_bytes: int = Field(default=0, ge=0)
+    backends: list[str] = Field(default_factory=list)
+    immediate: bool = False
+
+    @field_validator("backends")
+    @classmethod
+    def _backends(cls, v: list[str]) -> list[str]:
+        for b in v:
+            if b not in VOLUME_BACKENDS:
+                raise ValueError(f"{quote(b)} is not a backend ({', '.join(VOLUME_BACKENDS)})")
+        return v
+
+
+class Class(BaseModel):
+    """A cluster-wide named shape: exactly one of compute and volume."""
+
+    name: str
+    compute: ComputeShape | None = None
+    volume: VolumeShape | None = None
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    etag: str = Field(default_factory=new_workload_etag)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> Class:
+        if (self.compute is None) == (self.volume is None):
+            raise ValueError("give exactly one of compute and volume")
+        if self.compute is not None:
+            r = self.compute.resources
+            if not (r.cpu_millis or r.memory_bytes):
+                raise ValueError("compute.resources: a class needs cpu or memory (or both)")
+        if self.volume is not None and self.volume.max_size_bytes:
+            if self.volume.min_size_bytes > self.volume.max_size_bytes:
+                raise ValueError("volume.min_size_bytes: is above max_size_bytes")
+        return self
+
+
+class VolumeState(StrEnum):
+    PENDING = "PENDING"
+    AVAILABLE = "AVAILABLE"
+    ATTACHED = "ATTACHED"
+    RELEASED = "RELEASED"
+    DELETING = "DELETING"
+    FAILED = "FAILED"
+    LOST = "LOST"
+
+
+class VolumeSpec(BaseModel):
+    name: str
+    size_bytes: int
+    class_name: str = ""
+    pool: str = ""
+    backend: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @field_validator("class_name", "pool")
+    @classmethod
+    def _optional_name(cls, v: str, info: ValidationInfo) -> str:
+        return check_name(v, info.field_name or "name") if v else v
+
+    @field_validator("size_bytes")
+    @classmethod
+    def _size(cls, v: int) -> int:
+        return _check_size(v)
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v and v not in VOLUME_BACKENDS:
+            raise ValueError(f"{quote(v)} is not a backend ({', '.join(VOLUME_BACKENDS)})")
+        return v
+
+
+class Volume(BaseModel):
+    spec: VolumeSpec
+    state: VolumeState = VolumeState.PENDING
+    node: str = ""
+    backend: str = ""
+    pool: str = ""
+    attached_to: list[str] = Field(default_factory=list)
+    message: str = ""
+    workload: str = ""
+    ordinal: int = 0
+    created_by: str = ""
+    created_at: float = Field(default_factory=time.time)
+    updated_at: float = Field(default_factory=time.time)
+    etag: str = Field(default_factory=new_workload_etag)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class VolumeAttachment(BaseModel):
+    """One volume as an instance uses it (see proto VolumeAttachment)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    size_bytes: int
+    backend: str
+    node: str = ""
+    pool: str = ""
+    mount_path: str = ""
+    read_only: bool = False
+    env_name: str = ""
+
+
+class VolumeReport(BaseModel):
+    """A volume as its agent reports it (see proto VolumeStatus)."""
+
+    name: str
+    state: VolumeState
+    size_bytes: int = 0
+    backend: str = ""
+    message: str = ""
+    attached_to: list[str] = Field(default_factory=list)
+
+
+class ClassCount(BaseModel):
+    class_name: str
+    count: int
+
+
+class Pool(BaseModel):
+    name: str
+    node_count: int = 0
+    ready_node_count: int = 0
+    capacity: Resources = Field(default_factory=Resources)
+    allocatable: Resources = Field(default_factory=Resources)
+    allocated: Resources = Field(default_factory=Resources)
+    available_classes: list[ClassCount] = Field(default_factory=list)
+    volume_capacity_bytes: int = 0
+    volume_backends: list[str] = Field(default_factory=list)

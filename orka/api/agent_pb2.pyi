@@ -48,14 +48,70 @@ class InstanceStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., phase: _Optional[_Union[_controller_pb2.Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., generation: _Optional[int] = ..., resources: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[_controller_pb2.PortBinding, _Mapping]]] = ..., health: _Optional[_Union[_controller_pb2.Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("instance", "generation", "spec")
+    __slots__ = ("instance", "generation", "spec", "volumes", "ordinal")
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
     instance: str
     generation: int
     spec: _controller_pb2.WorkloadSpec
-    def __init__(self, instance: _Optional[str] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[_controller_pb2.WorkloadSpec, _Mapping]] = ...) -> None: ...
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeAttachment]
+    ordinal: int
+    def __init__(self, instance: _Optional[str] = ..., generation: _Optional[int] = ..., spec: _Optional[_Union[_controller_pb2.WorkloadSpec, _Mapping]] = ..., volumes: _Optional[_Iterable[_Union[VolumeAttachment, _Mapping]]] = ..., ordinal: _Optional[int] = ...) -> None: ...
+
+class VolumeAttachment(_message.Message):
+    __slots__ = ("name", "size_bytes", "backend", "node", "pool", "mount_path", "read_only", "env_name")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_PATH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ENV_NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    backend: str
+    node: str
+    pool: str
+    mount_path: str
+    read_only: bool
+    env_name: str
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., node: _Optional[str] = ..., pool: _Optional[str] = ..., mount_path: _Optional[str] = ..., read_only: _Optional[bool] = ..., env_name: _Optional[str] = ...) -> None: ...
+
+class VolumeStatus(_message.Message):
+    __slots__ = ("name", "state", "size_bytes", "backend", "message", "attached_to")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_TO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: _controller_pb2.Volume.State
+    size_bytes: int
+    backend: str
+    message: str
+    attached_to: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[_controller_pb2.Volume.State, str]] = ..., size_bytes: _Optional[int] = ..., backend: _Optional[str] = ..., message: _Optional[str] = ..., attached_to: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ProvisionVolume(_message.Message):
+    __slots__ = ("command_id", "volume")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    volume: VolumeAttachment
+    def __init__(self, command_id: _Optional[str] = ..., volume: _Optional[_Union[VolumeAttachment, _Mapping]] = ...) -> None: ...
+
+class DeleteVolume(_message.Message):
+    __slots__ = ("command_id", "volume")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    volume: str
+    def __init__(self, command_id: _Optional[str] = ..., volume: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("session", "logs", "exec", "console", "credit")
@@ -102,7 +158,7 @@ class SessionOutput(_message.Message):
     def __init__(self, session: _Optional[str] = ..., log: _Optional[_Union[_controller_pb2.LogChunk, _Mapping]] = ..., exec: _Optional[_Union[_controller_pb2.ExecResponse, _Mapping]] = ..., console: _Optional[bytes] = ..., end: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("capacity", "allocatable", "labels", "drivers", "version")
+    __slots__ = ("capacity", "allocatable", "labels", "drivers", "version", "pool", "volume_backends", "volume_capacity_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,20 +171,28 @@ class NodeInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     DRIVERS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     capacity: _controller_pb2.Resources
     allocatable: _controller_pb2.Resources
     labels: _containers.ScalarMap[str, str]
     drivers: _containers.RepeatedScalarFieldContainer[str]
     version: str
-    def __init__(self, capacity: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., allocatable: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ...) -> None: ...
+    pool: str
+    volume_backends: _containers.RepeatedScalarFieldContainer[str]
+    volume_capacity_bytes: int
+    def __init__(self, capacity: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., allocatable: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., pool: _Optional[str] = ..., volume_backends: _Optional[_Iterable[str]] = ..., volume_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node", "instances")
+    __slots__ = ("node", "instances", "volumes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ...) -> None: ...
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeStatus]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("usage", "allocated", "instances", "sent_at")
@@ -179,7 +243,7 @@ class AgentBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[AgentMessage, _Mapping]]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "instance_status", "offer_reply", "ack", "leave", "batch", "session_output")
+    __slots__ = ("register", "heartbeat", "instance_status", "offer_reply", "ack", "leave", "batch", "volume_status", "session_output")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +251,7 @@ class AgentMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_STATUS_FIELD_NUMBER: _ClassVar[int]
     SESSION_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
@@ -195,8 +260,9 @@ class AgentMessage(_message.Message):
     ack: CommandAck
     leave: Leave
     batch: AgentBatch
+    volume_status: VolumeStatus
     session_output: SessionOutput
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., instance_status: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ..., session_output: _Optional[_Union[SessionOutput, _Mapping]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., instance_status: _Optional[_Union[InstanceStatus, _Mapping]] = ..., offer_reply: _Optional[_Union[OfferReply, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., batch: _Optional[_Union[AgentBatch, _Mapping]] = ..., volume_status: _Optional[_Union[VolumeStatus, _Mapping]] = ..., session_output: _Optional[_Union[SessionOutput, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node", "heartbeat_interval")
@@ -251,7 +317,7 @@ class SchedulerBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply", "session_open", "session_input")
+    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply", "provision_volume", "delete_volume", "session_open", "session_input")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +325,8 @@ class SchedulerMessage(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LEAVE_REPLY_FIELD_NUMBER: _ClassVar[int]
+    PROVISION_VOLUME_FIELD_NUMBER: _ClassVar[int]
+    DELETE_VOLUME_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_INPUT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
@@ -268,9 +336,11 @@ class SchedulerMessage(_message.Message):
     release: ReleaseOffer
     batch: SchedulerBatch
     leave_reply: LeaveReply
+    provision_volume: ProvisionVolume
+    delete_volume: DeleteVolume
     session_open: SessionOpen
     session_input: SessionInput
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("items",)
@@ -318,16 +388,20 @@ class PlaceResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PlaceResult, _Mapping]]] = ...) -> None: ...
 
 class NodeCommand(_message.Message):
-    __slots__ = ("node", "start", "stop", "release")
+    __slots__ = ("node", "start", "stop", "release", "provision_volume", "delete_volume")
     NODE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    PROVISION_VOLUME_FIELD_NUMBER: _ClassVar[int]
+    DELETE_VOLUME_FIELD_NUMBER: _ClassVar[int]
     node: str
     start: StartInstance
     stop: StopInstance
     release: ReleaseOffer
-    def __init__(self, node: _Optional[str] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ...) -> None: ...
+    provision_volume: ProvisionVolume
+    delete_volume: DeleteVolume
+    def __init__(self, node: _Optional[str] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ...) -> None: ...
 
 class CommandRequest(_message.Message):
     __slots__ = ("commands",)
@@ -364,12 +438,22 @@ class WatchClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeSync(_message.Message):
-    __slots__ = ("node", "instances")
+    __slots__ = ("node", "instances", "volumes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
     node: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
-    def __init__(self, node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ...) -> None: ...
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeStatus]
+    def __init__(self, node: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ...) -> None: ...
+
+class VolumeUpdate(_message.Message):
+    __slots__ = ("node", "status")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    status: VolumeStatus
+    def __init__(self, node: _Optional[str] = ..., status: _Optional[_Union[VolumeStatus, _Mapping]] = ...) -> None: ...
 
 class InstanceUpdate(_message.Message):
     __slots__ = ("node", "status")
@@ -380,14 +464,16 @@ class InstanceUpdate(_message.Message):
     def __init__(self, node: _Optional[str] = ..., status: _Optional[_Union[InstanceStatus, _Mapping]] = ...) -> None: ...
 
 class ClusterUpdate(_message.Message):
-    __slots__ = ("node", "sync", "instance")
+    __slots__ = ("node", "sync", "instance", "volume")
     NODE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
     node: _controller_pb2.Node
     sync: NodeSync
     instance: InstanceUpdate
-    def __init__(self, node: _Optional[_Union[_controller_pb2.Node, _Mapping]] = ..., sync: _Optional[_Union[NodeSync, _Mapping]] = ..., instance: _Optional[_Union[InstanceUpdate, _Mapping]] = ...) -> None: ...
+    volume: VolumeUpdate
+    def __init__(self, node: _Optional[_Union[_controller_pb2.Node, _Mapping]] = ..., sync: _Optional[_Union[NodeSync, _Mapping]] = ..., instance: _Optional[_Union[InstanceUpdate, _Mapping]] = ..., volume: _Optional[_Union[VolumeUpdate, _Mapping]] = ...) -> None: ...
 
 class ClusterUpdates(_message.Message):
     __slots__ = ("updates",)

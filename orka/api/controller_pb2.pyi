@@ -103,8 +103,32 @@ class HealthCheck(_message.Message):
     success_threshold: int
     def __init__(self, exec: _Optional[_Union[HealthCheck.Exec, _Mapping]] = ..., tcp: _Optional[_Union[HealthCheck.Tcp, _Mapping]] = ..., http: _Optional[_Union[HealthCheck.Http, _Mapping]] = ..., interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., initial_delay: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., failure_threshold: _Optional[int] = ..., success_threshold: _Optional[int] = ...) -> None: ...
 
+class VolumeMount(_message.Message):
+    __slots__ = ("volume", "mount_path", "read_only")
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_PATH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    volume: str
+    mount_path: str
+    read_only: bool
+    def __init__(self, volume: _Optional[str] = ..., mount_path: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
+
+class VolumeTemplate(_message.Message):
+    __slots__ = ("name", "size_bytes", "class_name", "mount_path", "read_only")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_PATH_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    class_name: str
+    mount_path: str
+    read_only: bool
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., class_name: _Optional[str] = ..., mount_path: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
+
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check", "class_name", "pool", "volumes", "volume_template")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -182,6 +206,10 @@ class WorkloadSpec(_message.Message):
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     UPDATE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_CHECK_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -203,7 +231,11 @@ class WorkloadSpec(_message.Message):
     network: WorkloadSpec.NetworkMode
     update: UpdateStrategy
     health_check: HealthCheck
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ...) -> None: ...
+    class_name: str
+    pool: str
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
+    volume_template: VolumeTemplate
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., volume_template: _Optional[_Union[VolumeTemplate, _Mapping]] = ...) -> None: ...
 
 class UpdateStrategy(_message.Message):
     __slots__ = ("max_unavailable", "max_surge", "min_ready_seconds", "progress_deadline_seconds", "auto_rollback", "canary")
@@ -304,7 +336,7 @@ class Workload(_message.Message):
     def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "revision")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "ordinal", "revision")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -357,6 +389,7 @@ class Instance(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_TIME_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
@@ -378,11 +411,12 @@ class Instance(_message.Message):
     health: Instance.Health
     health_message: str
     health_time: _timestamp_pb2.Timestamp
+    ordinal: int
     revision: int
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ordinal: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "last_heartbeat_time", "etag", "revision")
+    __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "pool", "volume_backends", "volume_capacity_bytes", "last_heartbeat_time", "etag", "revision")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Node.State]
@@ -415,6 +449,9 @@ class Node(_message.Message):
     INSTANCE_COUNT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -431,10 +468,13 @@ class Node(_message.Message):
     instance_count: int
     message: str
     leaving: bool
+    pool: str
+    volume_backends: _containers.RepeatedScalarFieldContainer[str]
+    volume_capacity_bytes: int
     last_heartbeat_time: _timestamp_pb2.Timestamp
     etag: str
     revision: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., leaving: _Optional[bool] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[_Union[Node.State, str]] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., usage: _Optional[_Union[Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., instance_count: _Optional[int] = ..., message: _Optional[str] = ..., leaving: _Optional[bool] = ..., pool: _Optional[str] = ..., volume_backends: _Optional[_Iterable[str]] = ..., volume_capacity_bytes: _Optional[int] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class CreateWorkloadRequest(_message.Message):
     __slots__ = ("spec",)
@@ -457,12 +497,14 @@ class GetWorkloadRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class DeleteWorkloadRequest(_message.Message):
-    __slots__ = ("name", "etag")
+    __slots__ = ("name", "etag", "with_volumes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    WITH_VOLUMES_FIELD_NUMBER: _ClassVar[int]
     name: str
     etag: str
-    def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
+    with_volumes: bool
+    def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ..., with_volumes: _Optional[bool] = ...) -> None: ...
 
 class DeleteWorkloadResponse(_message.Message):
     __slots__ = ("workload",)
@@ -825,3 +867,238 @@ class ListActivitiesResponse(_message.Message):
     activities: _containers.RepeatedCompositeFieldContainer[Activity]
     next_page_token: str
     def __init__(self, activities: _Optional[_Iterable[_Union[Activity, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class Class(_message.Message):
+    __slots__ = ("name", "compute", "volume", "create_time", "update_time", "etag", "revision")
+    class Compute(_message.Message):
+        __slots__ = ("resources", "kinds")
+        RESOURCES_FIELD_NUMBER: _ClassVar[int]
+        KINDS_FIELD_NUMBER: _ClassVar[int]
+        resources: Resources
+        kinds: _containers.RepeatedScalarFieldContainer[WorkloadSpec.Kind]
+        def __init__(self, resources: _Optional[_Union[Resources, _Mapping]] = ..., kinds: _Optional[_Iterable[_Union[WorkloadSpec.Kind, str]]] = ...) -> None: ...
+    class Volume(_message.Message):
+        __slots__ = ("min_size_bytes", "max_size_bytes", "backends", "immediate")
+        MIN_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+        MAX_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+        BACKENDS_FIELD_NUMBER: _ClassVar[int]
+        IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
+        min_size_bytes: int
+        max_size_bytes: int
+        backends: _containers.RepeatedScalarFieldContainer[str]
+        immediate: bool
+        def __init__(self, min_size_bytes: _Optional[int] = ..., max_size_bytes: _Optional[int] = ..., backends: _Optional[_Iterable[str]] = ..., immediate: _Optional[bool] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    compute: Class.Compute
+    volume: Class.Volume
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    etag: str
+    revision: int
+    def __init__(self, name: _Optional[str] = ..., compute: _Optional[_Union[Class.Compute, _Mapping]] = ..., volume: _Optional[_Union[Class.Volume, _Mapping]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class CreateClassRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: Class
+    def __init__(self, spec: _Optional[_Union[Class, _Mapping]] = ...) -> None: ...
+
+class GetClassRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UpdateClassRequest(_message.Message):
+    __slots__ = ("spec", "etag")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    spec: Class
+    etag: str
+    def __init__(self, spec: _Optional[_Union[Class, _Mapping]] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class DeleteClassRequest(_message.Message):
+    __slots__ = ("name", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class ListClassesRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListClassesResponse(_message.Message):
+    __slots__ = ("classes", "next_page_token", "revision")
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    classes: _containers.RepeatedCompositeFieldContainer[Class]
+    next_page_token: str
+    revision: int
+    def __init__(self, classes: _Optional[_Iterable[_Union[Class, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class VolumeSpec(_message.Message):
+    __slots__ = ("name", "size_bytes", "class_name", "pool", "backend")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    class_name: str
+    pool: str
+    backend: str
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class Volume(_message.Message):
+    __slots__ = ("spec", "state", "node", "backend", "pool", "attached_to", "message", "workload", "ordinal", "created_by", "create_time", "update_time", "etag", "revision")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[Volume.State]
+        PENDING: _ClassVar[Volume.State]
+        AVAILABLE: _ClassVar[Volume.State]
+        ATTACHED: _ClassVar[Volume.State]
+        RELEASED: _ClassVar[Volume.State]
+        DELETING: _ClassVar[Volume.State]
+        FAILED: _ClassVar[Volume.State]
+        LOST: _ClassVar[Volume.State]
+    STATE_UNSPECIFIED: Volume.State
+    PENDING: Volume.State
+    AVAILABLE: Volume.State
+    ATTACHED: Volume.State
+    RELEASED: Volume.State
+    DELETING: Volume.State
+    FAILED: Volume.State
+    LOST: Volume.State
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_TO_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    spec: VolumeSpec
+    state: Volume.State
+    node: str
+    backend: str
+    pool: str
+    attached_to: _containers.RepeatedScalarFieldContainer[str]
+    message: str
+    workload: str
+    ordinal: int
+    created_by: str
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    etag: str
+    revision: int
+    def __init__(self, spec: _Optional[_Union[VolumeSpec, _Mapping]] = ..., state: _Optional[_Union[Volume.State, str]] = ..., node: _Optional[str] = ..., backend: _Optional[str] = ..., pool: _Optional[str] = ..., attached_to: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., workload: _Optional[str] = ..., ordinal: _Optional[int] = ..., created_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class CreateVolumeRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: VolumeSpec
+    def __init__(self, spec: _Optional[_Union[VolumeSpec, _Mapping]] = ...) -> None: ...
+
+class GetVolumeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteVolumeRequest(_message.Message):
+    __slots__ = ("name", "etag")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class ListVolumesRequest(_message.Message):
+    __slots__ = ("node", "workload", "page_size", "page_token")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    WORKLOAD_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    workload: str
+    page_size: int
+    page_token: str
+    def __init__(self, node: _Optional[str] = ..., workload: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListVolumesResponse(_message.Message):
+    __slots__ = ("volumes", "next_page_token", "revision")
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    volumes: _containers.RepeatedCompositeFieldContainer[Volume]
+    next_page_token: str
+    revision: int
+    def __init__(self, volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class Pool(_message.Message):
+    __slots__ = ("name", "node_count", "ready_node_count", "capacity", "allocatable", "allocated", "available_classes", "volume_capacity_bytes", "volume_backends")
+    class ClassCount(_message.Message):
+        __slots__ = ("class_name", "count")
+        CLASS_NAME_FIELD_NUMBER: _ClassVar[int]
+        COUNT_FIELD_NUMBER: _ClassVar[int]
+        class_name: str
+        count: int
+        def __init__(self, class_name: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    READY_NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATABLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_CLASSES_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node_count: int
+    ready_node_count: int
+    capacity: Resources
+    allocatable: Resources
+    allocated: Resources
+    available_classes: _containers.RepeatedCompositeFieldContainer[Pool.ClassCount]
+    volume_capacity_bytes: int
+    volume_backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., node_count: _Optional[int] = ..., ready_node_count: _Optional[int] = ..., capacity: _Optional[_Union[Resources, _Mapping]] = ..., allocatable: _Optional[_Union[Resources, _Mapping]] = ..., allocated: _Optional[_Union[Resources, _Mapping]] = ..., available_classes: _Optional[_Iterable[_Union[Pool.ClassCount, _Mapping]]] = ..., volume_capacity_bytes: _Optional[int] = ..., volume_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools", "next_page_token", "revision")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[Pool]
+    next_page_token: str
+    revision: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...

@@ -155,6 +155,56 @@ class ControllerStub:
                 request_serializer=controller__pb2.AttachConsoleRequest.SerializeToString,
                 response_deserializer=controller__pb2.AttachConsoleResponse.FromString,
                 _registered_method=True)
+        self.CreateClass = channel.unary_unary(
+                '/orka.v1.Controller/CreateClass',
+                request_serializer=controller__pb2.CreateClassRequest.SerializeToString,
+                response_deserializer=controller__pb2.Class.FromString,
+                _registered_method=True)
+        self.GetClass = channel.unary_unary(
+                '/orka.v1.Controller/GetClass',
+                request_serializer=controller__pb2.GetClassRequest.SerializeToString,
+                response_deserializer=controller__pb2.Class.FromString,
+                _registered_method=True)
+        self.ListClasses = channel.unary_unary(
+                '/orka.v1.Controller/ListClasses',
+                request_serializer=controller__pb2.ListClassesRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListClassesResponse.FromString,
+                _registered_method=True)
+        self.UpdateClass = channel.unary_unary(
+                '/orka.v1.Controller/UpdateClass',
+                request_serializer=controller__pb2.UpdateClassRequest.SerializeToString,
+                response_deserializer=controller__pb2.Class.FromString,
+                _registered_method=True)
+        self.DeleteClass = channel.unary_unary(
+                '/orka.v1.Controller/DeleteClass',
+                request_serializer=controller__pb2.DeleteClassRequest.SerializeToString,
+                response_deserializer=controller__pb2.Class.FromString,
+                _registered_method=True)
+        self.CreateVolume = channel.unary_unary(
+                '/orka.v1.Controller/CreateVolume',
+                request_serializer=controller__pb2.CreateVolumeRequest.SerializeToString,
+                response_deserializer=controller__pb2.Volume.FromString,
+                _registered_method=True)
+        self.GetVolume = channel.unary_unary(
+                '/orka.v1.Controller/GetVolume',
+                request_serializer=controller__pb2.GetVolumeRequest.SerializeToString,
+                response_deserializer=controller__pb2.Volume.FromString,
+                _registered_method=True)
+        self.ListVolumes = channel.unary_unary(
+                '/orka.v1.Controller/ListVolumes',
+                request_serializer=controller__pb2.ListVolumesRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListVolumesResponse.FromString,
+                _registered_method=True)
+        self.DeleteVolume = channel.unary_unary(
+                '/orka.v1.Controller/DeleteVolume',
+                request_serializer=controller__pb2.DeleteVolumeRequest.SerializeToString,
+                response_deserializer=controller__pb2.Volume.FromString,
+                _registered_method=True)
+        self.ListPools = channel.unary_unary(
+                '/orka.v1.Controller/ListPools',
+                request_serializer=controller__pb2.ListPoolsRequest.SerializeToString,
+                response_deserializer=controller__pb2.ListPoolsResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -316,6 +366,69 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateClass(self, request, context):
+        """---- pools, classes and volumes ----
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetClass(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListClasses(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateClass(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteClass(self, request, context):
+        """A class a workload or volume names is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateVolume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetVolume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVolumes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVolume(self, request, context):
+        """Returns the volume as DELETING (or gone at once when it was never provisioned).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -438,6 +551,56 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.AttachConsole,
                     request_deserializer=controller__pb2.AttachConsoleRequest.FromString,
                     response_serializer=controller__pb2.AttachConsoleResponse.SerializeToString,
+            ),
+            'CreateClass': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateClass,
+                    request_deserializer=controller__pb2.CreateClassRequest.FromString,
+                    response_serializer=controller__pb2.Class.SerializeToString,
+            ),
+            'GetClass': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClass,
+                    request_deserializer=controller__pb2.GetClassRequest.FromString,
+                    response_serializer=controller__pb2.Class.SerializeToString,
+            ),
+            'ListClasses': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListClasses,
+                    request_deserializer=controller__pb2.ListClassesRequest.FromString,
+                    response_serializer=controller__pb2.ListClassesResponse.SerializeToString,
+            ),
+            'UpdateClass': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateClass,
+                    request_deserializer=controller__pb2.UpdateClassRequest.FromString,
+                    response_serializer=controller__pb2.Class.SerializeToString,
+            ),
+            'DeleteClass': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteClass,
+                    request_deserializer=controller__pb2.DeleteClassRequest.FromString,
+                    response_serializer=controller__pb2.Class.SerializeToString,
+            ),
+            'CreateVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateVolume,
+                    request_deserializer=controller__pb2.CreateVolumeRequest.FromString,
+                    response_serializer=controller__pb2.Volume.SerializeToString,
+            ),
+            'GetVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetVolume,
+                    request_deserializer=controller__pb2.GetVolumeRequest.FromString,
+                    response_serializer=controller__pb2.Volume.SerializeToString,
+            ),
+            'ListVolumes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVolumes,
+                    request_deserializer=controller__pb2.ListVolumesRequest.FromString,
+                    response_serializer=controller__pb2.ListVolumesResponse.SerializeToString,
+            ),
+            'DeleteVolume': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVolume,
+                    request_deserializer=controller__pb2.DeleteVolumeRequest.FromString,
+                    response_serializer=controller__pb2.Volume.SerializeToString,
+            ),
+            'ListPools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPools,
+                    request_deserializer=controller__pb2.ListPoolsRequest.FromString,
+                    response_serializer=controller__pb2.ListPoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1088,6 +1251,276 @@ class Controller:
             '/orka.v1.Controller/AttachConsole',
             controller__pb2.AttachConsoleRequest.SerializeToString,
             controller__pb2.AttachConsoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateClass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/CreateClass',
+            controller__pb2.CreateClassRequest.SerializeToString,
+            controller__pb2.Class.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/GetClass',
+            controller__pb2.GetClassRequest.SerializeToString,
+            controller__pb2.Class.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListClasses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListClasses',
+            controller__pb2.ListClassesRequest.SerializeToString,
+            controller__pb2.ListClassesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateClass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/UpdateClass',
+            controller__pb2.UpdateClassRequest.SerializeToString,
+            controller__pb2.Class.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteClass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/DeleteClass',
+            controller__pb2.DeleteClassRequest.SerializeToString,
+            controller__pb2.Class.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/CreateVolume',
+            controller__pb2.CreateVolumeRequest.SerializeToString,
+            controller__pb2.Volume.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/GetVolume',
+            controller__pb2.GetVolumeRequest.SerializeToString,
+            controller__pb2.Volume.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVolumes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListVolumes',
+            controller__pb2.ListVolumesRequest.SerializeToString,
+            controller__pb2.ListVolumesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVolume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/DeleteVolume',
+            controller__pb2.DeleteVolumeRequest.SerializeToString,
+            controller__pb2.Volume.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orka.v1.Controller/ListPools',
+            controller__pb2.ListPoolsRequest.SerializeToString,
+            controller__pb2.ListPoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
-from orka.controller import paging, rollout, rollout_api, streams
+from orka.controller import classes_api, paging, rollout, rollout_api, streams, volumes_api
 from orka.controller.activity import ActivityLog
 from orka.controller.activity_rpc import list_activities
 from orka.controller.events import EventHub
@@ -121,6 +121,16 @@ def _name(value: str, field: str = "name") -> str:
     ReadLogs=stream(roles=ADMIN),
     ExecInstance=stream(roles=ADMIN),
     AttachConsole=stream(roles=ADMIN),
+    CreateClass=(unary(roles=ADMIN), leader_only),
+    GetClass=(unary(roles=READERS), leader_only),
+    ListClasses=(unary(roles=READERS), leader_only),
+    UpdateClass=(unary(roles=ADMIN), leader_only),
+    DeleteClass=(unary(roles=ADMIN), leader_only),
+    ListPools=(unary(roles=READERS), leader_only),
+    CreateVolume=(unary(roles=ADMIN), leader_only),
+    GetVolume=(unary(roles=READERS), leader_only),
+    ListVolumes=(unary(roles=READERS), leader_only),
+    DeleteVolume=(unary(roles=ADMIN), leader_only),
 )
 class ControllerApi(pb_grpc.ControllerServicer):
     # Records the calls that write (orka/controller/audit.py); set by the controller.
@@ -148,6 +158,18 @@ class ControllerApi(pb_grpc.ControllerServicer):
         # Each workload's current spec and its serialized size (quota checks sum them all):
         # only the spec the repo holds anyway is kept, never an old one.
         self._spec_sizes: dict[str, tuple[WorkloadSpec, int]] = {}
+
+    # Classes and pools (orka/controller/classes_api.py), volumes (volumes_api.py).
+    CreateClass = classes_api.create_class
+    GetClass = classes_api.get_class
+    ListClasses = classes_api.list_classes
+    UpdateClass = classes_api.update_class
+    DeleteClass = classes_api.delete_class
+    ListPools = classes_api.list_pools
+    CreateVolume = volumes_api.create_volume
+    GetVolume = volumes_api.get_volume
+    ListVolumes = volumes_api.list_volumes
+    DeleteVolume = volumes_api.delete_volume
 
     # The rollout RPCs (orka/controller/rollout_api.py).
     ListWorkloadRevisions = rollout_api.list_revisions

@@ -31,10 +31,10 @@ from pydantic import BaseModel
 from sortedcontainers import SortedList
 
 from orka.errors import AlreadyExists, Conflict, NotFound, NotLeader
-from orka.models import Instance, Node, Workload
+from orka.models import Class, Instance, Node, Volume, Workload
 from orka.store.base import Create, Delete, JsonText, Op, Store, Update
 
-Kind = Literal["workloads", "instances", "nodes"]
+Kind = Literal["workloads", "instances", "nodes", "classes", "volumes"]
 
 # etcd's default --max-txn-ops; larger commits are split into several transactions.
 MAX_TXN_OPS = 128
@@ -59,11 +59,13 @@ class Repo:
         self.workloads: dict[str, Workload] = {}
         self.instances: dict[str, Instance] = {}
         self.nodes: dict[str, Node] = {}
+        self.classes: dict[str, Class] = {}
+        self.volumes: dict[str, Volume] = {}
         self.by_workload: dict[str, set[str]] = defaultdict(set)
         self._revisions: dict[tuple[str, str], int] = {}
-        # The sort keys of every object, for paged lists: (name,) for workloads and nodes,
+        # The sort keys of every object, for paged lists: (name,) for all but instances,
         # instance_key for instances.
-        self.order: dict[Kind, SortedList] = _orders({}, {}, {})
+        self.order: dict[Kind, SortedList] = _orders({}, {}, {}, {}, {})
         # The store revision this cache reflects: the store's at load, then each commit's.
         self.revision = 0
         # Called with the new revision after a load: what was streamed before no longer
@@ -86,6 +88,8 @@ class Repo:
         workloads: dict[str, Workload] = {}
         instances: dict[str, Instance] = {}
         nodes: dict[str, Node] = {}
+        classes: dict[str, Class] = {}
+        volumes: dict[str, Volume] = {}
         by_workload: dict[str, set[str]] = defaultdict(set)
         revisions: dict[tuple[str, str], int] = {}
         # Read first: the lists that follow are at least this new.
@@ -101,11 +105,18 @@ class Repo:
         for item in await self.store.list("nodes"):
             nodes[item.name] = Node.model_validate(item.value)
             revisions[("nodes", item.name)] = item.revision
+        for item in await self.store.list("classes"):
+            classes[item.name] = Class.model_validate(item.value)
+            revisions[("classes", item.name)] = item.revision
+        for item in await self.store.list("volumes"):
+            volumes[item.name] = Volume.model_validate(item.value)
+            revisions[("volumes", item.name)] = item.revision
         # Swapped in whole, not cleared and refilled: a caller iterating the old tables across
         # an await keeps a consistent (if old) view instead of a "changed size" error.
         self.workloads, self.instances, self.nodes = workloads, instances, nodes
+        self.classes, self.volumes = classes, volumes
         self.by_workload, self._revisions = by_workload, revisions
-        self.order = _orders(workloads, instances, nodes)
+        self.order = _orders(workloads, instances, nodes, classes, volumes)
         self.revision = max(at, *revisions.values()) if revisions else at
         for hook in self.on_reload:
             hook(self.revision)
@@ -113,8 +124,9 @@ class Repo:
     def reset(self) -> None:
         """Drop every cache: a follower must not answer from, or plan on, what it once led."""
         self.workloads, self.instances, self.nodes = {}, {}, {}
+        self.classes, self.volumes = {}, {}
         self.by_workload, self._revisions = defaultdict(set), {}
-        self.order = _orders({}, {}, {})
+        self.order = _orders({}, {}, {}, {}, {})
         self.revision = 0
 
     def revision_of(self, kind: Kind, name: str) -> int:
@@ -218,10 +230,16 @@ def _key(value: BaseModel) -> tuple[object, ...]:
 
 
 def _orders(
-    workloads: dict[str, Workload], instances: dict[str, Instance], nodes: dict[str, Node]
+    workloads: dict[str, Workload],
+    instances: dict[str, Instance],
+    nodes: dict[str, Node],
+    classes: dict[str, Class],
+    volumes: dict[str, Volume],
 ) -> dict[Kind, SortedList]:
     return {
         "workloads": SortedList((n,) for n in workloads),
         "instances": SortedList(instance_key(i) for i in instances.values()),
         "nodes": SortedList((n,) for n in nodes),
+        "classes": SortedList((n,) for n in classes),
+        "volumes": SortedList((n,) for n in volumes),
     }

@@ -270,6 +270,24 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         data["stop_grace_seconds"] = grace
     if msg.HasField("health_check"):
         data["health_check"] = _health_check(msg.health_check)
+    if msg.class_name:
+        data["class_name"] = msg.class_name
+    if msg.pool:
+        data["pool"] = msg.pool
+    if msg.volumes:
+        data["volumes"] = [
+            {"volume": m.volume, "mount_path": m.mount_path, "read_only": m.read_only}
+            for m in msg.volumes
+        ]
+    if msg.HasField("volume_template"):
+        t = msg.volume_template
+        data["volume_template"] = {
+            "name": t.name,
+            "size_bytes": t.size_bytes,
+            "class_name": t.class_name,
+            "mount_path": t.mount_path,
+            "read_only": t.read_only,
+        }
     try:
         return WorkloadSpec.model_validate(data)
     except ValidationError as err:
@@ -496,7 +514,24 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         ports=[port_spec_to_pb(p) for p in spec.ports],
         network=_NETWORK_TO_PB[spec.network] if spec.network else None,
         update=update_to_pb(spec.update),
+        class_name=spec.class_name,
+        pool=spec.pool,
+        volumes=[
+            pb.VolumeMount(volume=m.volume, mount_path=m.mount_path, read_only=m.read_only)
+            for m in spec.volumes
+        ],
     )
+    if spec.volume_template is not None:
+        t = spec.volume_template
+        msg.volume_template.CopyFrom(
+            pb.VolumeTemplate(
+                name=t.name,
+                size_bytes=t.size_bytes,
+                class_name=t.class_name,
+                mount_path=t.mount_path,
+                read_only=t.read_only,
+            )
+        )
     if spec.health_check is not None:
         msg.health_check.CopyFrom(health_check_to_pb(spec.health_check))
     if spec.vm is not None:

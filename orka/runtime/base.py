@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from orka.errors import Conflict, Invalid, RuntimeFailure
 from orka.models import PortBinding, PortSpec, WorkloadKind, WorkloadSpec
 from orka.runtime.execs import ExecHandle, ExecOptions
+from orka.runtime.volumes import MountedVolume
 
 # Instance names become directory names, so anything that could escape the data dir is refused.
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
@@ -43,6 +44,9 @@ class RunSpec(BaseModel):
     instance: str
     workload: str
     spec: WorkloadSpec
+    # The volumes provisioned for it on this node, in the order the spec gives them (spec
+    # volumes, then its template's): drivers mount them (see orka.runtime.volumes).
+    volumes: tuple[MountedVolume, ...] = ()
 
 
 class TaskState(StrEnum):

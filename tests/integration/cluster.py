@@ -59,6 +59,15 @@ class Cluster:
         await self.start_controller(store_url)
         for i in range(1, agents + 1):
             await self.add_agent(f"node-{i}", **agent_opts)
+        controller = self.controller
+        assert controller is not None
+
+        # An agent is registered at the scheduler before the controller's feed has written its
+        # node record; tests that read nodes at once must find every one.
+        async def nodes_known() -> bool:
+            return all(name in controller.api.repo.nodes for name in self.agents)
+
+        await eventually(nodes_known, timeout=10)
 
     async def start_controller(self, store_url: str = "", **config: object) -> Controller:
         self.controller = Controller(
