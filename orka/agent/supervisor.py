@@ -219,7 +219,7 @@ class Supervised:
         try:
             while not self.stopping:
                 if info is None:
-                    self._set(InstancePhase.STARTING)
+                    # STARTING (VolumePending while its volumes are being provisioned).
                     mounted = await self._volumes_ready()
                     if mounted is None:
                         return
@@ -308,11 +308,14 @@ class Supervised:
         VolumePending while that takes; FAILED with VolumeFailed (never started) when a volume
         cannot be had."""
         if not self.volumes:
+            self._set(InstancePhase.STARTING)
             return ()
         if self.volume_manager is None:
             self._set(InstancePhase.FAILED, VOLUME_FAILED, "this agent keeps no volumes")
             return None
-        if not self.volume_manager.ready(self.volumes):
+        if self.volume_manager.ready(self.volumes):
+            self._set(InstancePhase.STARTING)
+        else:
             names = ", ".join(a.name for a in self.volumes)
             self._set(InstancePhase.STARTING, VOLUME_PENDING, f"provisioning volumes: {names}")
         try:

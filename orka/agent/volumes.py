@@ -90,7 +90,10 @@ class VolumeManager:
     # ---- at start ----
 
     async def adopt(self) -> None:
+        # Traversable only (like the data dir): an instance reaches its own volume's
+        # directory, and can list nothing here.
         await asyncio.to_thread(self.root.mkdir, 0o711, True, True)
+        await asyncio.to_thread(self.root.chmod, 0o711)
         for name, backend in self.all_backends.items():
             problem = backend.unavailable()
             if problem:

@@ -92,7 +92,9 @@ class Ext4Backend:
             return self._provisioned(name, meta)
 
     def _make_file(self, directory: Path, size_bytes: int) -> None:
-        (directory / "mnt").mkdir(mode=0o755, parents=True)
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        directory.mkdir(mode=0o711)
+        (directory / "mnt").mkdir(mode=0o755)
         try:
             with open(directory / "disk.img", "xb") as f:
                 f.truncate(size_bytes)  # sparse: takes no room until written
