@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from google.rpc import code_pb2
 
 from orka.agent.service import Agent
@@ -23,6 +24,7 @@ from orka.models import InstancePhase, VolumeState
 from orka.rpc.client import secure_channel
 from orka.runtime.volume_ext4 import Ext4Backend
 from orka.security.tls import TlsFiles
+from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, eventually
 
 MIB = 1 << 20
@@ -83,18 +85,35 @@ class Sent:
         return next((a for a in acks if a.command_id == command_id), None)
 
 
-def attachment(name: str, size: int = 16 * MIB, backend: str = "ext4") -> apb.VolumeAttachment:
+def attachment(
+    name: str, size: int = 16 * MIB, backend: str = "ext4", mount_path: str = "", ro: bool = False
+) -> apb.VolumeAttachment:
     return apb.VolumeAttachment(
-        name=name, size_bytes=size, backend=backend, node="node-1", env_name=name
+        name=name,
+        size_bytes=size,
+        backend=backend,
+        node="node-1",
+        env_name=name,
+        mount_path=mount_path,
+        read_only=ro,
     )
 
 
-def start(instance: str, script: str, *volumes: apb.VolumeAttachment) -> apb.NodeCommand:
+def start(
+    instance: str, script: str, *volumes: apb.VolumeAttachment, image: str = ""
+) -> apb.NodeCommand:
     spec = pb.WorkloadSpec(
         name=instance.rsplit("-", 1)[0],
-        kind=pb.WorkloadSpec.PROCESS,
+        kind=pb.WorkloadSpec.CONTAINER if image else pb.WorkloadSpec.PROCESS,
+        image=image,
         command=["sh", "-c", script],
         restart_policy=pb.WorkloadSpec.NEVER,
+        stop_grace_period=Duration(seconds=1),
+        volumes=[
+            pb.VolumeMount(volume=v.name, mount_path=v.mount_path, read_only=v.read_only)
+            for v in volumes
+            if v.mount_path
+        ],
     )
     a = apb.Assignment(instance=instance, generation=1, spec=spec, volumes=volumes)
     return apb.NodeCommand(node="node-1", start=apb.StartInstance(assignment=a))
@@ -221,6 +240,58 @@ async def test_agent_restart_re_adopts_and_remounts_its_volumes(
         "ext4",
     )
     assert (mnt / "kept").read_text() == "still here"
+
+
+@needs_containerd
+async def test_container_volumes_rw_ro_and_size_limit(
+    cluster: Cluster, volume_dir: Path, containerd: Containerd
+) -> None:
+    agent = await cluster.add_agent(
+        "node-1",
+        runtimes=["containerd"],
+        driver_options={"containerd": containerd.options()},
+        allowed_paths=containerd.allowed_paths(),
+        volume_dir=volume_dir,
+    )
+    sent = Sent(agent)
+    # The read-only one holds data already (made and filled before).
+    agent.volumes.on_provision(apb.ProvisionVolume(command_id="p-1", volume=attachment("ref-1")))
+    ack = await eventually(lambda: _async(sent.ack("p-1")))
+    assert ack.status.code == code_pb2.OK, ack.status.message
+    (volume_dir / "ext4" / "ref-1" / "mnt" / "seed").write_text("seeded\n")
+
+    script = (
+        "echo written > /data/out && cat /ref/seed"
+        " && if touch /ref/nope 2>/dev/null; then echo ro-WRITABLE; else echo ro-refused; fi"
+        " && dd if=/dev/zero of=/data/big bs=1M count=32 2>&1; echo dd-exit=$?; sleep 60"
+    )
+    rw, ro = (
+        attachment("data-1", mount_path="/data"),
+        attachment("ref-1", mount_path="/ref", ro=True),
+    )
+    (done,) = await command(cluster, start("box-0", script, rw, ro, image=containerd.image))
+    assert done.status.code == code_pb2.OK, done.status.message
+    try:
+        inst = await eventually(lambda: _async(agent.instances.get("box-0")))
+        out = inst.driver.log_paths("box-0")[0]
+
+        async def finished() -> str:
+            text = out.read_text() if out.exists() else ""
+            return text if "dd-exit=" in text else ""
+
+        text = await eventually(finished, timeout=30)
+        assert "seeded\nro-refused\n" in text
+        assert "No space left on device" in text and "dd-exit=1" in text
+        data = volume_dir / "ext4" / "data-1" / "mnt"
+        assert (data / "out").read_text() == "written\n"
+        assert not (volume_dir / "ext4" / "ref-1" / "mnt" / "nope").exists()
+        assert inst.phase is InstancePhase.RUNNING  # the full volume is the instance's error
+        assert agent.connected.is_set() and agent._failed is None
+        assert agent.volumes.volumes["data-1"].state is VolumeState.ATTACHED
+    finally:
+        await agent.stop()
+        del cluster.agents["node-1"]
+        containerd.clean_namespace()
 
 
 async def _async(value: object) -> object:
