@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from orka.runtime.volume_ext4 import Ext4Backend
 from orka.security.tls import TlsFiles
 from tests.containerd_env import Containerd, needs_containerd
 from tests.integration.cluster import Cluster, eventually
+from tests.libvirt_env import DISK_MARKER, DOMAIN_TYPE, RUN, Guest, LibvirtDaemons, needs_libvirt
 
 MIB = 1 << 20
 
@@ -292,6 +294,82 @@ async def test_container_volumes_rw_ro_and_size_limit(
         await agent.stop()
         del cluster.agents["node-1"]
         containerd.clean_namespace()
+
+
+@needs_libvirt
+@pytest.mark.timeout(600)
+async def test_vm_sees_its_qcow2_volume_as_a_second_disk(
+    cluster: Cluster, volume_dir: Path, libvirt_daemons: LibvirtDaemons, guest: Guest
+) -> None:
+    if not guest.networking:
+        pytest.skip("the guest has no virtio modules (ORKA_TEST_KERNEL without modules)")
+    agent = await cluster.add_agent(
+        "node-1",
+        runtimes=["libvirt"],
+        driver_options={
+            "libvirt": {
+                "uri": libvirt_daemons.uri,
+                "poll_interval": 0.2,
+                "domain_type": DOMAIN_TYPE,
+            }
+        },
+        allowed_paths=[guest.kernel.parent, guest.initrd.parent, volume_dir / "image"],
+        volume_dir=volume_dir,
+    )
+    # An image disk first (vda), as a VM booting from one has: its volume is the second disk.
+    image = volume_dir / "image" / "root.qcow2"
+    image.parent.mkdir(mode=0o755)
+    await asyncio.to_thread(
+        subprocess.run, ["qemu-img", "create", "-q", "-f", "qcow2", str(image), "1M"], check=True
+    )
+    instance = f"vm-{RUN}-0"
+    spec = pb.WorkloadSpec(
+        name=f"vm-{RUN}",
+        kind=pb.WorkloadSpec.VM,
+        image=str(image),
+        vm=pb.VmSpec(
+            kernel=str(guest.kernel),
+            initrd=str(guest.initrd),
+            cmdline=guest.cmdline() + " orka.disks",
+        ),
+        resources=pb.Resources(cpu_millis=500, memory_bytes=128 << 20),
+        restart_policy=pb.WorkloadSpec.NEVER,
+        stop_grace_period=Duration(seconds=1),
+    )
+    disk = attachment(f"disk-{RUN}", size=48 * MIB, backend="qcow2")
+    a = apb.Assignment(instance=instance, generation=1, spec=spec, volumes=[disk])
+    start_vm = apb.NodeCommand(node="node-1", start=apb.StartInstance(assignment=a))
+    try:
+        (done,) = await command(cluster, start_vm)
+        assert done.status.code == code_pb2.OK, done.status.message
+        await eventually(lambda: phase_of(agent, instance, InstancePhase.RUNNING), timeout=60)
+        console = agent.instances[instance].driver.log_paths(instance)[0]
+
+        async def disks() -> str:
+            text = console.read_text(errors="replace") if console.exists() else ""
+            return text if f"{DISK_MARKER} vdb" in text else ""  # vda is printed first
+
+        try:
+            text = await eventually(disks, timeout=180, interval=0.2)
+        except AssertionError:
+            seen = console.read_text(errors="replace") if console.exists() else "(no console)"
+            raise AssertionError(f"the guest printed no disks; console:\n{seen[-3000:]}") from None
+        assert f"{DISK_MARKER} vda {1 * MIB}\n{DISK_MARKER} vdb {48 * MIB}\n" in text
+        assert agent.volumes.volumes[disk.name].state is VolumeState.ATTACHED
+        # One running VM at a time on a qcow2 disk: a second is refused, never started.
+        a2 = apb.Assignment(instance=f"vm-{RUN}-1", generation=1, spec=spec, volumes=[disk])
+        await command(
+            cluster, apb.NodeCommand(node="node-1", start=apb.StartInstance(assignment=a2))
+        )
+        await eventually(lambda: phase_of(agent, f"vm-{RUN}-1", InstancePhase.FAILED))
+        second = agent.instances[f"vm-{RUN}-1"]
+        assert (second.reason, second.message) == (
+            VOLUME_FAILED,
+            f"volume {disk.name}: in use by VM {instance}",
+        )
+    finally:
+        await agent.stop()
+        del cluster.agents["node-1"]
 
 
 async def _async(value: object) -> object:
