@@ -187,11 +187,12 @@ class VolumeManager:
 
     def release(self, instance: str) -> None:
         for vol in self.volumes.values():
-            if vol.holders.pop(instance, None) is not None and not vol.holders:
-                if vol.state is VolumeState.ATTACHED:
-                    self._set(vol, VolumeState.AVAILABLE)
-                else:
-                    self._changed(vol)
+            if vol.holders.pop(instance, None) is None:
+                continue
+            if not vol.holders and vol.state is VolumeState.ATTACHED:
+                self._set(vol, VolumeState.AVAILABLE)
+            else:
+                self._changed(vol)  # attached_to is one shorter
 
     async def _provisioned(self, a: VolumeAttachment) -> _Volume:
         vol = self.volumes.get(a.name)
