@@ -215,6 +215,9 @@ async def test_process_writes_into_its_volume_through_the_agent(
     assert ack.status.code == code_pb2.OK, ack.status.message
     assert not (volume_dir / "ext4" / "data-1").exists()
     assert sent.volume_states("data-1")[-2:] == ["AVAILABLE", "DELETING"]
+    # Long after: the instance whose volume failed was never started.
+    assert (odd.phase, odd.reason, odd.started_at) == (InstancePhase.FAILED, VOLUME_FAILED, None)
+    assert not odd.driver.log_paths("odd-0")[0].exists()
 
 
 async def test_agent_restart_re_adopts_and_remounts_its_volumes(
