@@ -26,7 +26,7 @@ from orka.rpc.client import secure_channel
 from orka.runtime.volume_ext4 import Ext4Backend
 from orka.security.tls import TlsFiles
 from tests.containerd_env import Containerd, needs_containerd
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
 from tests.libvirt_env import DISK_MARKER, DOMAIN_TYPE, RUN, Guest, LibvirtDaemons, needs_libvirt
 
 MIB = 1 << 20
@@ -245,6 +245,28 @@ async def test_agent_restart_re_adopts_and_remounts_its_volumes(
         "ext4",
     )
     assert (mnt / "kept").read_text() == "still here"
+
+    # An instance on it survives an agent crash: the next agent re-adopts both, and knows
+    # from its state file that the instance holds the volume.
+    (done,) = await command(cluster, start("holder-0", "exec sleep 60", attachment("keep-1")))
+    assert done.status.code == code_pb2.OK, done.status.message
+    await eventually(lambda: phase_of(again, "holder-0", InstancePhase.RUNNING))
+    await crash(again)
+    del cluster.agents["node-1"]
+    third = await cluster.add_agent("node-1", runtimes=["process"], volume_dir=volume_dir)
+    assert third.instances["holder-0"].phase is InstancePhase.RUNNING
+    (reg,) = third.stream.register_message().register.volumes
+    assert (reg.name, reg.state, list(reg.attached_to)) == (
+        "keep-1",
+        pb.Volume.ATTACHED,
+        ["holder-0"],
+    )
+    stop = apb.NodeCommand(
+        node="node-1", stop=apb.StopInstance(instance="holder-0", remove=True, reason="test")
+    )
+    await command(cluster, stop)
+    await eventually(lambda: _async("holder-0" not in third.instances))
+    assert third.volumes.volumes["keep-1"].state is VolumeState.AVAILABLE
 
 
 @needs_containerd
