@@ -4,6 +4,7 @@ shared, failures kept to the volume, deletes refused while held."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,19 @@ async def test_provision_command_acks_and_adopted_volumes_are_reported(tmp_path:
         "new-1": pb.Volume.AVAILABLE,
         "bad-1": pb.Volume.FAILED,
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "size", "message"),
+    [
+        ("../etc", 8 * MIB, "volume '../etc' must be"),
+        ("data-1", 0, "volume data-1: size 0 is outside 1048576..1125899906842624 bytes"),
+    ],
+)
+async def test_bad_attachments_are_refused_before_any_backend_call(
+    h: Harness, name: str, size: int, message: str
+) -> None:
+    bad = VolumeAttachment(name=name, size_bytes=size, backend="ext4")
+    with pytest.raises(RuntimeFailure, match=re.escape(message)):
+        await h.manager.acquire("web-0", WorkloadKind.PROCESS, [bad])
+    assert h.backend.provisions == [] and h.manager.volumes == {}
