@@ -158,6 +158,10 @@ async def test_process_writes_into_its_volume_through_the_agent(
 
     assert await eventually(note) == "hello\n"
     assert (mnt / "uid").read_text().strip() != "0"  # not root: the volume was given to it
+    # Its execs (orka exec, health checks) find the volume too.
+    writer = agent.instances["writer-0"]
+    cat = ["sh", "-c", 'cat "$ORKA_VOLUME_DATA_1/note"']
+    assert await writer.driver.check_exec("writer-0", writer.spec, cat) == (0, "hello\n")
     # Provisioned before the start: the instance waited (VolumePending), then ran.
     assert sent.phases("writer-0")[0] == ("STARTING", VOLUME_PENDING)
     assert ("RUNNING", "") in sent.phases("writer-0")
