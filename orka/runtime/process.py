@@ -383,6 +383,9 @@ class ProcessDriver(TrackingDriver[_Task]):
                 prefix += ["--cgroup-procs", str(path)]
         if self._private_tmp:
             prefix += ["--private-tmp", "--tmp-size", str(run.spec.resources.memory_bytes)]
+        for v in run.volumes:
+            if v.read_only:
+                prefix += ["--read-only", str(v.host_path)]
         if identity.switch:
             prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         if not prefix:

@@ -145,10 +145,18 @@ async def test_process_writes_into_its_volume_through_the_agent(
     assert node.volume_capacity_bytes > 16 * MIB
 
     # The instance finds its volume in ORKA_VOLUME_DATA_1 and writes there as its own user.
+    # A read-only one beside it: its writes are refused (EROFS), its data readable.
+    agent.volumes.on_provision(apb.ProvisionVolume(command_id="p-ro", volume=attachment("ref-1")))
+    ack = await eventually(lambda: _async(sent.ack("p-ro")))
+    assert ack.status.code == code_pb2.OK, ack.status.message
+    (volume_dir / "ext4" / "ref-1" / "mnt" / "seed").write_text("seeded")
     script = (
-        'echo hello > "$ORKA_VOLUME_DATA_1/note" && id -u > "$ORKA_VOLUME_DATA_1/uid"; sleep 60'
+        'echo hello > "$ORKA_VOLUME_DATA_1/note" && id -u > "$ORKA_VOLUME_DATA_1/uid"'
+        ' && cat "$ORKA_VOLUME_REF_1/seed" > "$ORKA_VOLUME_DATA_1/seen"'
+        ' && if touch "$ORKA_VOLUME_REF_1/nope" 2>"$ORKA_VOLUME_DATA_1/ro"; then :; fi; sleep 60'
     )
-    (done,) = await command(cluster, start("writer-0", script, attachment("data-1")))
+    ro = attachment("ref-1", ro=True)
+    (done,) = await command(cluster, start("writer-0", script, attachment("data-1"), ro))
     assert done.status.code == code_pb2.OK, done.status.message
     await eventually(lambda: phase_of(agent, "writer-0", InstancePhase.RUNNING))
     mnt = volume_dir / "ext4" / "data-1" / "mnt"
@@ -157,7 +165,12 @@ async def test_process_writes_into_its_volume_through_the_agent(
         return (mnt / "note").read_text() if (mnt / "note").exists() else ""
 
     assert await eventually(note) == "hello\n"
+    # The script's last step done (it refused or not):
+    await eventually(lambda: _async((mnt / "ro").exists() and (mnt / "ro").stat().st_size))
     assert (mnt / "uid").read_text().strip() != "0"  # not root: the volume was given to it
+    assert (mnt / "seen").read_text() == "seeded"
+    assert "Read-only file system" in (mnt / "ro").read_text()
+    assert not (volume_dir / "ext4" / "ref-1" / "mnt" / "nope").exists()
     # Its execs (orka exec, health checks) find the volume too.
     writer = agent.instances["writer-0"]
     cat = ["sh", "-c", 'cat "$ORKA_VOLUME_DATA_1/note"']
@@ -166,12 +179,11 @@ async def test_process_writes_into_its_volume_through_the_agent(
     assert sent.phases("writer-0")[0] == ("STARTING", VOLUME_PENDING)
     assert ("RUNNING", "") in sent.phases("writer-0")
     assert sent.volume_states("data-1") == ["PENDING", "AVAILABLE", "ATTACHED"]
-    (reg,) = agent.stream.register_message().register.volumes
-    assert (reg.name, reg.state, list(reg.attached_to)) == (
-        "data-1",
-        pb.Volume.ATTACHED,
-        ["writer-0"],
-    )
+    registered = agent.stream.register_message().register.volumes
+    assert sorted((r.name, r.state, tuple(r.attached_to)) for r in registered) == [
+        ("data-1", pb.Volume.ATTACHED, ("writer-0",)),
+        ("ref-1", pb.Volume.ATTACHED, ("writer-0",)),
+    ]
 
     # Deleting a volume in use is refused, nothing touched.
     agent.volumes.on_delete(apb.DeleteVolume(command_id="del-1", volume="data-1"))
