@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from orka import fit
 from orka.models import (
+    DEFAULT_POOL,
     TERMINAL_PHASES,
     InstanceReport,
     Node,
@@ -47,6 +48,10 @@ class NodeRecord:
     usage: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     drivers: frozenset[str] = frozenset()
+    # The pool its agent joined, and the volume backends and bytes it offers (Register).
+    pool: str = DEFAULT_POOL
+    volume_backends: tuple[str, ...] = ()
+    volume_capacity_bytes: int = 0
     state: NodeState = NodeState.READY
     schedulable: bool = True
     draining: bool = False
@@ -120,6 +125,7 @@ class NodeRecord:
             schedulable=self.takes_new,
             drivers=self.drivers,
             labels=self.labels,
+            pool=self.pool,
             cpu_allocatable=self.allocatable.cpu_millis,
             mem_allocatable=self.allocatable.memory_bytes,
             cpu_used=self.cpu_used,
@@ -150,6 +156,9 @@ class NodeRecord:
             instance_count=len(self.holds),
             last_heartbeat=self.last_heartbeat_wall,
             message=self.message,
+            pool=self.pool,
+            volume_backends=list(self.volume_backends),
+            volume_capacity_bytes=self.volume_capacity_bytes,
         )
 
 
@@ -177,6 +186,10 @@ class _Live:
     @property
     def labels(self) -> dict[str, str]:
         return self._rec.labels
+
+    @property
+    def pool(self) -> str:
+        return self._rec.pool
 
     @property
     def cpu_allocatable(self) -> int:

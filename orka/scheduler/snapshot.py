@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from orka.fit import NO_HOST_PORTS, HostPort
-from orka.models import NodeState, WorkloadKind
+from orka.models import DEFAULT_POOL, NodeState, WorkloadKind
 
 if TYPE_CHECKING:
     from orka.scheduler.index import SnapshotIndex
@@ -53,6 +53,8 @@ class NodeView:
     total_instances: int
     # Fixed host ports its instances (reservations included) bind: a node resource.
     host_ports: frozenset[HostPort] = NO_HOST_PORTS
+    # The pool its agent joined.
+    pool: str = DEFAULT_POOL
 
     def __post_init__(self) -> None:
         # object.__setattr__ is the only way to normalise fields of a frozen dataclass.
@@ -127,6 +129,10 @@ class PlacementRequest:
     max_per_node: int = 0
     # The fixed host ports the instance binds (the spec's `fixed_host_ports`).
     host_ports: frozenset[HostPort] = NO_HOST_PORTS
+    # Only nodes of this pool ("": any), and the COMPUTE class its resources came from ("":
+    # none), named in the reason when no node could ever host it.
+    pool: str = ""
+    class_name: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_selector", _frozen_mapping(self.node_selector))
