@@ -45,6 +45,10 @@ class Code(StrEnum):
     OFFER_TIMED_OUT = "OFFER_TIMED_OUT"
     POOL_MISMATCH = "POOL_MISMATCH"
     CLASS_UNSUPPORTED = "CLASS_UNSUPPORTED"
+    VOLUME_ELSEWHERE = "VOLUME_ELSEWHERE"
+    VOLUME_POOL = "VOLUME_POOL"
+    VOLUME_BACKEND = "VOLUME_BACKEND"
+    VOLUME_TOO_BIG = "VOLUME_TOO_BIG"
 
 
 # Whether waiting can help, per code. Only a change to the cluster's shape (a node joining, a
@@ -72,6 +76,13 @@ RESOLVABLE: Mapping[Code, bool] = {
     # Even empty, the node cannot hold the class's shape: like CPU_ABOVE_CAPACITY, but named
     # after the class the user asked for.
     Code.CLASS_UNSUPPORTED: False,
+    # The node holding the volume may be down, cordoned or full now, and come back.
+    Code.VOLUME_ELSEWHERE: True,
+    # A node's pool, volume backends and volume capacity are its shape: only a change of
+    # shape (or of the volume) helps.
+    Code.VOLUME_POOL: False,
+    Code.VOLUME_BACKEND: False,
+    Code.VOLUME_TOO_BIG: False,
 }
 
 
@@ -169,6 +180,26 @@ def class_unsupported(class_name: str) -> Reason:
     return reason(Code.CLASS_UNSUPPORTED, f"cannot host class {class_name}")
 
 
+@functools.lru_cache(maxsize=1024)
+def volume_elsewhere(volume: str, node: str) -> Reason:
+    return reason(Code.VOLUME_ELSEWHERE, f"volume {volume} lives on {node}")
+
+
+@functools.lru_cache(maxsize=256)
+def volume_pool(volume: str, pool: str) -> Reason:
+    return reason(Code.VOLUME_POOL, f"volume {volume} needs pool {pool}")
+
+
+@functools.lru_cache(maxsize=16)
+def volume_backend(backend: str) -> Reason:
+    return reason(Code.VOLUME_BACKEND, f"no {backend} volumes on this node")
+
+
+@functools.lru_cache(maxsize=256)
+def volume_too_big(volume: str) -> Reason:
+    return reason(Code.VOLUME_TOO_BIG, f"volume {volume} is larger than the node's volume space")
+
+
 def refused(why: str) -> Reason:
     """An agent said no to an offer; `why` is its own words."""
     return reason(Code.OFFER_REFUSED, f"refused: {why}")
@@ -179,6 +210,21 @@ def refused(why: str) -> Reason:
 # A fixed host port as a node resource: (port, protocol). One instance on a node binds it.
 HostPort = tuple[int, PortProtocol]
 NO_HOST_PORTS: frozenset[HostPort] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeNeed:
+    """One volume an instance uses, as placement sees it: where it lives (`node`, once bound)
+    or, while unbound, what a node needs to create it (pool, backend, room)."""
+
+    name: str
+    size_bytes: int
+    backend: str
+    node: str = ""
+    pool: str = ""
+
+
+NO_VOLUMES: tuple[VolumeNeed, ...] = ()
 
 
 class Amount(Protocol):
@@ -212,6 +258,7 @@ class Need(Amount, Ports, Protocol):
     def pool(self) -> str: ...
     @property
     def class_name(self) -> str: ...
+    def volumes(self) -> tuple[VolumeNeed, ...]: ...
 
 
 class Capacity(Protocol):
@@ -245,7 +292,13 @@ class Offer(Capacity, Protocol):
     @property
     def workload_counts(self) -> Mapping[str, int]: ...
     @property
+    def name(self) -> str: ...
+    @property
     def pool(self) -> str: ...
+    @property
+    def volume_backends(self) -> Collection[str]: ...
+    @property
+    def volume_capacity_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +329,7 @@ def fit(need: Need, node: Offer) -> Reason | None:
         or selector(need, node)
         or host_ports(need, node)
         or spread(need, node)
+        or volumes(need, node)
     )
 
 
@@ -400,6 +454,24 @@ def spread(need: Need, node: Offer) -> Reason | None:
         return None
     count = node.workload_counts.get(need.workload, 0)
     return None if count < limit else spread_limit(count)
+
+
+def volumes(need: Need, node: Offer) -> Reason | None:
+    """Every volume the instance uses can be used on the node: a bound one only on its node
+    (local storage: its data is there), an unbound one on a node of its pool that offers its
+    backend and has room for its size. The first volume that rules the node out is named."""
+    for v in need.volumes:
+        if v.node:
+            if v.node != node.name:
+                return volume_elsewhere(v.name, v.node)
+            continue
+        if v.pool and v.pool != node.pool:
+            return volume_pool(v.name, v.pool)
+        if v.backend not in node.volume_backends:
+            return volume_backend(v.backend)
+        if v.size_bytes > node.volume_capacity_bytes:
+            return volume_too_big(v.name)
+    return None
 
 
 def explain_resources(r: Reason, need: Amount, node: Capacity) -> str:

@@ -50,7 +50,7 @@ class NodeMessages:
                 Resources,
                 Resources,
                 pb.Node,
-                tuple[str, tuple[str, ...], int],
+                tuple[str, frozenset[str], int],
             ],
         ] = {}
 

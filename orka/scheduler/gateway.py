@@ -12,18 +12,11 @@ import structlog
 
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid, PermissionDenied
-from orka.models import (
-    DEFAULT_POOL,
-    TERMINAL_PHASES,
-    VOLUME_BACKENDS,
-    InstancePhase,
-    InstanceReport,
-    NodeState,
-    check_name,
-)
+from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
 from orka.rpc import convert
 from orka.rpc.frames import drain
 from orka.scheduler.feed import Feed
+from orka.scheduler.filters.volumes import volume_offer
 from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession
@@ -150,7 +143,7 @@ class Gateway:
                 check_text(driver, MAX_DRIVER_NAME)
             except ValueError as err:
                 raise Invalid(f"register: node.drivers[{i}]: {err}") from None
-        pool, volume_backends, volume_capacity = node_storage(info)
+        pool, volume_backends, volume_capacity = volume_offer(info)
         reports = [
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
@@ -163,8 +156,7 @@ class Gateway:
         node.allocatable = allocatable
         node.labels = labels
         node.drivers = frozenset(info.drivers)
-        node.pool = pool
-        node.volume_backends = volume_backends
+        node.pool, node.volume_backends = pool, volume_backends
         node.volume_capacity_bytes = volume_capacity
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
@@ -357,27 +349,3 @@ def _unchanged(node: NodeRecord, old: InstanceReport, status: apb.InstanceStatus
     if phase in TERMINAL_PHASES:
         return hold is None
     return hold is not None and hold.expires_at is None
-
-
-def node_storage(info: apb.NodeInfo) -> tuple[str, tuple[str, ...], int]:
-    """The pool a registering node joins and the volume backends it offers, checked like any
-    input from an agent: "default" when it names no pool."""
-    pool = info.pool or DEFAULT_POOL
-    try:
-        check_name(pool, "pool")
-    except ValueError as err:
-        raise Invalid(f"register: node.{err}") from None
-    if len(info.volume_backends) > len(VOLUME_BACKENDS):
-        raise Invalid(
-            f"register: node.volume_backends: at most {len(VOLUME_BACKENDS)},"
-            f" got {len(info.volume_backends)}"
-        )
-    for i, backend in enumerate(info.volume_backends):
-        if backend not in VOLUME_BACKENDS:
-            raise Invalid(
-                f"register: node.volume_backends[{i}]: {backend[:32]!r} is not one of"
-                f" {', '.join(VOLUME_BACKENDS)}"
-            )
-    if info.volume_capacity_bytes < 0:
-        raise Invalid("register: node.volume_capacity_bytes must not be negative")
-    return pool, tuple(sorted(set(info.volume_backends))), info.volume_capacity_bytes

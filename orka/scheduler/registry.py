@@ -48,10 +48,6 @@ class NodeRecord:
     usage: Resources = field(default_factory=Resources)
     labels: dict[str, str] = field(default_factory=dict)
     drivers: frozenset[str] = frozenset()
-    # The pool its agent joined, and the volume backends and bytes it offers (Register).
-    pool: str = DEFAULT_POOL
-    volume_backends: tuple[str, ...] = ()
-    volume_capacity_bytes: int = 0
     state: NodeState = NodeState.READY
     schedulable: bool = True
     draining: bool = False
@@ -69,6 +65,9 @@ class NodeRecord:
     # reservation never takes a port in use). Empty on nodes whose instances fix none.
     port_users: dict[fit.HostPort, int] = field(default_factory=dict)
     message: str = ""
+    pool: str = DEFAULT_POOL
+    volume_backends: frozenset[str] = frozenset()
+    volume_capacity_bytes: int = 0
 
     def free(self) -> tuple[int, int]:
         return (
@@ -125,7 +124,6 @@ class NodeRecord:
             schedulable=self.takes_new,
             drivers=self.drivers,
             labels=self.labels,
-            pool=self.pool,
             cpu_allocatable=self.allocatable.cpu_millis,
             mem_allocatable=self.allocatable.memory_bytes,
             cpu_used=self.cpu_used,
@@ -133,6 +131,9 @@ class NodeRecord:
             workload_counts=counts,
             total_instances=len(self.holds),
             host_ports=frozenset(self.port_users) if self.port_users else fit.NO_HOST_PORTS,
+            pool=self.pool,
+            volume_backends=self.volume_backends,
+            volume_capacity_bytes=self.volume_capacity_bytes,
         )
 
     @property
@@ -157,7 +158,7 @@ class NodeRecord:
             last_heartbeat=self.last_heartbeat_wall,
             message=self.message,
             pool=self.pool,
-            volume_backends=list(self.volume_backends),
+            volume_backends=sorted(self.volume_backends),
             volume_capacity_bytes=self.volume_capacity_bytes,
         )
 
@@ -188,10 +189,6 @@ class _Live:
         return self._rec.labels
 
     @property
-    def pool(self) -> str:
-        return self._rec.pool
-
-    @property
     def cpu_allocatable(self) -> int:
         return self._rec.allocatable.cpu_millis
 
@@ -211,6 +208,22 @@ class _Live:
     def host_ports(self) -> dict[fit.HostPort, int]:
         # Read only when the request fixes a host port; the rule asks only `port in` it.
         return self._rec.port_users
+
+    @property
+    def name(self) -> str:
+        return self._rec.name
+
+    @property
+    def pool(self) -> str:
+        return self._rec.pool
+
+    @property
+    def volume_backends(self) -> frozenset[str]:
+        return self._rec.volume_backends
+
+    @property
+    def volume_capacity_bytes(self) -> int:
+        return self._rec.volume_capacity_bytes
 
     @property
     def workload_counts(self) -> dict[str, int]:

@@ -166,6 +166,13 @@ def test_rule(
         (fit.host_port_in_use(53, UDP), "HOST_PORT_IN_USE", "host port 53/udp in use"),
         (fit.host_port_in_use(65535, UDP), "HOST_PORT_IN_USE", "host port 65535/udp in use"),
         (fit.SHUTTING_DOWN, "NODE_SHUTTING_DOWN", "node is shutting down"),
+        (
+            fit.volume_elsewhere("data-1", "node-2"),
+            "VOLUME_ELSEWHERE",
+            "volume data-1 lives on node-2",
+        ),
+        (fit.volume_pool("data-1", "gpu"), "VOLUME_POOL", "volume data-1 needs pool gpu"),
+        (fit.volume_backend("qcow2"), "VOLUME_BACKEND", "no qcow2 volumes on this node"),
     ],
 )
 def test_parametrised_reasons(reason: fit.Reason, code: str, message: str) -> None:
@@ -182,6 +189,9 @@ def test_every_code_says_whether_waiting_helps() -> None:
         fit.Code.MEMORY_ABOVE_CAPACITY,
         fit.Code.POOL_MISMATCH,
         fit.Code.CLASS_UNSUPPORTED,
+        fit.Code.VOLUME_POOL,
+        fit.Code.VOLUME_BACKEND,
+        fit.Code.VOLUME_TOO_BIG,
     }
 
 

@@ -19,6 +19,7 @@ from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
 from orka.scheduler.filters.spread import SpreadFilter
+from orka.scheduler.filters.volumes import VolumesFilter
 from orka.scheduler.snapshot import IndexScope, NodeView, PlacementRequest
 
 
@@ -49,6 +50,7 @@ FILTERS: tuple[Filter, ...] = (
     NodeSelectorFilter(),
     HostPortsFilter(),
     SpreadFilter(),
+    VolumesFilter(),
 )
 
 __all__ = ["FILTERS", "Filter"]
