@@ -6,8 +6,14 @@ from pydantic import ValidationError
 
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
-from orka.models import Class, Pool, WorkloadKind
-from orka.rpc.convert import invalid_from, resources_to_pb, timestamp_fields
+from orka.models import Class, ClassCount, Pool, WorkloadKind
+from orka.rpc.convert import (
+    invalid_from,
+    resources_from_pb,
+    resources_to_pb,
+    seconds_from_pb,
+    timestamp_fields,
+)
 
 _KINDS_TO_PB = {k: pb.WorkloadSpec.Kind.Value(k.value) for k in WorkloadKind}
 _KINDS_FROM_PB = {v: k for k, v in _KINDS_TO_PB.items()}
@@ -99,4 +105,32 @@ def pool_to_pb(p: Pool) -> pb.Pool:
         ],
         volume_capacity_bytes=p.volume_capacity_bytes,
         volume_backends=p.volume_backends,
+    )
+
+
+def class_model_from_pb(msg: pb.Class) -> Class:
+    """A class as the controller answered it (the CLI's view), times and etag included."""
+    c = class_from_pb(msg, prefix="")
+    return c.model_copy(
+        update={
+            "created_at": seconds_from_pb(msg.create_time) or c.created_at,
+            "updated_at": seconds_from_pb(msg.update_time) or c.updated_at,
+            "etag": msg.etag,
+        }
+    )
+
+
+def pool_from_pb(msg: pb.Pool) -> Pool:
+    return Pool(
+        name=msg.name,
+        node_count=msg.node_count,
+        ready_node_count=msg.ready_node_count,
+        capacity=resources_from_pb(msg.capacity),
+        allocatable=resources_from_pb(msg.allocatable),
+        allocated=resources_from_pb(msg.allocated),
+        available_classes=[
+            ClassCount(class_name=c.class_name, count=c.count) for c in msg.available_classes
+        ],
+        volume_capacity_bytes=msg.volume_capacity_bytes,
+        volume_backends=list(msg.volume_backends),
     )
