@@ -4,6 +4,7 @@ into a workload's resources, and placement says which pool or class rules a node
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from orka.api import controller_pb2_grpc as pb_grpc
 from orka.errors import AlreadyExists, Conflict, FieldViolation, Invalid, NotFound
 from orka.rpc.client import call
 from tests.integration.cluster import Cluster, eventually
+from tests.integration.orka_cli import orka
 
 MI = 1 << 20
 GI = 1 << 30
@@ -232,6 +234,36 @@ async def test_pools_count_classes_and_placement_honours_them(cluster: Cluster) 
     with pytest.raises(NotFound):
         await call(api.GetClass, pb.GetClassRequest(name="vm-only"))
     assert sorted(controller.repo.classes) == ["fast", "huge", "large", "small"]
+
+    # ---- the CLI: a class and a workload naming it from one file, then the pools ----
+    manifest = (
+        b"name: w-cli\nkind: process\ncommand: sleep 1000\nclass: tiny\npool: default\n---\n"
+        b"kind: class\nname: tiny\ncpu: 250m\nmemory: 256Mi\n"
+    )
+    code, out, err = await orka(cluster, "apply", "-f", "-", stdin=manifest)
+    assert code == 0, err
+    assert out.decode().splitlines() == ["class/tiny created", "workload/w-cli created"]
+    [inst] = await eventually(lambda: _running_on(cluster, "w-cli", 1))
+    assert inst.node == "node-1"
+
+    async def default_counts() -> dict[str, int] | None:
+        c = (await counts(api))["default"]
+        return c if c.get("tiny") == 7 else None
+
+    await eventually(default_counts)
+    code, out, err = await orka(cluster, "get", "pools")
+    assert code == 0, err
+    rows = {line.split()[0]: line.split() for line in out.decode().splitlines()}
+    assert rows["POOL"] == ["POOL", "NODES", "READY", "CPU", "MEMORY", "CLASSES"]
+    # small is 1000m now: 1750m free / 1000m = 1; tiny: 1750m / 250m = 7 and 1792Mi / 256Mi = 7.
+    assert rows["default"] == ["default", "1", "1", "250m/2", "256Mi/2Gi", "small=1", "tiny=7"]
+    assert rows["big"][:3] == ["big", "2", "2"]
+    assert rows["big"][5:] == ["large=1", "small=3", "tiny=14"]
+    code, out, err = await orka(cluster, "get", "class", "tiny", "-o", "json")
+    assert code == 0, err
+    assert json.loads(out)["compute"]["resources"] == {"cpu_millis": 250, "memory_bytes": 256 * MI}
+    code, out, err = await orka(cluster, "delete", "class", "tiny")
+    assert code != 0 and b"is used by workload w-cli" in err, err
 
 
 async def _running_on(c: Cluster, workload: str, n: int) -> list[pb.Instance] | None:
