@@ -11,7 +11,7 @@ from orka.api import controller_pb2 as pb
 from orka.controller import paging
 from orka.controller.pools import compute_pools
 from orka.controller.repo import Change, Repo
-from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
+from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, ResourceExhausted
 from orka.etags import check_etag, new_workload_etag
 from orka.models import Class, Resources, WorkloadSpec
 from orka.rpc.convert_classes import class_from_pb, class_to_pb, pool_to_pb
@@ -81,7 +81,9 @@ async def create_class(
         if c.name in api.repo.classes:
             raise AlreadyExists(f"class {quote(c.name)} already exists")
         if len(api.repo.classes) >= MAX_CLASSES:
-            raise Invalid(f"the cluster already holds {MAX_CLASSES} classes, its limit")
+            raise ResourceExhausted(
+                f"quota max_classes: the cluster already holds {MAX_CLASSES} classes, its limit"
+            )
         return [Change("classes", c.name, c, create=True)]
 
     await api.repo.mutate(plan)

@@ -125,6 +125,12 @@ async def test_pools_count_classes_and_placement_honours_them(cluster: Cluster) 
     # ---- pools before anything runs ----
     ps = await pools(api)
     assert sorted(ps) == ["big", "default"]
+    page = await call(api.ListPools, pb.ListPoolsRequest(page_size=1))
+    after = await call(
+        api.ListPools, pb.ListPoolsRequest(page_size=1, page_token=page.next_page_token)
+    )
+    assert [p.name for p in [*page.pools, *after.pools]] == ["big", "default"]
+    assert after.next_page_token == ""
     assert (ps["big"].node_count, ps["big"].ready_node_count) == (2, 2)
     assert (ps["big"].capacity.cpu_millis, ps["big"].allocatable.memory_bytes) == (8000, 16 * GI)
     # default: 2000m/500m = 4 and 2Gi/512Mi = 4 small; large and huge fit none of its nodes.
