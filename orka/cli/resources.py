@@ -8,7 +8,7 @@ import contextlib
 import sys
 import time
 
-from orka.cli import output
+from orka.cli import classes, output
 from orka.cli.client import AdminClient, Change, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.errors import Aborted, NotFound, OrkaError, OutOfRange
@@ -20,6 +20,8 @@ ALIASES: dict[str, str] = {
     **dict.fromkeys(("instances", "instance", "inst", "insts"), "instances"),
     **dict.fromkeys(("nodes", "node", "no"), "nodes"),
     **dict.fromkeys(("endpoints", "endpoint", "ep"), "endpoints"),
+    **dict.fromkeys(("classes", "class"), "classes"),
+    **dict.fromkeys(("pools", "pool"), "pools"),
 }
 
 
@@ -28,8 +30,8 @@ def resource_kind(value: str) -> str:
         return ALIASES[value.lower()]
     except KeyError:
         raise UsageError(
-            f"unknown resource {value!r}; use workloads (wl), instances (inst), nodes (no) or"
-            " endpoints (ep)"
+            f"unknown resource {value!r}; use workloads (wl), instances (inst), nodes (no),"
+            " endpoints (ep), classes or pools"
         ) from None
 
 
@@ -55,6 +57,8 @@ async def _get(args: argparse.Namespace) -> str:
     kind = resource_kind(args.resource)
     fmt = args.output
     async with _client(args) as c:
+        if kind in ("classes", "pools"):
+            return await classes.get_text(c, kind, args.name, fmt)
         if kind == "workloads":
             if args.name:
                 w = await c.get_workload(args.name)
@@ -190,6 +194,8 @@ def _relisted(
 
 def cmd_get(args: argparse.Namespace) -> int:
     # Usage errors before any connection attempt.
+    if args.watch and resource_kind(args.resource) in ("classes", "pools"):
+        raise UsageError(f"get -w: {resource_kind(args.resource)} cannot be watched")
     if args.watch and resource_kind(args.resource) == "endpoints":
         raise UsageError("get -w: endpoints cannot be watched; watch instances --workload W")
     if resource_kind(args.resource) == "endpoints" and not args.name:
@@ -244,6 +250,8 @@ async def _describe(args: argparse.Namespace) -> str:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
+    if resource_kind(args.resource) in ("classes", "pools"):
+        raise UsageError("describe: classes and pools are shown by orka get class|pool NAME")
     if resource_kind(args.resource) == "endpoints":
         raise UsageError("describe: endpoints are listed, not described (orka get endpoints W)")
     if args.output not in output.FORMATS:
@@ -257,6 +265,10 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 async def _delete(args: argparse.Namespace) -> None:
     async with _client(args) as c:
+        if resource_kind(args.resource) == "classes":
+            await classes.delete_class(c, args.name, etag=args.etag)
+            print(f"class/{args.name} deleted")
+            return
         try:
             await c.delete_workload(args.name, etag=args.etag)
         except Aborted:
@@ -284,8 +296,10 @@ async def _delete(args: argparse.Namespace) -> None:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    if resource_kind(args.resource) != "workloads":
-        raise UsageError("delete: only workloads can be deleted (nodes leave on SIGTERM or drain)")
+    if resource_kind(args.resource) not in ("workloads", "classes"):
+        raise UsageError(
+            "delete: only workloads and classes can be deleted (nodes leave on SIGTERM or drain)"
+        )
     if args.timeout <= 0:
         raise UsageError("--timeout: must be > 0")
     asyncio.run(_delete(args))
@@ -320,7 +334,7 @@ def cmd_node_action(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    resources = "workloads|instances|nodes|endpoints"
+    resources = "workloads|instances|nodes|endpoints|classes|pools"
     p = sub.add_parser("get", help="list workloads, instances, nodes or a workload's endpoints")
     p.add_argument("resource", metavar=resources, help="also wl, inst, no, or singular")
     p.add_argument("name", nargs="?", help="one object by name")
@@ -358,11 +372,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_describe)
 
     p = sub.add_parser("delete", help="delete a workload (its instances are stopped)")
-    p.add_argument("resource", metavar="workload")
+    p.add_argument("resource", metavar="workload|class")
     p.add_argument("name")
     add_flag(p, "--wait", action="store_true", help="wait until the workload is gone")
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait")
-    _etag_flag(p, "workload")
+    _etag_flag(p, "workload or class")
     add_client_flags(p)
     p.set_defaults(func=cmd_delete)
 
