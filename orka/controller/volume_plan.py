@@ -90,7 +90,9 @@ def resolve(
         name = t.volume_name(w.name, inst.ordinal)
         vol = volumes.get(name)
         if vol is not None:
-            if vol.workload != w.name:
+            # A RELEASED one is a workload's of that name that was deleted: ours again.
+            released = vol.state is VolumeState.RELEASED and not vol.workload
+            if vol.workload != w.name and not released:
                 owner = f"workload {vol.workload}" if vol.workload else "a user"
                 return Resolved(
                     wait=f"volume {name} exists and was made by {owner}, not by this workload",
