@@ -43,6 +43,8 @@ class Code(StrEnum):
     SPREAD_LIMIT = "SPREAD_LIMIT"
     OFFER_REFUSED = "OFFER_REFUSED"
     OFFER_TIMED_OUT = "OFFER_TIMED_OUT"
+    POOL_MISMATCH = "POOL_MISMATCH"
+    CLASS_UNSUPPORTED = "CLASS_UNSUPPORTED"
     VOLUME_ELSEWHERE = "VOLUME_ELSEWHERE"
     VOLUME_POOL = "VOLUME_POOL"
     VOLUME_BACKEND = "VOLUME_BACKEND"
@@ -69,6 +71,11 @@ RESOLVABLE: Mapping[Code, bool] = {
     # An agent's own check (image present, disk free, driver healthy) may pass later.
     Code.OFFER_REFUSED: True,
     Code.OFFER_TIMED_OUT: True,
+    # A node joins a pool when its agent registers: only a node (re)joining changes it.
+    Code.POOL_MISMATCH: False,
+    # Even empty, the node cannot hold the class's shape: like CPU_ABOVE_CAPACITY, but named
+    # after the class the user asked for.
+    Code.CLASS_UNSUPPORTED: False,
     # The node holding the volume may be down, cordoned or full now, and come back.
     Code.VOLUME_ELSEWHERE: True,
     # A node's pool, volume backends and volume capacity are its shape: only a change of
@@ -162,6 +169,17 @@ def host_port_in_use(port: int, protocol: PortProtocol) -> Reason:
     return reason(Code.HOST_PORT_IN_USE, f"host port {name} in use")
 
 
+@functools.lru_cache(maxsize=256)
+def pool_mismatch(pool: str) -> Reason:
+    # The node's pool, not the wanted one: nodes of the same other pool aggregate into one line.
+    return reason(Code.POOL_MISMATCH, f"node is in pool {pool}")
+
+
+@functools.lru_cache(maxsize=256)
+def class_unsupported(class_name: str) -> Reason:
+    return reason(Code.CLASS_UNSUPPORTED, f"cannot host class {class_name}")
+
+
 @functools.lru_cache(maxsize=1024)
 def volume_elsewhere(volume: str, node: str) -> Reason:
     return reason(Code.VOLUME_ELSEWHERE, f"volume {volume} lives on {node}")
@@ -237,6 +255,9 @@ class Need(Amount, Ports, Protocol):
     @property
     def max_per_node(self) -> int: ...
     @property
+    def pool(self) -> str: ...
+    @property
+    def class_name(self) -> str: ...
     def volumes(self) -> tuple[VolumeNeed, ...]: ...
 
 
@@ -301,7 +322,9 @@ def fit(need: Need, node: Offer) -> Reason | None:
     return (
         ready(need, node)
         or schedulable(need, node)
+        or pool(need, node)
         or driver(need, node)
+        or class_fit(need, node)
         or resources(need, node)
         or selector(need, node)
         or host_ports(need, node)
@@ -339,6 +362,26 @@ def driver(need: Need, node: Offer) -> Reason | None:
     if wanted in drivers or FAKE_DRIVER in drivers:
         return None
     return no_driver(wanted)
+
+
+def pool(need: Need, node: Offer) -> Reason | None:
+    """A request that names a pool goes only to nodes of that pool."""
+    wanted = need.pool
+    if not wanted or node.pool == wanted:
+        return None
+    return pool_mismatch(node.pool)
+
+
+def class_fit(need: Need, node: Offer) -> Reason | None:
+    """A request of a COMPUTE class goes only to nodes that could hold it empty: the
+    class's name, not a bare "cpu request exceeds node capacity", tells the user what to
+    change (its resources are the class's, resolved by the controller)."""
+    name = need.class_name
+    if not name:
+        return None
+    if need.cpu_millis > node.cpu_allocatable or need.memory_bytes > node.mem_allocatable:
+        return class_unsupported(name)
+    return None
 
 
 def resources(need: Amount, node: Capacity) -> Reason | None:

@@ -33,7 +33,7 @@ from orka.agent.stream import Stream
 from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid
-from orka.models import Resources
+from orka.models import DEFAULT_POOL, Resources, check_name
 from orka.rpc import convert
 from orka.runtime.base import Driver
 from orka.runtime.host_ports import DEFAULT_RANGE, HostPorts
@@ -57,6 +57,8 @@ class AgentConfig:
     cpu_millis: int | None = None
     memory_bytes: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # The pool the node joins (--pool): workloads and classes ask for pools by name.
+    pool: str = DEFAULT_POOL
     heartbeat_interval: float = 1.0  # until the scheduler says otherwise
     leave_timeout: float = 60.0
     reconnect_max: float = 5.0
@@ -97,6 +99,10 @@ class AgentConfig:
         for path in self.allowed_paths:
             if not path.is_absolute():
                 raise Invalid(f"--allowed-paths: {str(path)!r} must be an absolute path")
+        try:
+            check_name(self.pool, "--pool")
+        except ValueError as err:
+            raise Invalid(str(err)) from None
         reserved = reserved_labels(self.labels)
         if reserved:
             raise Invalid(
@@ -154,6 +160,7 @@ class Agent:
             usage=self._usage,
             leaving=lambda: self._leaving,
         )
+        self.stream.pool = config.pool
         self.admission = self.admission_class(
             capacity=self.capacity,
             allowed_paths=config.allowed_paths or [],

@@ -15,7 +15,7 @@ from orka.agent.supervisor import Supervised
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, from_rpc_error
-from orka.models import TERMINAL_PHASES, Resources
+from orka.models import DEFAULT_POOL, TERMINAL_PHASES, Resources
 from orka.rpc import convert
 from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
@@ -42,6 +42,8 @@ _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
 
 
 class Stream:
+    # The pool announced in Register (the agent's --pool).
+    pool: str = DEFAULT_POOL
     # Called when a registered stream ends (the sessions on it end too: orka/agent/sessions.py).
     on_disconnect: Callable[[], None] = staticmethod(lambda: None)
 
@@ -121,6 +123,7 @@ class Stream:
                 labels=self.labels,
                 drivers=sorted(self.healthy),
                 version=VERSION,
+                pool=self.pool,
             )
         )
         reg.instances.extend(_status_of(inst) for inst in self.instances.values())

@@ -385,6 +385,7 @@ DEFAULT_WORKLOAD_USER = "nobody"
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from orka.agent.service import Agent, AgentConfig
+    from orka.models import DEFAULT_POOL, check_name
 
     name = args.name or default_node_name()
     try:
@@ -401,6 +402,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     _positive("--leave-timeout", args.leave_timeout)
     _positive("--log-max-bytes", args.log_max_bytes)
     labels = parse_labels(args.labels)
+    pool = args.pool or DEFAULT_POOL
+    try:
+        check_name(pool, "--pool")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     driver_options = _driver_options(args)
     # Empty (e.g. ORKA_WORKLOAD_USER=) is the default, never "no user".
     workload_user = _account("--workload-user", args.workload_user or DEFAULT_WORKLOAD_USER)
@@ -422,6 +428,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         cpu_millis=args.cpu_millis,
         memory_bytes=args.memory_bytes,
         labels=labels,
+        pool=pool,
         leave_timeout=args.leave_timeout,
         log_max_bytes=args.log_max_bytes,
         driver_options=driver_options,
@@ -726,6 +733,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--cpu-millis", type=_int_arg, metavar="N", help="CPU to offer")
     add_flag(p, "--memory-bytes", type=_int_arg, metavar="N", help="memory to offer")
     add_flag(p, "--labels", metavar="k=v,k=v", help="node labels for node selectors")
+    add_flag(p, "--pool", metavar="NAME", help="the pool the node joins (default default)")
     add_flag(
         p,
         "--leave-timeout",

@@ -48,6 +48,8 @@ def request_of(a: apb.Assignment) -> PlacementRequest:
         node_selector=dict(spec.node_selector),
         max_per_node=spec.max_per_node,
         host_ports=_fixed_host_ports(a) if spec.ports else fit.NO_HOST_PORTS,
+        pool=spec.pool,
+        class_name=spec.class_name,
         volumes=_volumes(a) if a.volumes else fit.NO_VOLUMES,
     )
 

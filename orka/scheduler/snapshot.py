@@ -133,6 +133,10 @@ class PlacementRequest:
     max_per_node: int = 0
     # The fixed host ports the instance binds (the spec's `fixed_host_ports`).
     host_ports: frozenset[HostPort] = NO_HOST_PORTS
+    # Only nodes of this pool ("": any), and the COMPUTE class its resources came from ("":
+    # none), named in the reason when no node could ever host it.
+    pool: str = ""
+    class_name: str = ""
     # The volumes it uses (the assignment's), bound to a node or not yet.
     volumes: tuple[VolumeNeed, ...] = NO_VOLUMES
 

@@ -14,6 +14,7 @@ from orka import fit
 from orka.scheduler.filters.driver import DriverFilter
 from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.pool import ClassFilter, PoolFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
@@ -42,7 +43,9 @@ class Filter(Protocol):
 FILTERS: tuple[Filter, ...] = (
     ReadyFilter(),
     SchedulableFilter(),
+    PoolFilter(),
     DriverFilter(),
+    ClassFilter(),
     ResourcesFilter(),
     NodeSelectorFilter(),
     HostPortsFilter(),

@@ -10,6 +10,7 @@ from orka.scheduler.filters import FILTERS
 from orka.scheduler.filters.driver import DriverFilter
 from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.pool import ClassFilter, PoolFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
@@ -74,6 +75,19 @@ CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
         "no containerd driver",
     ),
     ("no-drivers", DriverFilter(), {"drivers": frozenset()}, {}, "no process driver"),
+    ("pool-any", PoolFilter(), {"pool": "gpu"}, {}, None),
+    ("pool-same", PoolFilter(), {"pool": "gpu"}, {"pool": "gpu"}, None),
+    ("pool-other", PoolFilter(), {"pool": "default"}, {"pool": "gpu"}, "node is in pool default"),
+    ("class-fits", ClassFilter(), {}, {"class_name": "small", "cpu_millis": 4000}, None),
+    (
+        "class-too-big",
+        ClassFilter(),
+        {},
+        {"class_name": "large", "cpu_millis": 4001},
+        "cannot host class large",
+    ),
+    # A full node is not the class's fault: the resources filter says so, and waiting helps.
+    ("class-node-full", ClassFilter(), {"cpu_used": 4000}, {"class_name": "small"}, None),
     ("no-volumes", VolumesFilter(), {}, {}, None),
     ("volume-bound-here", VolumesFilter(), VOLUME_NODE, vols(vol(node="node-1")), None),
     # Bound: only its node counts, whatever pool, backends or room this node has.
@@ -287,7 +301,9 @@ def test_filter_table_is_explicit_and_ordered() -> None:
     assert [f.name for f in FILTERS] == [
         "ready",
         "schedulable",
+        "pool",
         "driver",
+        "class",
         "resources",
         "node_selector",
         "host_ports",
