@@ -61,10 +61,11 @@ def spec(name: str, replicas: int = 1, **kw: object) -> pb.WorkloadSpec:
     )
 
 
-async def make_volume(c: Cluster, name: str, pool: str = "") -> None:
-    """A volume as CreateVolume (the vol-api slice) stores it: PENDING on no node."""
+async def make_volume(c: Cluster, name: str, pool: str = "", node: str = "") -> None:
+    """A volume as CreateVolume (the vol-api slice) stores it: PENDING on no node; or one
+    already bound to `node`."""
     assert c.controller is not None
-    vol = Volume(spec=VolumeSpec(name=name, size_bytes=64 * MIB, pool=pool))
+    vol = Volume(spec=VolumeSpec(name=name, size_bytes=64 * MIB, pool=pool), node=node)
     await c.controller.api.repo.mutate(lambda: [Change("volumes", name, vol, create=True)])
 
 
@@ -128,7 +129,9 @@ async def test_instances_follow_their_volumes_and_wait_for_missing_ones(cluster:
     for _ in range(3):
         await recreate(c, db)
         assert await eventually(lambda: running_on(c, "db", 1)) == {0: home}
-    assert not [n for n in c.agents[other].instances if n.startswith("db-")]
+        # One instance, the one on the volume's node: none was tried elsewhere.
+        assert [(i.node, i.phase) for i in await c.instances("db")] == [(home, pb.Instance.RUNNING)]
+        assert not [n for n in c.agents[other].instances if n.startswith("db-")]
     # 4. Per-replica volumes: made at first use (named after template, workload, ordinal),
     # bound where their replica went, and each replica goes back to its own after re-creation.
     tpl = pb.VolumeTemplate(name="cache", size_bytes=8 * MIB, mount_path="/cache")
@@ -149,12 +152,19 @@ async def test_instances_follow_their_volumes_and_wait_for_missing_ones(cluster:
         pb.CreateWorkloadRequest(spec=spec("gpu", volumes=[pb.VolumeMount(volume="data-2")]))
     )
 
-    async def reasons() -> list[str] | None:
+    async def reasons(workload: str) -> list[str] | None:
         assert c.api is not None
-        w = await c.api.GetWorkload(pb.GetWorkloadRequest(name="gpu"))
+        w = await c.api.GetWorkload(pb.GetWorkloadRequest(name=workload))
         return list(w.status.unschedulable_reasons) or None
 
-    assert await eventually(reasons) == ["2 nodes: volume data-2 needs pool gpu"]
+    assert await eventually(lambda: reasons("gpu")) == ["2 nodes: volume data-2 needs pool gpu"]
     vol2 = volume(c, "data-2")
     assert vol2 is not None and vol2.node == ""
+    # 6. An instance asking for pool a whose volume lives on node-2 (pool b): both reasons.
+    await make_volume(c, "data-3", node="node-2")
+    pinned = spec("pinned", pool="a", volumes=[pb.VolumeMount(volume="data-3")])
+    await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=pinned))
+    assert await eventually(lambda: reasons("pinned")) == [
+        "1 node: node is in pool b; 1 node: volume data-3 lives on node-2"
+    ]
     print(f"scenario took {time.monotonic() - started:.1f}s")
