@@ -15,6 +15,7 @@ from orka.agent.service import Agent
 from orka.agent.stream import Stream
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
+from orka.controller.placement import PlacementConfig
 from orka.controller.repo import Change
 from orka.models import Volume, VolumeSpec
 from tests.integration.cluster import Cluster, eventually
@@ -43,7 +44,8 @@ class _VolumeAgent(Agent):
 async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     c = Cluster(certs_dir, tmp_path, offer_timeout=2.0)
     await c.scheduler.start()
-    await c.start_controller()
+    # Retries after a long backoff only: what places a waiting instance is its volume changing.
+    await c.start_controller(placement=PlacementConfig(backoff_start=60.0, backoff_max=60.0))
     for name, pool in (("node-1", "a"), ("node-2", "b")):
         await c.add_agent(name, _VolumeAgent, runtimes=["fake"], labels={"pool": pool})
     yield c
@@ -125,6 +127,11 @@ async def test_instances_follow_their_volumes_and_wait_for_missing_ones(cluster:
     assert vol is not None
     assert (vol.node, vol.backend, vol.pool) == (home, "ext4", "a" if home == "node-1" else "b")
     other = "node-2" if home == "node-1" else "node-1"
+    # Load on the volume's node, so that everything else would rank the other node first.
+    filler = spec("filler", replicas=3)
+    filler.node_selector["pool"] = vol.pool
+    await c.api.CreateWorkload(pb.CreateWorkloadRequest(spec=filler))
+    await eventually(lambda: running_on(c, "filler", 3))
     # 3. Deleted and made again, several times: always the volume's node, never the other.
     for _ in range(3):
         await recreate(c, db)
