@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -115,7 +116,9 @@ class PlacementQueue:
 
     def _shape(self) -> int:
         """What an unresolvable refusal depends on: which nodes exist, with which drivers,
-        labels and allocatable (not their usage, state or cordon, which waiting changes)."""
+        pool, labels, allocatable and volume backends and space (not their usage, state or
+        cordon, which waiting changes). A volume's own change wakes its instances apart
+        (volume_changed)."""
         return hash(
             frozenset(
                 (
@@ -125,6 +128,9 @@ class PlacementQueue:
                     frozenset(n.labels.items()),
                     n.allocatable.cpu_millis,
                     n.allocatable.memory_bytes,
+                    # Where volumes can be made (VOLUME_BACKEND, VOLUME_TOO_BIG).
+                    frozenset(n.volume_backends),
+                    n.volume_capacity_bytes,
                 )
                 for n in self.repo.nodes.values()
             )
@@ -187,6 +193,8 @@ class PlacementQueue:
             inst = self.repo.instances.get(name)
             if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
                 del self.pending[name]
+                if self.waiting_on and inst is not None:
+                    self._forget_waits(inst)
                 continue
             w = self.repo.workloads.get(inst.workload)
             if w is None:
@@ -282,6 +290,20 @@ class PlacementQueue:
         for n in unbound:
             self.placing[n] = instance
         return True
+
+    def _forget_waits(self, inst: Instance) -> None:
+        w = self.repo.workloads.get(inst.workload)
+        if w is not None:
+            self._unwait(inst.name, volume_plan.volume_names(w.spec, w.name, inst.ordinal))
+
+    def _unwait(self, instance: str, names: Iterable[str]) -> None:
+        """The instance no longer waits on these volumes (bound, or gone)."""
+        for name in names:
+            users = self.waiting_on.get(name)
+            if users is not None:
+                users.discard(instance)
+                if not users:
+                    del self.waiting_on[name]
 
     def volume_changed(self, name: str) -> None:
         """A volume changed: the instances that wait for it (or were placed with it) are tried
@@ -379,12 +401,7 @@ class PlacementQueue:
 
         await self.repo.mutate(plan)
         for inst in committed:
-            for a in volumes.get(inst.name, ()):
-                users = self.waiting_on.get(a.name)
-                if users is not None:
-                    users.discard(inst.name)
-                    if not users:
-                        del self.waiting_on[a.name]
+            self._unwait(inst.name, (a.name for a in volumes.get(inst.name, ())))
         for name in retry:
             self._retry_later(name)
         for name in (i.name for i in committed):
