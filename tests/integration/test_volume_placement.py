@@ -4,6 +4,7 @@ time it is deleted and made again; per-replica template volumes follow their rep
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,15 +25,16 @@ MIB = 1 << 20
 
 
 class _VolumeStream(Stream):
-    """Announces what the volume manager (the vol-agent slice) will: the node's pool (here
-    from its `pool` label) and an ext4 backend with 1 GiB of volume space."""
+    """Announces the node's pool (from its `pool` label) and, when the agent announces none
+    itself (before its volume manager: the vol-agent slice), an ext4 backend with 1 GiB."""
 
     def register_message(self) -> apb.AgentMessage:
         msg = super().register_message()
         node = msg.register.node
         node.pool = self.labels.get("pool", "default")
-        node.volume_backends.append("ext4")
-        node.volume_capacity_bytes = 1 << 30
+        if not node.volume_backends:
+            node.volume_backends.append("ext4")
+            node.volume_capacity_bytes = 1 << 30
         return msg
 
 
@@ -46,10 +48,21 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     await c.scheduler.start()
     # Retries after a long backoff only: what places a waiting instance is its volume changing.
     await c.start_controller(placement=PlacementConfig(backoff_start=60.0, backoff_max=60.0))
-    for name, pool in (("node-1", "a"), ("node-2", "b")):
-        await c.add_agent(name, _VolumeAgent, runtimes=["fake"], labels={"pool": pool})
-    yield c
-    await c.stop()
+    try:
+        for name, pool in (("node-1", "a"), ("node-2", "b")):
+            await c.add_agent(name, _VolumeAgent, runtimes=["fake"], labels={"pool": pool})
+        yield c
+    finally:
+        await c.stop()
+        _unmount_under(tmp_path)
+
+
+def _unmount_under(root: Path) -> None:
+    """An agent with a volume manager mounts real ext4 volumes under its data dir, and keeps
+    them across its own restarts: the test takes them down (and their loop devices)."""
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(f"{root}/")), reverse=True):
+        subprocess.run(["umount", "-d", point], check=False, capture_output=True)
 
 
 def spec(name: str, replicas: int = 1, **kw: object) -> pb.WorkloadSpec:
