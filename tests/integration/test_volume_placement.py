@@ -164,8 +164,24 @@ async def test_instances_follow_their_volumes_and_wait_for_missing_ones(cluster:
         assert v is not None
         assert (v.node, v.workload, v.ordinal, v.spec.size_bytes) == (first[n], "kv", n, 8 * MIB)
     # Made again without the spread rule: each replica still goes to its own volume's node.
-    await recreate(c, spec("kv", replicas=2, volume_template=tpl))
+    kv2 = spec("kv", replicas=2, volume_template=tpl)
+    await recreate(c, kv2)
     assert await eventually(lambda: running_on(c, "kv", 2)) == first
+    # A rolling update (surge 1) replaces each replica beside its predecessor, on its volume's
+    # node (ext4: shared there), and completes: no deadlock on the pinned volumes.
+    kv2.env["REVISION"] = "2"
+    await c.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=kv2))
+
+    async def rolled() -> bool:
+        assert c.api is not None
+        w = await c.api.GetWorkload(pb.GetWorkloadRequest(name="kv"))
+        return w.rollout.state == pb.RolloutStatus.COMPLETE and w.rollout.revision == 2
+
+    await eventually(rolled)
+    now = await c.running("kv")
+    assert {i.ordinal: (i.node, i.generation) for i in now} == {
+        n: (node, 2) for n, node in first.items()
+    }
     # 5. A volume asking for a pool no node is in: unschedulable, saying so for every node.
     await make_volume(c, "data-2", pool="gpu")
     await c.api.CreateWorkload(
