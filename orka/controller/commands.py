@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orka.models import Instance, InstanceReport, Node, Workload, WorkloadSpec
+from orka.models import Instance, InstanceReport, Node, VolumeAttachment, Workload, WorkloadSpec
 
 
 @dataclass(frozen=True)
@@ -18,10 +18,21 @@ class Assignment:
     instance: str
     generation: int
     spec: WorkloadSpec
+    # The volumes it uses, resolved by the controller (orka/controller/volume_plan.py).
+    volumes: tuple[VolumeAttachment, ...] = ()
+    ordinal: int = 0
 
     @classmethod
-    def of(cls, inst: Instance, w: Workload) -> Assignment:
-        return cls(instance=inst.name, generation=inst.generation, spec=w.spec)
+    def of(
+        cls, inst: Instance, w: Workload, volumes: tuple[VolumeAttachment, ...] = ()
+    ) -> Assignment:
+        return cls(
+            instance=inst.name,
+            generation=inst.generation,
+            spec=w.spec,
+            volumes=volumes,
+            ordinal=inst.ordinal,
+        )
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,8 @@ class Release:
 NodeCommand = Start | Stop | Release
 
 
-def start_command(inst: Instance, w: Workload) -> Start:
-    return Start(node=inst.node, assignment=Assignment.of(inst, w))
+def start_command(inst: Instance, w: Workload, volumes: tuple[VolumeAttachment, ...] = ()) -> Start:
+    return Start(node=inst.node, assignment=Assignment.of(inst, w, volumes))
 
 
 def stop_command(node: str, instance: str, reason: str) -> Stop:
