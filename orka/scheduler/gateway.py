@@ -15,6 +15,7 @@ from orka.errors import Invalid, PermissionDenied
 from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
 from orka.rpc import convert
 from orka.rpc.frames import drain
+from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
 from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import NodeRecord, Registry
@@ -147,6 +148,7 @@ class Gateway:
             for s in reg.instances
         ]
         node = self.registry.upsert(session.node)
+        volumes.on_register(node, reg)
         if node.session is not None and node.session is not session:
             node.session.close()
         node.session = session
@@ -205,6 +207,8 @@ class Gateway:
                 self.liveness.set_state(node, NodeState.READY)
         elif kind == "instance_status":
             self._on_status(node, msg.instance_status)
+        elif kind == "volume_status":
+            volumes.on_status(node, self.feed, msg.volume_status)
         elif kind == "offer_reply":
             r = msg.offer_reply
             session.resolve(r.offer_id, r.status)

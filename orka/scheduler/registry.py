@@ -23,6 +23,7 @@ from orka.scheduler.index import SnapshotIndex, updated
 from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
 
 if TYPE_CHECKING:
+    from orka.api import agent_pb2 as apb
     from orka.scheduler.session import AgentSession
 
 
@@ -64,6 +65,8 @@ class NodeRecord:
     # reservation never takes a port in use). Empty on nodes whose instances fix none.
     port_users: dict[fit.HostPort, int] = field(default_factory=dict)
     message: str = ""
+    # Its agent's last report of each volume it holds (orka/scheduler/volumes.py).
+    volumes: dict[str, apb.VolumeStatus] = field(default_factory=dict)
 
     def free(self) -> tuple[int, int]:
         return (
