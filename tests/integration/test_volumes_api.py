@@ -17,10 +17,10 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.controller.repo import Change
-from orka.models import Class, VolumeShape
+from orka.models import Class, Volume, VolumeShape, VolumeSpec, VolumeState
 from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, eventually, process_spec
 
 MI = 1 << 20
 
@@ -215,6 +215,31 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
         err = await _error(api.GetVolume(pb.GetVolumeRequest(name="data-2")))
         assert err.code() == grpc.StatusCode.NOT_FOUND
         assert len([c for c in agent.commands if c.HasField("delete_volume")]) == 1
+
+        # Deleting a workload keeps its volumes (a template one is RELEASED) unless asked.
+        for name, workload in (("keep", ""), ("t-db-0", "db"), ("drop", "")):
+            made = Volume(
+                spec=VolumeSpec(name=name, size_bytes=64 * MI),
+                state=VolumeState.AVAILABLE,
+                node="node-1",
+                workload=workload,
+            )
+            await repo.mutate(lambda made=made: [Change("volumes", made.name, made, create=True)])
+            agent.report(name, pb.Volume.AVAILABLE)
+        mounts = [pb.VolumeMount(volume="keep")]
+        await api.CreateWorkload(pb.CreateWorkloadRequest(spec=process_spec("db", volumes=mounts)))
+        await api.DeleteWorkload(pb.DeleteWorkloadRequest(name="db"))
+        await eventually(lambda: _state(api, "t-db-0", pb.Volume.RELEASED))
+        assert (await api.GetVolume(pb.GetVolumeRequest(name="keep"))).state == pb.Volume.AVAILABLE
+        mounts = [pb.VolumeMount(volume="keep"), pb.VolumeMount(volume="drop")]
+        for name in ("a", "b"):
+            spec = process_spec(name, volumes=mounts[: 1 if name == "b" else 2])
+            await api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec))
+        await api.DeleteWorkload(pb.DeleteWorkloadRequest(name="a", with_volumes=True))
+        await eventually(lambda: _absent(api, "drop"))
+        # `keep` is named by workload b too: kept.
+        assert (await api.GetVolume(pb.GetVolumeRequest(name="keep"))).state == pb.Volume.AVAILABLE
+        assert "drop" not in agent.volumes and "keep" in agent.volumes
     finally:
         await agent.stop()
 
