@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from orka.cli import volumes as volume_docs
 from orka.cli.client import AdminClient, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.cli.manifest import load_manifests
@@ -18,6 +19,7 @@ from orka.models import (
     InstancePhase,
     RestartPolicy,
     RolloutState,
+    VolumeSpec,
     Workload,
     WorkloadSpec,
 )
@@ -273,9 +275,17 @@ def _not_ready_message(items: list[Progress], timeout: float) -> str:
     return "\n".join(lines)
 
 
-async def _apply(args: argparse.Namespace, specs: list[WorkloadSpec]) -> int:
+async def _apply(
+    args: argparse.Namespace, specs: list[WorkloadSpec], volumes: list[VolumeSpec] | None = None
+) -> int:
     address, certs = client_target(args)
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
+        # Volumes first: the workloads that use them are placed at once.
+        for vol in volumes or []:
+            verb = await volume_docs.apply_volume(client, vol)
+            print(f"volume/{vol.name} {verb}", flush=True)
+        if not specs:
+            return EXIT_DONE
         for spec in specs:
             verb = await apply_one(client, spec, etag=args.etag)
             print(f"workload/{spec.name} {verb}", flush=True)
@@ -308,10 +318,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout: must be > 0")
     # Parse every document before sending anything, so a typo in the last one changes nothing.
-    specs = load_manifests(args.file)
-    if args.etag and len(specs) != 1:
+    volumes: list[VolumeSpec] = []
+    specs = load_manifests(args.file, volumes)
+    if args.etag and (len(specs) != 1 or volumes):
         raise UsageError(f"--etag: {args.file} holds {len(specs)} workloads; it takes one")
-    return asyncio.run(_apply(args, specs))
+    return asyncio.run(_apply(args, specs, volumes))
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

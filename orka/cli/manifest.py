@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from orka.cli import volumes as volume_docs
 from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
 from orka.models import (
@@ -22,6 +23,7 @@ from orka.models import (
     TcpCheck,
     UpdateStrategy,
     VmSpec,
+    VolumeSpec,
     WorkloadKind,
     WorkloadSpec,
 )
@@ -245,7 +247,10 @@ def _unwrap(doc: dict[Any, Any], where: str) -> dict[Any, Any]:
     return flat
 
 
-def parse_manifests(text: str, source: str = "<stdin>") -> list[WorkloadSpec]:
+def parse_manifests(
+    text: str, source: str = "<stdin>", volumes: list[VolumeSpec] | None = None
+) -> list[WorkloadSpec]:
+    """The workloads of a manifest; `kind: volume` documents go to `volumes` when given."""
     try:
         docs = list(yaml.safe_load_all(text))
     except yaml.YAMLError as e:
@@ -258,6 +263,9 @@ def parse_manifests(text: str, source: str = "<stdin>") -> list[WorkloadSpec]:
             continue  # a stray `---` at the start or end
         if not isinstance(doc, dict):
             raise Invalid(f"{where}: expected a mapping (a workload), got {type(doc).__name__}")
+        if volumes is not None and volume_docs.is_volume(doc):
+            volumes.append(volume_docs.spec_from_mapping(doc, where))
+            continue
         kind = doc.get("kind")
         if isinstance(kind, str) and kind.strip().lower() == "workload":
             doc = _unwrap(doc, where)
@@ -268,16 +276,16 @@ def parse_manifests(text: str, source: str = "<stdin>") -> list[WorkloadSpec]:
             )
         seen[spec.name] = where
         specs.append(spec)
-    if not specs:
+    if not specs and not volumes:
         raise Invalid(f"{source}: no workloads found")
     return specs
 
 
-def load_manifests(path: str) -> list[WorkloadSpec]:
+def load_manifests(path: str, volumes: list[VolumeSpec] | None = None) -> list[WorkloadSpec]:
     if path == "-":
-        return parse_manifests(sys.stdin.read(), "<stdin>")
+        return parse_manifests(sys.stdin.read(), "<stdin>", volumes)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise Invalid(f"-f: cannot read {path}: {e.strerror or e}") from None
-    return parse_manifests(text, path)
+    return parse_manifests(text, path, volumes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from orka.models import Class, Volume, VolumeShape, VolumeSpec, VolumeState
 from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
 from tests.integration.cluster import Cluster, eventually, process_spec
+from tests.integration.orka_cli import orka
 
 MI = 1 << 20
 
@@ -240,6 +242,27 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
         # `keep` is named by workload b too: kept.
         assert (await api.GetVolume(pb.GetVolumeRequest(name="keep"))).state == pb.Volume.AVAILABLE
         assert "drop" not in agent.volumes and "keep" in agent.volumes
+
+        # The CLI: apply a kind: volume, get, describe, delete.
+        doc = b"kind: volume\nname: logs\nsize: 32Mi\nclass: fast\n"
+        code, out, err = await orka(cluster, "apply", "-f", "-", stdin=doc)
+        assert (code, out, err) == (0, b"volume/logs created\n", b"")
+        code, out, _ = await orka(cluster, "apply", "-f", "-", stdin=doc.replace(b"32", b"48"))
+        assert code == 1
+        code, out, _ = await orka(cluster, "get", "volumes")
+        assert out.decode().splitlines() == [
+            "NAME     SIZE   STATE       NODE     BACKEND   ATTACHED",
+            "keep     64Mi   AVAILABLE   node-1   ext4      <none>",
+            "logs     32Mi   PENDING     <none>   <none>    <none>",
+            "t-db-0   64Mi   RELEASED    node-1   ext4      <none>",
+        ]
+        code, out, _ = await orka(cluster, "describe", "volume", "keep")
+        assert "Data lives on node node-1's disk only" in out.decode()
+        code, out, err = await orka(cluster, "delete", "volume", "keep", "--wait")
+        assert code == 0, err
+        assert out.decode().splitlines()[-1] == "volume/keep deleted"
+        code, out, _ = await orka(cluster, "get", "volume", "logs", "-o", "json")
+        assert json.loads(out)["spec"]["size_bytes"] == 32 * MI
     finally:
         await agent.stop()
 
