@@ -147,8 +147,9 @@ class Gateway:
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
         ]
+        held = volumes.registered(reg)
         node = self.registry.upsert(session.node)
-        volumes.on_register(node, reg)
+        node.volumes = held
         if node.session is not None and node.session is not session:
             node.session.close()
         node.session = session
