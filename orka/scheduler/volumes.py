@@ -18,10 +18,10 @@ from orka.scheduler.registry import NodeRecord
 from orka.scheduler.session import next_id
 
 
-def on_register(node: NodeRecord, reg: apb.Register) -> None:
-    """Every volume the node holds, replacing what it said before."""
+def registered(reg: apb.Register) -> dict[str, apb.VolumeStatus]:
+    """Every volume the node holds (replacing what it said before), checked."""
     convert_volumes.reports_from_pb(reg.volumes, "register: volumes")
-    node.volumes = {v.name: v for v in reg.volumes}
+    return {v.name: v for v in reg.volumes}
 
 
 def on_status(node: NodeRecord, feed: Feed, status: apb.VolumeStatus) -> None:
