@@ -14,10 +14,12 @@ from orka.agent.admission import Admission, driver_name
 from orka.agent.secret_files import SecretFiles
 from orka.agent.state import StateFile, encode_state
 from orka.agent.supervisor import Supervised
+from orka.agent.volumes import VolumeManager
 from orka.api import agent_pb2 as apb
 from orka.errors import OrkaError
-from orka.models import Resources, WorkloadSpec
+from orka.models import Resources, VolumeAttachment, WorkloadSpec
 from orka.rpc import convert
+from orka.rpc.volume_convert import attachment_from_pb
 from orka.runtime.base import Driver, TaskState
 
 log = structlog.get_logger("orka.agent")
@@ -43,8 +45,10 @@ class Runner:
         on_change: Callable[[Supervised], None],
         instances: dict[str, Supervised] | None = None,
         host_ip: str = "",
+        volumes: VolumeManager | None = None,
     ) -> None:
         self.node = node
+        self.volumes = volumes
         self.host_ip = host_ip
         self.drivers = drivers
         self.healthy = healthy
@@ -70,7 +74,7 @@ class Runner:
             driver = self.drivers.get(driver_name(self.healthy, rec.spec.kind) or "")
             if driver is None:
                 continue
-            inst = self.new_instance(rec.name, rec.generation, rec.spec, driver)
+            inst = self.new_instance(rec.name, rec.generation, rec.spec, driver, tuple(rec.volumes))
             inst.restarts = rec.restarts
             found = tasks.pop(rec.name, None)
             if rec.phase.value in ("SUCCEEDED", "FAILED", "STOPPED"):
@@ -82,6 +86,8 @@ class Runner:
             info = found[1] if found else None
             if info is not None and info.state is TaskState.RUNNING:
                 log.info("re-adopted instance", instance=rec.name, pid=info.pid)
+                if self.volumes is not None:
+                    self.volumes.hold(rec.name, rec.spec.kind, rec.volumes)
             inst.start(adopted=info)
         for driver, info in tasks.values():
             log.info("removing orphan task", instance=info.instance, driver=driver.name)
@@ -90,10 +96,23 @@ class Runner:
         self.save()
 
     def new_instance(
-        self, name: str, generation: int, spec: WorkloadSpec, driver: Driver
+        self,
+        name: str,
+        generation: int,
+        spec: WorkloadSpec,
+        driver: Driver,
+        volumes: tuple[VolumeAttachment, ...] = (),
     ) -> Supervised:
         inst = Supervised(
-            name, generation, spec, driver, self.changed, self.secret_files, host_ip=self.host_ip
+            name,
+            generation,
+            spec,
+            driver,
+            self.changed,
+            self.secret_files,
+            host_ip=self.host_ip,
+            volumes=self.volumes,
+            attachments=volumes,
         )
         self.instances[name] = inst
         return inst
@@ -121,6 +140,7 @@ class Runner:
             return
         try:
             spec = convert.spec_from_pb(a.spec)
+            volumes = tuple(attachment_from_pb(v) for v in a.volumes)
         except OrkaError as err:
             self.ack(
                 start.command_id,
@@ -136,7 +156,7 @@ class Runner:
             return
         name = driver_name(self.healthy, spec.kind)
         assert name is not None  # admit checked
-        inst = self.new_instance(a.instance, a.generation, spec, self.healthy[name])
+        inst = self.new_instance(a.instance, a.generation, spec, self.healthy[name], volumes)
         self.save()
         self._spawn(self._start_recorded(inst, start.command_id))
 

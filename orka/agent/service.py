@@ -31,9 +31,10 @@ from orka.agent.sessions import Sessions
 from orka.agent.state import StateFile
 from orka.agent.stream import Stream
 from orka.agent.supervisor import Supervised
+from orka.agent.volumes import VolumeManager
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid
-from orka.models import Resources
+from orka.models import DEFAULT_POOL, Resources, check_name
 from orka.rpc import convert
 from orka.runtime.base import Driver
 from orka.runtime.host_ports import DEFAULT_RANGE, HostPorts
@@ -86,8 +87,19 @@ class AgentConfig:
     cni_bin_dirs: list[Path] = field(default_factory=lambda: list(DEFAULT_BIN_DIRS))
     # Each instance's stdout and stderr are rotated past this size (one rotated file kept).
     log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    # The pool the node joins, and where its volumes live (None: `<data dir>/volumes`).
+    pool: str = DEFAULT_POOL
+    volume_dir: Path | None = None
 
     def __post_init__(self) -> None:
+        try:
+            check_name(self.pool, "--pool")
+        except ValueError as err:
+            raise Invalid(str(err)) from None
+        if self.volume_dir is None:
+            self.volume_dir = self.data_dir / "volumes"
+        elif not self.volume_dir.is_absolute():
+            raise Invalid(f"--volume-dir: {str(self.volume_dir)!r} must be an absolute path")
         if not self.schedulers:
             raise Invalid("--scheduler: at least one HOST:PORT is required")
         if not self.runtimes:
@@ -140,6 +152,12 @@ class Agent:
         self.host_ports = HostPorts(*config.host_port_range)
         # Built in start(), once the data dir exists; shared by every driver like the ports.
         self.network: CniNetwork | None = None
+        assert config.volume_dir is not None  # set in AgentConfig
+        self.volumes = VolumeManager(
+            config.volume_dir,
+            send=lambda msg: self.stream.send(msg),
+            ack=lambda command_id, status: self.stream.ack(command_id, status),
+        )
         self.stream = self.stream_class(
             schedulers=config.schedulers,
             tls=tls,
@@ -153,6 +171,8 @@ class Agent:
             allocated=self._allocated_now,
             usage=self._usage,
             leaving=lambda: self._leaving,
+            pool=config.pool,
+            volumes=self.volumes,
         )
         self.admission = self.admission_class(
             capacity=self.capacity,
@@ -173,6 +193,7 @@ class Agent:
             on_change=self.stream.instance_changed,
             instances=self.instances,
             host_ip=config.host_ip,
+            volumes=self.volumes,
         )
         self.connected = self.stream.connected
         self.logs = LogKeeper(self.instances, config.log_max_bytes)
@@ -224,6 +245,8 @@ class Agent:
         if not self.healthy:
             raise Invalid(f"--runtime: no healthy driver among {', '.join(self.config.runtimes)}")
         self.parts.watch("state file", self.state_file.writer())
+        # Volumes first: a re-adopted instance that restarts finds its volumes mounted.
+        await self.volumes.adopt()
         await self.runner.adopt()
         await self._sweep_network()
         self.parts.start("logs", self.logs.run)
@@ -366,6 +389,10 @@ class Agent:
             self.sessions.on_open(msg.session_open)
         elif kind == "session_input":
             self.sessions.on_input(msg.session_input)
+        elif kind == "provision_volume":
+            self.volumes.on_provision(msg.provision_volume)
+        elif kind == "delete_volume":
+            self.volumes.on_delete(msg.delete_volume)
         elif kind == "release":
             self.admission.release(msg.release.instance)
             self.stream.ack(msg.release.command_id, convert.ok_status())

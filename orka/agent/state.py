@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError
 from orka.agent import offload
 from orka.filemodes import PRIVATE_DIR, PRIVATE_FILE, tighten_file
 from orka.memo import ByIdentity
-from orka.models import InstancePhase, WorkloadSpec
+from orka.models import InstancePhase, VolumeAttachment, WorkloadSpec
 
 log = structlog.get_logger("orka.agent.state")
 
@@ -35,6 +35,8 @@ class InstanceRecord(BaseModel):
     finished_at: float | None = None
     reason: str = ""
     message: str = ""
+    # Its volumes as assigned (a restart after an agent restart mounts them again).
+    volumes: list[VolumeAttachment] = Field(default_factory=list)
 
 
 class AgentState(BaseModel):
@@ -45,7 +47,9 @@ class AgentState(BaseModel):
 # The fields of each instance's record besides its spec, in the model's order, and one call
 # that reads them all from an instance. (Their values are what json writes as is: the phase
 # is a StrEnum.)
-_STATUS_FIELDS = tuple(name for name in InstanceRecord.model_fields if name != "spec")
+_STATUS_FIELDS = tuple(
+    name for name in InstanceRecord.model_fields if name not in ("spec", "volumes")
+)
 _status_values = operator.attrgetter(*_STATUS_FIELDS)
 
 # A spec's JSON text, made once per spec (specs are frozen) and spliced into every write.
@@ -72,6 +76,9 @@ def encode_state(node: str, instances: Iterable[RecordSource]) -> str:
         status = json.dumps(
             dict(zip(_STATUS_FIELDS, _status_values(inst), strict=True)), separators=(",", ":")
         )
+        # Its volumes (few, usually none) are encoded each time too.
+        volumes = ",".join(v.model_dump_json() for v in getattr(inst, "volumes", ()))
+        status = f'{status[:-1]},"volumes":[{volumes}]}}'
         entries.append(f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}')
     return f'{{"node":{json.dumps(node)},"instances":{{{",".join(entries)}}}}}'
 

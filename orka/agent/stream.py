@@ -12,6 +12,7 @@ import structlog
 from google.rpc import status_pb2
 
 from orka.agent.supervisor import Supervised
+from orka.agent.volumes import VolumeManager
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, from_rpc_error
@@ -64,8 +65,12 @@ class Stream:
         allocated: Callable[[], Resources],
         usage: Callable[[], Awaitable[Resources]],
         leaving: Callable[[], bool],
+        pool: str = "",
+        volumes: VolumeManager | None = None,
     ) -> None:
         self.schedulers = schedulers
+        self.pool = pool
+        self.volumes = volumes
         self.tls = tls
         self.capacity = capacity
         self.labels = labels
@@ -121,8 +126,13 @@ class Stream:
                 labels=self.labels,
                 drivers=sorted(self.healthy),
                 version=VERSION,
+                pool=self.pool,
             )
         )
+        if self.volumes is not None:
+            reg.node.volume_backends.extend(self.volumes.backend_names())
+            reg.node.volume_capacity_bytes = self.volumes.capacity_bytes()
+            reg.volumes.extend(self.volumes.statuses())
         reg.instances.extend(_status_of(inst) for inst in self.instances.values())
         return apb.AgentMessage(register=reg)
 

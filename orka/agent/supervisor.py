@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -20,9 +21,14 @@ from orka.models import (
     PortBinding,
     Resources,
     RestartPolicy,
+    VolumeAttachment,
     WorkloadSpec,
 )
 from orka.runtime.base import Driver, RunSpec, TaskInfo, TaskState
+from orka.runtime.volumes import MountedVolume
+
+if TYPE_CHECKING:
+    from orka.agent.volumes import VolumeManager
 
 log = structlog.get_logger("orka.agent")
 
@@ -30,6 +36,9 @@ BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
 # The reason of a restart the agent made because the health check failed.
 UNHEALTHY_REASON = "Unhealthy"
+# While its volumes are being provisioned (STARTING), and when they cannot be (FAILED).
+VOLUME_PENDING = "VolumePending"
+VOLUME_FAILED = "VolumeFailed"
 # A task that ran this long before exiting resets the restart backoff.
 HEALTHY_RUN = 10.0
 
@@ -45,8 +54,13 @@ class Supervised:
         secret_files: SecretFiles | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         host_ip: str = "",
+        volumes: VolumeManager | None = None,
+        attachments: tuple[VolumeAttachment, ...] = (),
     ) -> None:
         self.name = name
+        # Its volumes (Assignment.volumes), provisioned by `volumes` before each start.
+        self.volume_manager = volumes
+        self.volumes = attachments
         self.generation = generation
         self.spec = spec
         self.driver = driver
@@ -118,6 +132,9 @@ class Supervised:
         self.phase = phase
         self.reason = reason
         self.message = message
+        if phase in TERMINAL_PHASES and self.volume_manager is not None:
+            # Done with its volumes: they may be deleted, or used by a VM elsewhere.
+            self.volume_manager.release(self.name)
         if phase is not InstancePhase.RUNNING:
             self._health(HealthState.UNKNOWN, "")
             if self._checker is not None:
@@ -202,14 +219,22 @@ class Supervised:
         try:
             while not self.stopping:
                 if info is None:
-                    self._set(InstancePhase.STARTING)
+                    # STARTING (VolumePending while its volumes are being provisioned).
+                    mounted = await self._volumes_ready()
+                    if mounted is None:
+                        return
                     try:
                         spec = self.spec
                         if spec.secret_env_files:
                             # Read at each start, never kept: a rotated file takes effect then.
                             spec = await asyncio.to_thread(self.secret_files.resolve, spec)
                         info = await self.driver.start(
-                            RunSpec(instance=self.name, workload=self.workload, spec=spec)
+                            RunSpec(
+                                instance=self.name,
+                                workload=self.workload,
+                                spec=spec,
+                                volumes=mounted,
+                            )
                         )
                     except RuntimeFailure as err:
                         self.exit_code = None
@@ -277,6 +302,31 @@ class Supervised:
         except Exception as err:
             log.exception("instance supervisor failed", instance=self.name)
             self._set(InstancePhase.FAILED, "AgentError", str(err))
+
+    async def _volumes_ready(self) -> tuple[MountedVolume, ...] | None:
+        """Its volumes, provisioned first (the start's prerequisite): STARTING with
+        VolumePending while that takes; FAILED with VolumeFailed (never started) when a volume
+        cannot be had."""
+        if not self.volumes:
+            self._set(InstancePhase.STARTING)
+            return ()
+        if self.volume_manager is None:
+            self._set(InstancePhase.FAILED, VOLUME_FAILED, "this agent keeps no volumes")
+            return None
+        if self.volume_manager.ready(self.volumes):
+            self._set(InstancePhase.STARTING)
+        else:
+            names = ", ".join(a.name for a in self.volumes)
+            self._set(InstancePhase.STARTING, VOLUME_PENDING, f"provisioning volumes: {names}")
+        try:
+            mounted = await self.volume_manager.acquire(self.name, self.spec.kind, self.volumes)
+        except OrkaError as err:
+            self.finished_at = time.time()
+            self._set(InstancePhase.FAILED, VOLUME_FAILED, err.message)
+            return None
+        if self.reason == VOLUME_PENDING:
+            self._set(InstancePhase.STARTING)
+        return mounted
 
     def _should_restart(self, code: int | None) -> bool:
         policy = self.spec.restart_policy

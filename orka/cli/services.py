@@ -433,6 +433,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         allowed_paths=_allowed_paths(args.allowed_paths),
         host_ip=host_ip,
         host_port_range=host_port_range,
+        pool=_pool(args.pool),
+        volume_dir=_volume_dir(args.volume_dir),
         **network,
     )
 
@@ -537,6 +539,26 @@ def _secret_dirs(value: str | None) -> list[Path]:
         if not d.is_absolute() or not d.is_dir():
             raise UsageError(f"--secret-dir: {d} is not an absolute path to a directory")
     return dirs
+
+
+def _pool(value: str | None) -> str:
+    from orka.models import DEFAULT_POOL, check_name
+
+    if not value:
+        return DEFAULT_POOL
+    try:
+        return check_name(value, "--pool")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _volume_dir(value: str | None) -> Path | None:
+    if not value:
+        return None  # the agent's default: <data dir>/volumes
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        raise UsageError(f"--volume-dir: {value!r} must be an absolute path")
+    return path
 
 
 def _allowed_paths(value: str | None) -> list[Path] | None:
@@ -726,6 +748,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--cpu-millis", type=_int_arg, metavar="N", help="CPU to offer")
     add_flag(p, "--memory-bytes", type=_int_arg, metavar="N", help="memory to offer")
     add_flag(p, "--labels", metavar="k=v,k=v", help="node labels for node selectors")
+    add_flag(p, "--pool", metavar="NAME", help="the pool the node joins (default: default)")
+    add_flag(
+        p,
+        "--volume-dir",
+        metavar="DIR",
+        help="where the node keeps its volumes (default: <data dir>/volumes)",
+    )
     add_flag(
         p,
         "--leave-timeout",

@@ -156,6 +156,21 @@ def namespaces(netns: str = "") -> list[dict[str, str]]:
     return spaces
 
 
+def volume_mounts(run: RunSpec) -> list[dict[str, Any]]:
+    """A bind mount per volume at its mount_path, read-only when asked (after the standard
+    mounts, so a volume may sit under /run)."""
+    return [
+        {
+            "destination": v.mount_path,
+            "type": "bind",
+            "source": str(v.host_path),
+            "options": ["rbind", "nosuid", "nodev", "ro" if v.read_only else "rw"],
+        }
+        for v in run.volumes
+        if v.mount_path
+    ]
+
+
 def build_spec(
     run: RunSpec, image_config: dict[str, Any], cgroups_path: str, netns: str = ""
 ) -> dict[str, Any]:
@@ -240,6 +255,7 @@ def build_spec(
                 "source": "tmpfs",
                 "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
             },
+            *volume_mounts(run),
         ],
         "linux": {
             "namespaces": namespaces(netns),

@@ -237,6 +237,7 @@ class ProcessDriver(TrackingDriver[_Task]):
                     _prepare, run, task_dir, self._work / instance, identity
                 )
                 env.update(self._network_env(run.spec.ports, ports))
+                env.update(await asyncio.to_thread(self._volume_env, run, identity))
                 argv = await asyncio.to_thread(
                     self._isolate, run, identity, argv, attachment.netns if attachment else ""
                 )
@@ -332,6 +333,28 @@ class ProcessDriver(TrackingDriver[_Task]):
             env[spec.host_env_name] = str(b.host_port)
         if self._host_ip:
             env["ORKA_HOST_IP"] = self._host_ip
+        return env
+
+    def _volume_env(self, run: RunSpec, identity: Identity) -> dict[str, str]:
+        """ORKA_VOLUME_<NAME>: each volume's host path (blocking). A volume it may write is
+        made its user's, so the instance can write there whoever it runs as."""
+        env = {}
+        for v in run.volumes:
+            path = Path(v.host_path)
+            if self._private_tmp is not False and path.is_relative_to("/tmp"):
+                # The instance's own /tmp hides the host's: it would find nothing there.
+                raise RuntimeFailure(
+                    f"process: volume {v.name} is at {path}, under /tmp, which the instance's"
+                    " private /tmp hides (give the agent a --volume-dir outside /tmp)"
+                )
+            if identity.switch and not v.read_only and path.is_dir():
+                try:
+                    os.chown(path, identity.uid, identity.gid)
+                except OSError as exc:
+                    raise RuntimeFailure(
+                        f"process: volume {v.name}: cannot give it to the instance's user: {exc}"
+                    ) from None
+            env[v.env_key] = str(path)
         return env
 
     def _isolate(
