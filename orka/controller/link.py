@@ -37,7 +37,7 @@ from orka.controller.commands import (
 from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
-from orka.rpc import convert, convert_volumes
+from orka.rpc import convert, convert_volumes, volume_convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
 from orka.security.tls import TlsFiles
@@ -240,7 +240,7 @@ def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
             return apb.NodeCommand(
                 node=c.node,
                 provision_volume=apb.ProvisionVolume(
-                    volume=convert_volumes.attachment_to_pb(c.volume)
+                    volume=volume_convert.attachment_to_pb(c.volume)
                 ),
             )
         case DeleteVolume():

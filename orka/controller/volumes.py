@@ -36,6 +36,7 @@ from orka.controller.link import SchedulerLink
 from orka.controller.repo import Change, Repo
 from orka.errors import Conflict, OrkaError
 from orka.models import (
+    VOLUME_BACKENDS,
     Class,
     InstancePhase,
     Node,
@@ -86,7 +87,7 @@ def reported(
         "attached_to": sorted(r.attached_to) if state is VolumeState.ATTACHED else [],
         "message": r.message if state is VolumeState.FAILED else "",
     }
-    if r.backend and not vol.backend:
+    if r.backend in VOLUME_BACKENDS and not vol.backend:
         update["backend"] = r.backend
     return _changed(vol, update, now)
 

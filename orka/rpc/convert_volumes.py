@@ -1,7 +1,9 @@
-"""Volumes on the wire: the public Volume and VolumeSpec, and what agents report of theirs.
+"""Volumes on the wire: the public Volume and VolumeSpec, and what agents report of theirs as
+the scheduler and controller check it.
 
-Beside orka/rpc/convert.py, which holds the rest: one converter per message, each way. What an
-agent reports is input like a user's and is checked here (names, sizes, bounded text).
+Beside orka/rpc/convert.py, which holds the rest, and orka/rpc/volume_convert.py, the agent's
+side (attachments, its reports as it sends them). What an agent reports is input like a
+user's and is checked here (names, sizes, bounded text).
 """
 
 from __future__ import annotations
@@ -15,9 +17,7 @@ from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
 from orka.models import (
     MAX_VOLUME_BYTES,
-    VOLUME_BACKENDS,
     Volume,
-    VolumeAttachment,
     VolumeReport,
     VolumeSpec,
     VolumeState,
@@ -34,6 +34,7 @@ MAX_VOLUME_MESSAGE = 4096
 MAX_ATTACHED = 256
 MAX_NODE_VOLUMES = 4096
 MAX_INSTANCE_NAME = 253
+MAX_BACKEND_NAME = 32
 
 
 def state_to_pb(state: VolumeState) -> int:
@@ -122,30 +123,6 @@ def volume_from_pb(msg: pb.Volume) -> Volume:
 # ---- the agent protocol ----
 
 
-def attachment_to_pb(a: VolumeAttachment) -> apb.VolumeAttachment:
-    return apb.VolumeAttachment(
-        name=a.name,
-        size_bytes=a.size_bytes,
-        backend=a.backend,
-        node=a.node,
-        pool=a.pool,
-        mount_path=a.mount_path,
-        read_only=a.read_only,
-        env_name=a.env_name,
-    )
-
-
-def report_to_pb(r: VolumeReport) -> apb.VolumeStatus:
-    return apb.VolumeStatus(
-        name=r.name,
-        state=_STATE_TO_PB[r.state],
-        size_bytes=r.size_bytes,
-        backend=r.backend,
-        message=r.message,
-        attached_to=r.attached_to,
-    )
-
-
 def report_from_pb(msg: apb.VolumeStatus) -> VolumeReport:
     """Agent input, checked before it touches any state: a valid volume name, a known state
     and backend, a size in bounds, a bounded list of instance names; a long message is cut."""
@@ -157,8 +134,10 @@ def report_from_pb(msg: apb.VolumeStatus) -> VolumeReport:
     state = _STATE_FROM_PB.get(msg.state)
     if state is None:
         raise Invalid(f"{what}: state {msg.state} is not a volume state")
-    if msg.backend and msg.backend not in VOLUME_BACKENDS:
-        raise Invalid(f"{what}: backend {quote(msg.backend)} is not one of {VOLUME_BACKENDS}")
+    # A backend the node was asked for and does not have comes back in a FAILED report: only
+    # its length is bounded here; the controller records only backends it knows.
+    if len(msg.backend) > MAX_BACKEND_NAME:
+        raise Invalid(f"{what}: backend: at most {MAX_BACKEND_NAME} characters")
     if not 0 <= msg.size_bytes <= MAX_VOLUME_BYTES:
         raise Invalid(f"{what}: size_bytes {msg.size_bytes} is out of bounds")
     if len(msg.attached_to) > MAX_ATTACHED:

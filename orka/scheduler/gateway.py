@@ -226,8 +226,6 @@ class Gateway:
             session.send(apb.SchedulerMessage(leave_reply=reply))
             if reply.wait:
                 self._waiting[node.name] = session
-        elif kind == "volume_status":
-            pass  # not relayed yet (the vol-api slice forwards it to the controller)
         elif kind == "session_output":
             self.sessions.on_output(session, msg.session_output)
         elif kind == "batch":

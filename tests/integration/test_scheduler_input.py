@@ -85,7 +85,7 @@ def register_with_volume(status: apb.VolumeStatus) -> apb.AgentMessage:
 # Needles of the cases whose register message itself is refused.
 REFUSED_REGISTRATIONS = (
     "node.capacity must not be negative",
-    "volume status 'd': backend 'zfs' is not one of",
+    "volume status 'd': backend: at most 32 characters",
 )
 
 
@@ -153,9 +153,9 @@ REFUSED_REGISTRATIONS = (
         ),
         (
             [
-                register_with_volume(apb.VolumeStatus(name="d", state=1, backend="zfs")),
+                register_with_volume(apb.VolumeStatus(name="d", state=1, backend="z" * 33)),
             ],
-            "volume status 'd': backend 'zfs' is not one of",
+            "volume status 'd': backend: at most 32 characters",
         ),
         ([register(), register()], "register may only be sent once"),
         ([register(), apb.AgentMessage()], "empty agent message"),
