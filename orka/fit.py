@@ -43,6 +43,12 @@ class Code(StrEnum):
     SPREAD_LIMIT = "SPREAD_LIMIT"
     OFFER_REFUSED = "OFFER_REFUSED"
     OFFER_TIMED_OUT = "OFFER_TIMED_OUT"
+    POOL_MISMATCH = "POOL_MISMATCH"
+    CLASS_UNSUPPORTED = "CLASS_UNSUPPORTED"
+    VOLUME_ELSEWHERE = "VOLUME_ELSEWHERE"
+    VOLUME_POOL = "VOLUME_POOL"
+    VOLUME_BACKEND = "VOLUME_BACKEND"
+    VOLUME_TOO_BIG = "VOLUME_TOO_BIG"
 
 
 # Whether waiting can help, per code. Only a change to the cluster's shape (a node joining, a
@@ -65,6 +71,18 @@ RESOLVABLE: Mapping[Code, bool] = {
     # An agent's own check (image present, disk free, driver healthy) may pass later.
     Code.OFFER_REFUSED: True,
     Code.OFFER_TIMED_OUT: True,
+    # A node joins a pool when its agent registers: only a node (re)joining changes it.
+    Code.POOL_MISMATCH: False,
+    # Even empty, the node cannot hold the class's shape: like CPU_ABOVE_CAPACITY, but named
+    # after the class the user asked for.
+    Code.CLASS_UNSUPPORTED: False,
+    # The node holding the volume may be down, cordoned or full now, and come back.
+    Code.VOLUME_ELSEWHERE: True,
+    # A node's pool, volume backends and volume capacity are its shape: only a change of
+    # shape (or of the volume) helps.
+    Code.VOLUME_POOL: False,
+    Code.VOLUME_BACKEND: False,
+    Code.VOLUME_TOO_BIG: False,
 }
 
 
@@ -151,6 +169,37 @@ def host_port_in_use(port: int, protocol: PortProtocol) -> Reason:
     return reason(Code.HOST_PORT_IN_USE, f"host port {name} in use")
 
 
+@functools.lru_cache(maxsize=256)
+def pool_mismatch(pool: str) -> Reason:
+    # The node's pool, not the wanted one: nodes of the same other pool aggregate into one line.
+    return reason(Code.POOL_MISMATCH, f"node is in pool {pool}")
+
+
+@functools.lru_cache(maxsize=256)
+def class_unsupported(class_name: str) -> Reason:
+    return reason(Code.CLASS_UNSUPPORTED, f"cannot host class {class_name}")
+
+
+@functools.lru_cache(maxsize=1024)
+def volume_elsewhere(volume: str, node: str) -> Reason:
+    return reason(Code.VOLUME_ELSEWHERE, f"volume {volume} lives on {node}")
+
+
+@functools.lru_cache(maxsize=256)
+def volume_pool(volume: str, pool: str) -> Reason:
+    return reason(Code.VOLUME_POOL, f"volume {volume} needs pool {pool}")
+
+
+@functools.lru_cache(maxsize=16)
+def volume_backend(backend: str) -> Reason:
+    return reason(Code.VOLUME_BACKEND, f"no {backend} volumes on this node")
+
+
+@functools.lru_cache(maxsize=256)
+def volume_too_big(volume: str) -> Reason:
+    return reason(Code.VOLUME_TOO_BIG, f"volume {volume} is larger than the node's volume space")
+
+
 def refused(why: str) -> Reason:
     """An agent said no to an offer; `why` is its own words."""
     return reason(Code.OFFER_REFUSED, f"refused: {why}")
@@ -161,6 +210,21 @@ def refused(why: str) -> Reason:
 # A fixed host port as a node resource: (port, protocol). One instance on a node binds it.
 HostPort = tuple[int, PortProtocol]
 NO_HOST_PORTS: frozenset[HostPort] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeNeed:
+    """One volume an instance uses, as placement sees it: where it lives (`node`, once bound)
+    or, while unbound, what a node needs to create it (pool, backend, room)."""
+
+    name: str
+    size_bytes: int
+    backend: str
+    node: str = ""
+    pool: str = ""
+
+
+NO_VOLUMES: tuple[VolumeNeed, ...] = ()
 
 
 class Amount(Protocol):
@@ -190,6 +254,11 @@ class Need(Amount, Ports, Protocol):
     def node_selector(self) -> Mapping[str, str]: ...
     @property
     def max_per_node(self) -> int: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def class_name(self) -> str: ...
+    def volumes(self) -> tuple[VolumeNeed, ...]: ...
 
 
 class Capacity(Protocol):
@@ -222,6 +291,14 @@ class Offer(Capacity, Protocol):
     def labels(self) -> Mapping[str, str]: ...
     @property
     def workload_counts(self) -> Mapping[str, int]: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def pool(self) -> str: ...
+    @property
+    def volume_backends(self) -> Collection[str]: ...
+    @property
+    def volume_capacity_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,11 +322,14 @@ def fit(need: Need, node: Offer) -> Reason | None:
     return (
         ready(need, node)
         or schedulable(need, node)
+        or pool(need, node)
         or driver(need, node)
+        or class_fit(need, node)
         or resources(need, node)
         or selector(need, node)
         or host_ports(need, node)
         or spread(need, node)
+        or volumes(need, node)
     )
 
 
@@ -282,6 +362,26 @@ def driver(need: Need, node: Offer) -> Reason | None:
     if wanted in drivers or FAKE_DRIVER in drivers:
         return None
     return no_driver(wanted)
+
+
+def pool(need: Need, node: Offer) -> Reason | None:
+    """A request that names a pool goes only to nodes of that pool."""
+    wanted = need.pool
+    if not wanted or node.pool == wanted:
+        return None
+    return pool_mismatch(node.pool)
+
+
+def class_fit(need: Need, node: Offer) -> Reason | None:
+    """A request of a COMPUTE class goes only to nodes that could hold it empty: the
+    class's name, not a bare "cpu request exceeds node capacity", tells the user what to
+    change (its resources are the class's, resolved by the controller)."""
+    name = need.class_name
+    if not name:
+        return None
+    if need.cpu_millis > node.cpu_allocatable or need.memory_bytes > node.mem_allocatable:
+        return class_unsupported(name)
+    return None
 
 
 def resources(need: Amount, node: Capacity) -> Reason | None:
@@ -354,6 +454,24 @@ def spread(need: Need, node: Offer) -> Reason | None:
         return None
     count = node.workload_counts.get(need.workload, 0)
     return None if count < limit else spread_limit(count)
+
+
+def volumes(need: Need, node: Offer) -> Reason | None:
+    """Every volume the instance uses can be used on the node: a bound one only on its node
+    (local storage: its data is there), an unbound one on a node of its pool that offers its
+    backend and has room for its size. The first volume that rules the node out is named."""
+    for v in need.volumes:
+        if v.node:
+            if v.node != node.name:
+                return volume_elsewhere(v.name, v.node)
+            continue
+        if v.pool and v.pool != node.pool:
+            return volume_pool(v.name, v.pool)
+        if v.backend not in node.volume_backends:
+            return volume_backend(v.backend)
+        if v.size_bytes > node.volume_capacity_bytes:
+            return volume_too_big(v.name)
+    return None
 
 
 def explain_resources(r: Reason, need: Amount, node: Capacity) -> str:

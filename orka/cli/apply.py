@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from orka.cli import volumes as volume_docs
+from orka.cli.classes import apply_class
 from orka.cli.client import AdminClient, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
-from orka.cli.manifest import load_manifests
+from orka.cli.manifest import Manifest, load_manifests
 from orka.errors import Aborted, AlreadyExists, NotFound, OutOfRange
 from orka.models import (
+    Class,
     Instance,
     InstancePhase,
     RestartPolicy,
@@ -275,21 +277,20 @@ def _not_ready_message(items: list[Progress], timeout: float) -> str:
     return "\n".join(lines)
 
 
-async def _apply(
-    args: argparse.Namespace, specs: list[WorkloadSpec], volumes: list[VolumeSpec] | None = None
-) -> int:
+async def _apply(args: argparse.Namespace, docs: list[Manifest]) -> int:
+    # Classes first: the workloads of the same file may name them.
+    specs = [d for d in docs if isinstance(d, WorkloadSpec)]
     address, certs = client_target(args)
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
-        # Volumes first: the workloads that use them are placed at once.
-        for vol in volumes or []:
-            verb = await volume_docs.apply_volume(client, vol)
-            print(f"volume/{vol.name} {verb}", flush=True)
-        if not specs:
-            return EXIT_DONE
+        for c in [d for d in docs if isinstance(d, Class)]:
+            print(f"class/{c.name} {await apply_class(client, c)}", flush=True)
+        # Volumes next: the workloads that use them are placed at once.
+        for v in [d for d in docs if isinstance(d, VolumeSpec)]:
+            print(f"volume/{v.name} {await volume_docs.apply_volume(client, v)}", flush=True)
         for spec in specs:
             verb = await apply_one(client, spec, etag=args.etag)
             print(f"workload/{spec.name} {verb}", flush=True)
-        if not args.wait:
+        if not args.wait or not specs:
             return EXIT_DONE
         view = ProgressView(sys.stdout, sys.stdout.isatty())
         names = [s.name for s in specs]
@@ -318,11 +319,10 @@ def cmd_apply(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout: must be > 0")
     # Parse every document before sending anything, so a typo in the last one changes nothing.
-    volumes: list[VolumeSpec] = []
-    specs = load_manifests(args.file, volumes)
-    if args.etag and (len(specs) != 1 or volumes):
+    specs = load_manifests(args.file)
+    if args.etag and (len(specs) != 1 or not isinstance(specs[0], WorkloadSpec)):
         raise UsageError(f"--etag: {args.file} holds {len(specs)} workloads; it takes one")
-    return asyncio.run(_apply(args, specs, volumes))
+    return asyncio.run(_apply(args, specs))
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -12,10 +12,12 @@ import yaml
 from pydantic import ValidationError
 
 from orka.cli import volumes as volume_docs
+from orka.cli.class_manifest import class_from_mapping
 from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
 from orka.models import (
     MAX_STOP_GRACE_SECONDS,
+    Class,
     ExecCheck,
     HealthCheck,
     HttpCheck,
@@ -41,7 +43,13 @@ _RESOURCE_KEYS = {
 _STRING_MAPS = ("env", "secret_env", "secret_env_files", "node_selector")
 # A manifest names fields as the API does: the grace period is a duration (`30s`, `1m`), as
 # the API's `stop_grace_period` and grpcurl show it, not the model's float seconds.
-_SPEC_KEYS = (set(WorkloadSpec.model_fields) - {"stop_grace_seconds"}) | {"stop_grace_period"}
+_SPEC_KEYS = (set(WorkloadSpec.model_fields) - {"stop_grace_seconds", "class_name"}) | {
+    "stop_grace_period",
+    "class",
+}
+# What parse_manifests returns: workloads, and the classes they may name.
+Manifest = WorkloadSpec | Class | VolumeSpec
+_KIND_OF: dict[type, str] = {Class: "class", VolumeSpec: "volume"}
 
 
 def snake(key: str) -> str:
@@ -188,6 +196,9 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
     data = _normalise_keys(doc, _SPEC_KEYS, where)
     if "kind" not in data:
         raise Invalid(f"{where}: kind: is required (process, container or vm)")
+    if "class" in data:
+        # `class:` in a manifest, as users write it; the API's field is class_name.
+        data["class_name"] = data.pop("class")
     data["kind"] = _kind(data["kind"], where)
     if "resources" in data:
         data["resources"] = _resources(data["resources"], where)
@@ -247,15 +258,12 @@ def _unwrap(doc: dict[Any, Any], where: str) -> dict[Any, Any]:
     return flat
 
 
-def parse_manifests(
-    text: str, source: str = "<stdin>", volumes: list[VolumeSpec] | None = None
-) -> list[WorkloadSpec]:
-    """The workloads of a manifest; `kind: volume` documents go to `volumes` when given."""
+def parse_manifests(text: str, source: str = "<stdin>") -> list[Manifest]:
     try:
         docs = list(yaml.safe_load_all(text))
     except yaml.YAMLError as e:
         raise Invalid(f"{source}: not valid YAML: {e}") from None
-    specs: list[WorkloadSpec] = []
+    specs: list[Manifest] = []
     seen: dict[str, str] = {}
     for index, doc in enumerate(docs, start=1):
         where = f"{source}: document {index}"
@@ -263,29 +271,31 @@ def parse_manifests(
             continue  # a stray `---` at the start or end
         if not isinstance(doc, dict):
             raise Invalid(f"{where}: expected a mapping (a workload), got {type(doc).__name__}")
-        if volumes is not None and volume_docs.is_volume(doc):
-            volumes.append(volume_docs.spec_from_mapping(doc, where))
-            continue
         kind = doc.get("kind")
         if isinstance(kind, str) and kind.strip().lower() == "workload":
             doc = _unwrap(doc, where)
-        spec = spec_from_mapping(doc, where)
-        if spec.name in seen:
-            raise Invalid(
-                f"{where}: workload {spec.name!r} is already defined in {seen[spec.name]}"
-            )
-        seen[spec.name] = where
+        spec: Manifest
+        if isinstance(kind, str) and kind.strip().lower() == "class":
+            spec = class_from_mapping(doc, where)
+        elif volume_docs.is_volume(doc):
+            spec = volume_docs.spec_from_mapping(doc, where)
+        else:
+            spec = spec_from_mapping(doc, where)
+        what = f"{_KIND_OF.get(type(spec), 'workload')} {spec.name!r}"
+        if what in seen:
+            raise Invalid(f"{where}: {what} is already defined in {seen[what]}")
+        seen[what] = where
         specs.append(spec)
-    if not specs and not volumes:
+    if not specs:
         raise Invalid(f"{source}: no workloads found")
     return specs
 
 
-def load_manifests(path: str, volumes: list[VolumeSpec] | None = None) -> list[WorkloadSpec]:
+def load_manifests(path: str) -> list[Manifest]:
     if path == "-":
-        return parse_manifests(sys.stdin.read(), "<stdin>", volumes)
+        return parse_manifests(sys.stdin.read(), "<stdin>")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise Invalid(f"-f: cannot read {path}: {e.strerror or e}") from None
-    return parse_manifests(text, path, volumes)
+    return parse_manifests(text, path)

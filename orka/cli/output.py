@@ -425,6 +425,7 @@ def describe_node(n: Node, instances: Sequence[Instance], now: float | None = No
         ("Usage", resources(n.usage)),
         ("Labels", mapping(n.labels)),
         ("Drivers", ",".join(n.drivers) or NONE),
+        ("Pool", n.pool),
         ("Instances", n.instance_count),
         ("Etag", node_etag(n)),
     ]

@@ -8,7 +8,7 @@ import contextlib
 import sys
 import time
 
-from orka.cli import output
+from orka.cli import classes, output
 from orka.cli import volumes as volume_cli
 from orka.cli.client import AdminClient, Change, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
@@ -21,6 +21,8 @@ ALIASES: dict[str, str] = {
     **dict.fromkeys(("instances", "instance", "inst", "insts"), "instances"),
     **dict.fromkeys(("nodes", "node", "no"), "nodes"),
     **dict.fromkeys(("endpoints", "endpoint", "ep"), "endpoints"),
+    **dict.fromkeys(("classes", "class"), "classes"),
+    **dict.fromkeys(("pools", "pool"), "pools"),
     **dict.fromkeys(("volumes", "volume", "vol", "vols"), "volumes"),
 }
 
@@ -31,7 +33,7 @@ def resource_kind(value: str) -> str:
     except KeyError:
         raise UsageError(
             f"unknown resource {value!r}; use workloads (wl), instances (inst), nodes (no),"
-            " endpoints (ep) or volumes (vol)"
+            " endpoints (ep), classes, pools or volumes (vol)"
         ) from None
 
 
@@ -57,6 +59,8 @@ async def _get(args: argparse.Namespace) -> str:
     kind = resource_kind(args.resource)
     fmt = args.output
     async with _client(args) as c:
+        if kind in ("classes", "pools"):
+            return await classes.get_text(c, kind, args.name, fmt)
         if kind == "workloads":
             if args.name:
                 w = await c.get_workload(args.name)
@@ -194,8 +198,8 @@ def _relisted(
 
 def cmd_get(args: argparse.Namespace) -> int:
     # Usage errors before any connection attempt.
-    if args.watch and resource_kind(args.resource) == "volumes":
-        raise UsageError("get -w: volumes cannot be watched yet; list them again")
+    if args.watch and resource_kind(args.resource) in ("classes", "pools", "volumes"):
+        raise UsageError(f"get -w: {resource_kind(args.resource)} cannot be watched")
     if args.watch and resource_kind(args.resource) == "endpoints":
         raise UsageError("get -w: endpoints cannot be watched; watch instances --workload W")
     if resource_kind(args.resource) == "endpoints" and not args.name:
@@ -253,6 +257,8 @@ async def _describe(args: argparse.Namespace) -> str:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
+    if resource_kind(args.resource) in ("classes", "pools"):
+        raise UsageError("describe: classes and pools are shown by orka get class|pool NAME")
     if resource_kind(args.resource) == "endpoints":
         raise UsageError("describe: endpoints are listed, not described (orka get endpoints W)")
     if args.output not in output.FORMATS:
@@ -300,6 +306,10 @@ async def _delete(args: argparse.Namespace) -> None:
     if resource_kind(args.resource) == "volumes":
         return await _delete_volume(args)
     async with _client(args) as c:
+        if resource_kind(args.resource) == "classes":
+            await classes.delete_class(c, args.name, etag=args.etag)
+            print(f"class/{args.name} deleted")
+            return
         try:
             await c.delete_workload(args.name, etag=args.etag, with_volumes=args.with_volumes)
         except Aborted:
@@ -328,9 +338,10 @@ async def _delete(args: argparse.Namespace) -> None:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     kind = resource_kind(args.resource)
-    if kind not in ("workloads", "volumes"):
+    if kind not in ("workloads", "volumes", "classes"):
         raise UsageError(
-            "delete: only workloads and volumes can be deleted (nodes leave on SIGTERM or drain)"
+            "delete: only workloads, volumes and classes can be deleted (nodes leave on SIGTERM"
+            " or drain)"
         )
     if args.with_volumes and kind != "workloads":
         raise UsageError("--with-volumes: only when deleting a workload")
@@ -368,7 +379,7 @@ def cmd_node_action(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    resources = "workloads|instances|nodes|endpoints|volumes"
+    resources = "workloads|instances|nodes|endpoints|classes|pools|volumes"
     p = sub.add_parser("get", help="list workloads, instances, nodes or a workload's endpoints")
     p.add_argument("resource", metavar=resources, help="also wl, inst, no, or singular")
     p.add_argument("name", nargs="?", help="one object by name")
@@ -406,9 +417,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_describe)
 
     p = sub.add_parser(
-        "delete", help="delete a workload (its instances are stopped) or a volume (its data)"
+        "delete",
+        help="delete a workload (its instances are stopped), a volume (its data) or a class",
     )
-    p.add_argument("resource", metavar="workload|volume")
+    p.add_argument("resource", metavar="workload|volume|class")
     p.add_argument("name")
     add_flag(p, "--wait", action="store_true", help="wait until it is gone")
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait")
@@ -419,7 +431,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a workload's volumes too (its template's, and those no other workload names);"
         " without it every volume and its data is kept",
     )
-    _etag_flag(p, "workload or volume")
+    _etag_flag(p, "workload, volume or class")
     add_client_flags(p)
     p.set_defaults(func=cmd_delete)
 

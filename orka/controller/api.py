@@ -250,11 +250,15 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
     async def CreateWorkload(self, request: pb.CreateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = keep_redacted(None, convert.spec_from_pb(request.spec))
-        workload = rollout.first_revision(
-            Workload(spec=spec, created_by=str(who), updated_by=str(who)), str(who)
-        )
+        workload: Workload | None = None
 
         def plan() -> list[Change]:
+            nonlocal workload
+            # The class is read in the plan: what is stored matches the class as committed.
+            resolved = classes_api.resolve_class(self.repo, spec)
+            workload = rollout.first_revision(
+                Workload(spec=resolved, created_by=str(who), updated_by=str(who)), str(who)
+            )
             if spec.name in self.repo.workloads:
                 raise AlreadyExists(f"workload {spec.name!r} already exists")
             if len(self.repo.workloads) >= self.quotas.max_workloads:
@@ -268,7 +272,9 @@ class ControllerApi(pb_grpc.ControllerServicer):
 
         await self.repo.mutate(plan)
         self.reconciler.kick()
-        return self._workload_pb(self.repo.workloads.get(spec.name, workload))
+        stored = self.repo.workloads.get(spec.name, workload)
+        assert stored is not None  # the plan ran
+        return self._workload_pb(stored)
 
     async def UpdateWorkload(self, request: pb.UpdateWorkloadRequest, who: Identity) -> pb.Workload:
         spec = convert.spec_from_pb(request.spec)
@@ -284,7 +290,7 @@ class ControllerApi(pb_grpc.ControllerServicer):
                 raise Invalid.at(
                     "spec.kind", f"cannot change from {old.spec.kind.value} to {spec.kind.value}"
                 )
-            new_spec = keep_redacted(old.spec, spec)
+            new_spec = classes_api.resolve_class(self.repo, keep_redacted(old.spec, spec))
             if old.spec == new_spec:
                 return []
             if spec.replicas > old.spec.replicas:

@@ -101,6 +101,7 @@ class PlacementQueue:
                 (
                     n.name,
                     frozenset(n.drivers),
+                    n.pool,
                     frozenset(n.labels.items()),
                     n.allocatable.cpu_millis,
                     n.allocatable.memory_bytes,

@@ -829,4 +829,7 @@ def _node_changed(old: Node, new: Node) -> bool:
         or old.drivers != new.drivers
         or old.capacity != new.capacity
         or old.allocatable != new.allocatable
+        or old.pool != new.pool
+        or old.volume_backends != new.volume_backends
+        or old.volume_capacity_bytes != new.volume_capacity_bytes
     )

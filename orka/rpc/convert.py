@@ -20,6 +20,7 @@ from orka.api import controller_pb2 as pb
 from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.etags import node_etag
 from orka.models import (
+    DEFAULT_POOL,
     MAX_PORT_NAME,
     MAX_PORTS,
     MAX_STOP_GRACE_SECONDS,
@@ -699,7 +700,16 @@ def endpoint_from_pb(msg: pb.Endpoint) -> Endpoint:
 
 
 def node_to_pb(n: Node) -> pb.Node:
-    msg = node_static_to_pb(n.name, n.capacity, n.allocatable, n.labels, n.drivers)
+    msg = node_static_to_pb(
+        n.name,
+        n.capacity,
+        n.allocatable,
+        n.labels,
+        n.drivers,
+        pool=n.pool,
+        volume_backends=n.volume_backends,
+        volume_capacity_bytes=n.volume_capacity_bytes,
+    )
     fill_node_status(
         msg,
         state=n.state,
@@ -727,6 +737,10 @@ def node_static_to_pb(
     allocatable: Resources,
     labels: Mapping[str, str],
     drivers: Iterable[str],
+    *,
+    pool: str = DEFAULT_POOL,
+    volume_backends: Iterable[str] = (),
+    volume_capacity_bytes: int = 0,
 ) -> pb.Node:
     """A node's part that only registering changes."""
     return pb.Node(
@@ -735,6 +749,9 @@ def node_static_to_pb(
         allocatable=resources_to_pb(allocatable),
         labels=labels,
         drivers=sorted(drivers),
+        pool=pool,
+        volume_backends=sorted(volume_backends),
+        volume_capacity_bytes=volume_capacity_bytes,
     )
 
 
@@ -799,6 +816,9 @@ def node_from_pb(msg: pb.Node) -> Node:
         instance_count=msg.instance_count,
         last_heartbeat=seconds_from_pb(msg.last_heartbeat_time) or 0.0,
         message=msg.message,
+        pool=msg.pool or DEFAULT_POOL,
+        volume_backends=list(msg.volume_backends),
+        volume_capacity_bytes=msg.volume_capacity_bytes,
     )
 
 

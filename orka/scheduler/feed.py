@@ -40,9 +40,18 @@ class NodeMessages:
     """
 
     def __init__(self) -> None:
-        # Node name -> (labels, drivers, capacity, allocatable, the message of those).
+        # Node name -> (labels, drivers, capacity, allocatable, the message of those, and
+        # (pool, volume backends, volume capacity)).
         self._static: dict[
-            str, tuple[dict[str, str], frozenset[str], Resources, Resources, pb.Node]
+            str,
+            tuple[
+                dict[str, str],
+                frozenset[str],
+                Resources,
+                Resources,
+                pb.Node,
+                tuple[str, frozenset[str], int],
+            ],
         ] = {}
 
     def build(self, node: NodeRecord) -> pb.Node:
@@ -59,11 +68,27 @@ class NodeMessages:
             or cached[2] is not node.capacity
             or cached[3] is not node.allocatable
             or cached[0] != node.labels
+            or cached[5] != (node.pool, node.volume_backends, node.volume_capacity_bytes)
         ):
             static = convert.node_static_to_pb(
-                node.name, node.capacity, node.allocatable, node.labels, node.drivers
+                node.name,
+                node.capacity,
+                node.allocatable,
+                node.labels,
+                node.drivers,
+                pool=node.pool,
+                volume_backends=node.volume_backends,
+                volume_capacity_bytes=node.volume_capacity_bytes,
             )
-            cached = (dict(node.labels), node.drivers, node.capacity, node.allocatable, static)
+            storage = (node.pool, node.volume_backends, node.volume_capacity_bytes)
+            cached = (
+                dict(node.labels),
+                node.drivers,
+                node.capacity,
+                node.allocatable,
+                static,
+                storage,
+            )
             self._static[node.name] = cached
         msg.CopyFrom(cached[4])
         convert.fill_node_status(

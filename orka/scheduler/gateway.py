@@ -17,6 +17,7 @@ from orka.rpc import convert
 from orka.rpc.frames import drain
 from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
+from orka.scheduler.filters.volumes import volume_offer
 from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession
@@ -143,6 +144,7 @@ class Gateway:
                 check_text(driver, MAX_DRIVER_NAME)
             except ValueError as err:
                 raise Invalid(f"register: node.drivers[{i}]: {err}") from None
+        pool, volume_backends, volume_capacity = volume_offer(info)
         reports = [
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
@@ -157,6 +159,8 @@ class Gateway:
         node.allocatable = allocatable
         node.labels = labels
         node.drivers = frozenset(info.drivers)
+        node.pool, node.volume_backends = pool, volume_backends
+        node.volume_capacity_bytes = volume_capacity
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
         # A leave ends with the stream it was announced on: registering again makes the node

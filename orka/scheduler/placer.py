@@ -10,7 +10,7 @@ from orka import fit
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
-from orka.models import PortProtocol, WorkloadKind
+from orka.models import MAX_VOLUMES, PortProtocol, WorkloadKind
 from orka.rpc.place_reasons import place_result_to_pb
 from orka.scheduler.pipeline import Pipeline
 from orka.scheduler.registry import NodeRecord, Registry
@@ -48,6 +48,21 @@ def request_of(a: apb.Assignment) -> PlacementRequest:
         node_selector=dict(spec.node_selector),
         max_per_node=spec.max_per_node,
         host_ports=_fixed_host_ports(a) if spec.ports else fit.NO_HOST_PORTS,
+        pool=spec.pool,
+        class_name=spec.class_name,
+        volumes=_volumes(a) if a.volumes else fit.NO_VOLUMES,
+    )
+
+
+def _volumes(a: apb.Assignment) -> tuple[fit.VolumeNeed, ...]:
+    """The volumes the controller resolved for the instance (bound or not), bounded."""
+    if len(a.volumes) > MAX_VOLUMES + 1:  # the spec's and the template's
+        raise Invalid(f"assignment {a.instance}: volumes: at most {MAX_VOLUMES + 1}")
+    return tuple(
+        fit.VolumeNeed(
+            name=v.name, size_bytes=v.size_bytes, backend=v.backend, node=v.node, pool=v.pool
+        )
+        for v in a.volumes
     )
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from orka import fit
 from orka.models import (
+    DEFAULT_POOL,
     TERMINAL_PHASES,
     InstanceReport,
     Node,
@@ -65,6 +66,9 @@ class NodeRecord:
     # reservation never takes a port in use). Empty on nodes whose instances fix none.
     port_users: dict[fit.HostPort, int] = field(default_factory=dict)
     message: str = ""
+    pool: str = DEFAULT_POOL
+    volume_backends: frozenset[str] = frozenset()
+    volume_capacity_bytes: int = 0
     # Its agent's last report of each volume it holds (orka/scheduler/volumes.py).
     volumes: dict[str, apb.VolumeStatus] = field(default_factory=dict)
 
@@ -130,6 +134,9 @@ class NodeRecord:
             workload_counts=counts,
             total_instances=len(self.holds),
             host_ports=frozenset(self.port_users) if self.port_users else fit.NO_HOST_PORTS,
+            pool=self.pool,
+            volume_backends=self.volume_backends,
+            volume_capacity_bytes=self.volume_capacity_bytes,
         )
 
     @property
@@ -153,6 +160,9 @@ class NodeRecord:
             instance_count=len(self.holds),
             last_heartbeat=self.last_heartbeat_wall,
             message=self.message,
+            pool=self.pool,
+            volume_backends=sorted(self.volume_backends),
+            volume_capacity_bytes=self.volume_capacity_bytes,
         )
 
 
@@ -201,6 +211,22 @@ class _Live:
     def host_ports(self) -> dict[fit.HostPort, int]:
         # Read only when the request fixes a host port; the rule asks only `port in` it.
         return self._rec.port_users
+
+    @property
+    def name(self) -> str:
+        return self._rec.name
+
+    @property
+    def pool(self) -> str:
+        return self._rec.pool
+
+    @property
+    def volume_backends(self) -> frozenset[str]:
+        return self._rec.volume_backends
+
+    @property
+    def volume_capacity_bytes(self) -> int:
+        return self._rec.volume_capacity_bytes
 
     @property
     def workload_counts(self) -> dict[str, int]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from orka.fit import NO_HOST_PORTS, HostPort
-from orka.models import NodeState, WorkloadKind
+from orka.fit import NO_HOST_PORTS, NO_VOLUMES, HostPort, VolumeNeed
+from orka.models import DEFAULT_POOL, NodeState, WorkloadKind
 
 if TYPE_CHECKING:
     from orka.scheduler.index import SnapshotIndex
@@ -53,11 +53,17 @@ class NodeView:
     total_instances: int
     # Fixed host ports its instances (reservations included) bind: a node resource.
     host_ports: frozenset[HostPort] = NO_HOST_PORTS
+    # Where new volumes may be created on it: its pool, backends and volume space.
+    pool: str = DEFAULT_POOL
+    volume_backends: frozenset[str] = frozenset()
+    volume_capacity_bytes: int = 0
 
     def __post_init__(self) -> None:
         # object.__setattr__ is the only way to normalise fields of a frozen dataclass.
         if not isinstance(self.drivers, frozenset):
             object.__setattr__(self, "drivers", frozenset(self.drivers))
+        if not isinstance(self.volume_backends, frozenset):
+            object.__setattr__(self, "volume_backends", frozenset(self.volume_backends))
         if not isinstance(self.host_ports, frozenset):
             object.__setattr__(self, "host_ports", frozenset(self.host_ports))
         object.__setattr__(self, "labels", _frozen_mapping(self.labels))
@@ -127,6 +133,12 @@ class PlacementRequest:
     max_per_node: int = 0
     # The fixed host ports the instance binds (the spec's `fixed_host_ports`).
     host_ports: frozenset[HostPort] = NO_HOST_PORTS
+    # Only nodes of this pool ("": any), and the COMPUTE class its resources came from ("":
+    # none), named in the reason when no node could ever host it.
+    pool: str = ""
+    class_name: str = ""
+    # The volumes it uses (the assignment's), bound to a node or not yet.
+    volumes: tuple[VolumeNeed, ...] = NO_VOLUMES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "node_selector", _frozen_mapping(self.node_selector))

@@ -79,6 +79,7 @@ class HandAgent:
         labels: dict[str, str] | None = None,
         running: tuple[str, ...] = (),
         ports: tuple[pb.PortBinding, ...] = (),
+        **node_info: Any,
     ) -> apb.SchedulerMessage:
         """Register, announcing `running` as instances of "web" that use 100 m / 64 MiB (and
         have bound `ports`)."""
@@ -97,7 +98,11 @@ class HandAgent:
             apb.AgentMessage(
                 register=apb.Register(
                     node=apb.NodeInfo(
-                        capacity=res, allocatable=res, drivers=["fake"], labels=labels or {}
+                        capacity=res,
+                        allocatable=res,
+                        drivers=["fake"],
+                        labels=labels or {},
+                        **node_info,
                     ),
                     instances=instances,
                 )
@@ -925,6 +930,73 @@ async def test_the_node_selector_of_the_assignment_picks_the_node(
         req = apb.PlaceRequest(items=[apb.Assignment(instance="web-0", spec=spec)])
         (result,) = (await apb_grpc.SchedulerStub(channel).Place(req)).results
     assert (result.node, dict(result.refusals)) == ("node-2", {})
+
+
+async def test_volumes_pin_an_instance_to_their_node_or_to_a_node_that_can_create_them(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    """node-1 (pool fast, ext4, 1 GiB) ranks first by name; node-2 (pool slow, ext4 and qcow2,
+    4 GiB) is where bound volumes live or big and qcow2 ones fit."""
+    agents += [
+        HandAgent(scheduler, certs_dir, "node-1"),
+        HandAgent(scheduler, certs_dir, "node-2"),
+        HandAgent(scheduler, certs_dir, "node-3"),
+    ]
+    await agents[0].register(pool="fast", volume_backends=["ext4"], volume_capacity_bytes=1 << 30)
+    await agents[1].register(
+        pool="slow", volume_backends=["ext4", "qcow2"], volume_capacity_bytes=4 << 30
+    )
+    # An agent of an older version: no pool announced (default), no volume backends.
+    await agents[2].register()
+
+    def item(name: str, *volumes: apb.VolumeAttachment) -> apb.Assignment:
+        return apb.Assignment(instance=name, spec=WEB, volumes=volumes)
+
+    def ext4(name: str = "data-1", size: int = 64 * MIB, **kw: Any) -> apb.VolumeAttachment:
+        return apb.VolumeAttachment(name=name, size_bytes=size, backend="ext4", **kw)
+
+    items = [
+        item("bound", ext4(node="node-2")),
+        item("any", ext4()),
+        item("slow", ext4(pool="slow")),
+        item("big", ext4(size=2 << 30)),
+        item("vm", apb.VolumeAttachment(name="disk", size_bytes=MIB, backend="qcow2")),
+        item("nowhere", ext4(pool="gpu")),
+        item("split", ext4(node="node-1"), ext4("logs", node="node-2")),
+        item("plain"),
+    ]
+    async with controller_channel(scheduler, certs_dir) as channel:
+        req = apb.PlaceRequest(items=items)
+        results = (await apb_grpc.SchedulerStub(channel).Place(req)).results
+    got = {r.instance: r.node or reasons_text(r) for r in results}
+    assert got == {
+        "bound": "node-2",
+        "any": "node-1",
+        "slow": "node-2",
+        "big": "node-2",
+        "vm": "node-2",
+        "nowhere": "3 nodes: volume data-1 needs pool gpu",
+        "split": "2 nodes: volume data-1 lives on node-1; 1 node: volume logs lives on node-2",
+        # Without volumes, a node with no volume backends is as good as any: the emptiest.
+        "plain": "node-3",
+    }
+    nowhere = next(r for r in results if r.instance == "nowhere")
+    assert all(not c.resolvable for c in reasons_from_pb(nowhere))
+
+
+async def test_a_node_announcing_an_unknown_volume_backend_is_refused_by_name(
+    scheduler: Scheduler, certs_dir: Path, agents: list[HandAgent]
+) -> None:
+    agents.append(HandAgent(scheduler, certs_dir, "node-1"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        first = await agents[0].register(volume_backends=["zfs"])
+        if first is not grpc.aio.EOF:
+            await agents[0].call.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "node.volume_backends[0]: 'zfs' is not one of ext4, qcow2" in (
+        info.value.details() or ""
+    )
+    assert scheduler.registry.get("node-1") is None
 
 
 async def test_an_instance_placed_in_the_first_round_names_the_nodes_passed_over(

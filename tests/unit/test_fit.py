@@ -63,6 +63,34 @@ RULE: list[tuple[str, dict[str, Any], dict[str, Any], fit.Reason | None, bool | 
         fit.spread_limit(2),
         True,
     ),
+    ("pool-mismatch", {"pool": "gpu"}, {"pool": "default"}, fit.pool_mismatch("gpu"), False),
+    ("pool-matches", {"pool": "gpu"}, {"pool": "gpu"}, None, None),
+    ("no-pool-asked", {"pool": "gpu"}, {}, None, None),
+    # A pool that differs outranks a missing driver: the pool is what the user asked for.
+    (
+        "pool-before-driver",
+        {"pool": "gpu", "drivers": frozenset({"containerd"})},
+        {"pool": "default"},
+        fit.pool_mismatch("gpu"),
+        False,
+    ),
+    # A class too big for the node even empty names the class, not the capacity.
+    (
+        "class-too-big",
+        {},
+        {"cpu_millis": 4001, "class_name": "large"},
+        fit.class_unsupported("large"),
+        False,
+    ),
+    (
+        "class-mem-too-big",
+        {},
+        {"memory_bytes": 8 * GIB + 1, "class_name": "large"},
+        fit.class_unsupported("large"),
+        False,
+    ),
+    # ... while a full node stays a resolvable shortage.
+    ("class-node-full", {"cpu_used": 3501}, {"class_name": "small"}, fit.INSUFFICIENT_CPU, True),
     # Precedence: a lost node says lost, not full.
     ("lost-and-full", {"state": NodeState.LOST, "cpu_used": 4000}, {}, fit.LOST, True),
     (
@@ -138,6 +166,13 @@ def test_rule(
         (fit.host_port_in_use(53, UDP), "HOST_PORT_IN_USE", "host port 53/udp in use"),
         (fit.host_port_in_use(65535, UDP), "HOST_PORT_IN_USE", "host port 65535/udp in use"),
         (fit.SHUTTING_DOWN, "NODE_SHUTTING_DOWN", "node is shutting down"),
+        (
+            fit.volume_elsewhere("data-1", "node-2"),
+            "VOLUME_ELSEWHERE",
+            "volume data-1 lives on node-2",
+        ),
+        (fit.volume_pool("data-1", "gpu"), "VOLUME_POOL", "volume data-1 needs pool gpu"),
+        (fit.volume_backend("qcow2"), "VOLUME_BACKEND", "no qcow2 volumes on this node"),
     ],
 )
 def test_parametrised_reasons(reason: fit.Reason, code: str, message: str) -> None:
@@ -152,6 +187,11 @@ def test_every_code_says_whether_waiting_helps() -> None:
         fit.Code.NODE_SELECTOR_MISMATCH,
         fit.Code.CPU_ABOVE_CAPACITY,
         fit.Code.MEMORY_ABOVE_CAPACITY,
+        fit.Code.POOL_MISMATCH,
+        fit.Code.CLASS_UNSUPPORTED,
+        fit.Code.VOLUME_POOL,
+        fit.Code.VOLUME_BACKEND,
+        fit.Code.VOLUME_TOO_BIG,
     }
 
 

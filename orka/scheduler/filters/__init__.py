@@ -14,10 +14,12 @@ from orka import fit
 from orka.scheduler.filters.driver import DriverFilter
 from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.pool import ClassFilter, PoolFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
 from orka.scheduler.filters.spread import SpreadFilter
+from orka.scheduler.filters.volumes import VolumesFilter
 from orka.scheduler.snapshot import IndexScope, NodeView, PlacementRequest
 
 
@@ -41,11 +43,14 @@ class Filter(Protocol):
 FILTERS: tuple[Filter, ...] = (
     ReadyFilter(),
     SchedulableFilter(),
+    PoolFilter(),
     DriverFilter(),
+    ClassFilter(),
     ResourcesFilter(),
     NodeSelectorFilter(),
     HostPortsFilter(),
     SpreadFilter(),
+    VolumesFilter(),
 )
 
 __all__ = ["FILTERS", "Filter"]

@@ -11,7 +11,7 @@ from orka.cli import output
 from orka.cli import volumes as cli
 from orka.cli.manifest import parse_manifests
 from orka.errors import Invalid
-from orka.models import Volume, VolumeSpec, VolumeState
+from orka.models import Volume, VolumeSpec, VolumeState, WorkloadSpec
 from orka.rpc import convert_volumes
 
 NOW = 1_000_000.0
@@ -33,16 +33,17 @@ volumes: [{volume: data-1, mount_path: /data}]
 
 
 def test_manifest_holds_volumes_and_workloads() -> None:
-    volumes: list[VolumeSpec] = []
-    [web] = parse_manifests(MANIFEST, "f.yaml", volumes)
-    assert volumes == [
-        VolumeSpec(name="data-1", size_bytes=64 * MI, class_name="fast", pool="ssd", backend="ext4")
-    ]
+    data, web = parse_manifests(MANIFEST, "f.yaml")
+    assert data == VolumeSpec(
+        name="data-1", size_bytes=64 * MI, class_name="fast", pool="ssd", backend="ext4"
+    )
+    assert isinstance(web, WorkloadSpec)
     assert [(m.volume, m.mount_path) for m in web.volumes] == [("data-1", "/data")]
-    # Volumes alone are a manifest too.
-    alone: list[VolumeSpec] = []
-    assert parse_manifests("kind: volume\nname: v\nsize: 1Gi\n", "g.yaml", alone) == []
-    assert alone[0].size_bytes == 1 << 30
+    # Volumes alone are a manifest too; a volume and a workload may share a name.
+    [alone] = parse_manifests("kind: volume\nname: v\nsize: 1Gi\n", "g.yaml")
+    assert alone == VolumeSpec(name="v", size_bytes=1 << 30)
+    with pytest.raises(Invalid, match=r"volume .v. is already defined in g\.yaml: document 1"):
+        parse_manifests("kind: volume\nname: v\nsize: 1Gi\n---\n" * 2, "g.yaml")
 
 
 @pytest.mark.parametrize(
@@ -58,13 +59,15 @@ def test_manifest_holds_volumes_and_workloads() -> None:
 )
 def test_bad_volume_documents(doc: str, message: str) -> None:
     with pytest.raises(Invalid) as info:
-        parse_manifests(doc, "f.yaml", [])
+        parse_manifests(doc, "f.yaml")
     assert message in info.value.message
 
 
 def volume(name: str, **kw: object) -> Volume:
     spec = VolumeSpec(name=name, size_bytes=64 * MI, class_name="fast")
-    return Volume(spec=spec, created_at=NOW - 30, created_by="admin", etag="e1", **kw)  # type: ignore[arg-type]
+    return Volume(
+        spec=spec, created_at=NOW - 30, updated_at=NOW - 10, created_by="admin", etag="e1", **kw
+    )  # type: ignore[arg-type]
 
 
 def test_volumes_table() -> None:

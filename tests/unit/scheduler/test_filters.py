@@ -4,18 +4,39 @@ from typing import Any
 
 import pytest
 
+from orka.fit import VolumeNeed
 from orka.models import NodeState, PortProtocol, WorkloadKind
 from orka.scheduler.filters import FILTERS
 from orka.scheduler.filters.driver import DriverFilter
 from orka.scheduler.filters.host_ports import HostPortsFilter
 from orka.scheduler.filters.node_selector import NodeSelectorFilter
+from orka.scheduler.filters.pool import ClassFilter, PoolFilter
 from orka.scheduler.filters.ready import ReadyFilter
 from orka.scheduler.filters.resources import ResourcesFilter
 from orka.scheduler.filters.schedulable import SchedulableFilter
 from orka.scheduler.filters.spread import SpreadFilter
+from orka.scheduler.filters.volumes import VolumesFilter
 from tests.unit.scheduler.builders import GIB, node, request
 
 TCP, UDP = PortProtocol.TCP, PortProtocol.UDP
+MIB = 1 << 20
+# A node that can create volumes: pool "fast", ext4 only, 1 GiB of volume space.
+VOLUME_NODE = {
+    "name": "node-1",
+    "pool": "fast",
+    "volume_backends": frozenset({"ext4"}),
+    "volume_capacity_bytes": GIB,
+}
+
+
+def vols(*needs: VolumeNeed) -> dict[str, Any]:
+    return {"volumes": needs}
+
+
+def vol(name: str = "data-1", size: int = 64 * MIB, **fields: Any) -> VolumeNeed:
+    return VolumeNeed(name=name, size_bytes=size, backend=fields.pop("backend", "ext4"), **fields)
+
+
 CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
     # id, filter, node overrides, request overrides, expected reason
     ("ready", ReadyFilter(), {}, {}, None),
@@ -54,6 +75,68 @@ CASES: list[tuple[str, Any, dict[str, Any], dict[str, Any], str | None]] = [
         "no containerd driver",
     ),
     ("no-drivers", DriverFilter(), {"drivers": frozenset()}, {}, "no process driver"),
+    ("pool-any", PoolFilter(), {"pool": "gpu"}, {}, None),
+    ("pool-same", PoolFilter(), {"pool": "gpu"}, {"pool": "gpu"}, None),
+    ("pool-other", PoolFilter(), {"pool": "default"}, {"pool": "gpu"}, "node is in pool default"),
+    ("class-fits", ClassFilter(), {}, {"class_name": "small", "cpu_millis": 4000}, None),
+    (
+        "class-too-big",
+        ClassFilter(),
+        {},
+        {"class_name": "large", "cpu_millis": 4001},
+        "cannot host class large",
+    ),
+    # A full node is not the class's fault: the resources filter says so, and waiting helps.
+    ("class-node-full", ClassFilter(), {"cpu_used": 4000}, {"class_name": "small"}, None),
+    ("no-volumes", VolumesFilter(), {}, {}, None),
+    ("volume-bound-here", VolumesFilter(), VOLUME_NODE, vols(vol(node="node-1")), None),
+    # Bound: only its node counts, whatever pool, backends or room this node has.
+    (
+        "volume-bound-here-no-room",
+        VolumesFilter(),
+        {"name": "node-1"},
+        vols(vol(node="node-1")),
+        None,
+    ),
+    (
+        "volume-elsewhere",
+        VolumesFilter(),
+        VOLUME_NODE,
+        vols(vol(node="node-2")),
+        "volume data-1 lives on node-2",
+    ),
+    ("volume-unbound-fits", VolumesFilter(), VOLUME_NODE, vols(vol(pool="fast")), None),
+    ("volume-any-pool", VolumesFilter(), VOLUME_NODE, vols(vol()), None),
+    (
+        "volume-other-pool",
+        VolumesFilter(),
+        VOLUME_NODE,
+        vols(vol(pool="slow")),
+        "volume data-1 needs pool slow",
+    ),
+    (
+        "volume-no-backend",
+        VolumesFilter(),
+        VOLUME_NODE,
+        vols(vol(backend="qcow2")),
+        "no qcow2 volumes on this node",
+    ),
+    ("volume-no-backends-at-all", VolumesFilter(), {}, vols(vol()), "no ext4 volumes on this node"),
+    ("volume-exactly-capacity", VolumesFilter(), VOLUME_NODE, vols(vol(size=GIB)), None),
+    (
+        "volume-too-big",
+        VolumesFilter(),
+        VOLUME_NODE,
+        vols(vol(size=GIB + 1)),
+        "volume data-1 is larger than the node's volume space",
+    ),
+    (
+        "volume-second-one-rules-out",
+        VolumesFilter(),
+        VOLUME_NODE,
+        vols(vol(node="node-1"), vol("logs", node="node-3")),
+        "volume logs lives on node-3",
+    ),
     ("fits", ResourcesFilter(), {}, {}, None),
     (
         "fits-exactly",
@@ -211,17 +294,21 @@ def test_optional_filters_apply_only_when_asked(
     for name, want in expected.items():
         assert applies[name] is want
     assert all(applies[name] for name in ("ready", "schedulable", "driver", "resources"))
+    assert applies["volumes"] is bool(req.volumes)
 
 
 def test_filter_table_is_explicit_and_ordered() -> None:
     assert [f.name for f in FILTERS] == [
         "ready",
         "schedulable",
+        "pool",
         "driver",
+        "class",
         "resources",
         "node_selector",
         "host_ports",
         "spread",
+        "volumes",
     ]
 
 
