@@ -282,8 +282,9 @@ class VolumeKeeper:
         self.repo = repo
         self.link = link
         self._dirty = asyncio.Event()
-        # Volume name -> when (time.monotonic) its last command was sent.
-        self._sent: dict[str, float] = {}
+        # (command, volume name) -> when (time.monotonic) it was last sent: a delete right
+        # after a provision is not held back by the provision's resend timer.
+        self._sent: dict[tuple[str, str], float] = {}
         self._orphans_sent: dict[tuple[str, str], float] = {}
 
     def kick(self) -> None:
@@ -393,8 +394,8 @@ class VolumeKeeper:
 
     # ---- the pass: deletes and immediate provisioning ----
 
-    def _due(self, name: str, now: float) -> bool:
-        return now - self._sent.get(name, -1e9) >= RESEND_AFTER
+    def _due(self, cmd: type[NodeCommand], name: str, now: float) -> bool:
+        return now - self._sent.get((cmd.__name__, name), -1e9) >= RESEND_AFTER
 
     async def pass_once(self) -> None:
         mono = time.monotonic()
@@ -411,7 +412,7 @@ class VolumeKeeper:
                 if vol.state is VolumeState.DELETING:
                     if not vol.node or gone:
                         changes.append(Change("volumes", vol.name, None))
-                    elif self._due(vol.name, mono):
+                    elif self._due(DeleteVolume, vol.name, mono):
                         to_send.append(DeleteVolume(node=vol.node, volume=vol.name))
                     continue
                 if gone and node is not None:
@@ -430,10 +431,14 @@ class VolumeKeeper:
         await self.repo.mutate(plan)
         if to_send:
             for cmd in to_send:
-                self._sent[cmd.volume if isinstance(cmd, DeleteVolume) else cmd.volume.name] = mono
+                name = cmd.volume if isinstance(cmd, DeleteVolume) else cmd.volume.name
+                self._sent[(type(cmd).__name__, name)] = mono
             await self._command(to_send)
-        for name in [n for n in self._sent if n not in self.repo.volumes]:
-            del self._sent[name]
+        for key in [k for k in self._sent if k[1] not in self.repo.volumes]:
+            del self._sent[key]
+        for orphan, at in list(self._orphans_sent.items()):
+            if mono - at >= RESEND_AFTER:
+                del self._orphans_sent[orphan]
 
     def _provision(
         self,
@@ -450,7 +455,7 @@ class VolumeKeeper:
         if cls is None or cls.volume is None or not cls.volume.immediate:
             return []
         if vol.node:
-            if self._due(vol.name, mono):
+            if self._due(ProvisionVolume, vol.name, mono):
                 to_send.append(ProvisionVolume(node=vol.node, volume=attachment(vol)))
             return []
         picked = pick_node(vol, cls, self.repo.nodes.values(), vols)

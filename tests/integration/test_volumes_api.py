@@ -18,7 +18,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.controller.repo import Change
-from orka.models import Class, Volume, VolumeShape, VolumeSpec, VolumeState
+from orka.models import Volume, VolumeSpec, VolumeState
 from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
 from tests.integration.cluster import Cluster, eventually, process_spec
@@ -127,9 +127,14 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
     controller = cluster.controller
     assert api is not None and controller is not None
     repo = controller.api.repo
-    # Classes come from the pools slice's API; stored directly here.
-    fast = Class(name="fast", volume=VolumeShape(min_size_bytes=16 * MI, max_size_bytes=256 * MI))
-    await repo.mutate(lambda: [Change("classes", "fast", fast, create=True)])
+    for cls in (
+        pb.Class(
+            name="fast", volume=pb.Class.Volume(min_size_bytes=16 * MI, max_size_bytes=256 * MI)
+        ),
+        pb.Class(name="now", volume=pb.Class.Volume(immediate=True, backends=["ext4"])),
+        pb.Class(name="small", compute=pb.Class.Compute(resources=pb.Resources(cpu_millis=100))),
+    ):
+        await api.CreateClass(pb.CreateClassRequest(spec=cls))
 
     agent = ScriptedAgent(cluster, certs_dir, "node-1")
     agent.start()
@@ -156,6 +161,8 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
             (pb.VolumeSpec(name="x", size_bytes=1), "spec.size_bytes"),
             (pb.VolumeSpec(name="X!", size_bytes=64 * MI), "spec.name"),
             (pb.VolumeSpec(name="x", size_bytes=64 * MI, backend="zfs"), "spec.backend"),
+            (pb.VolumeSpec(name="x", size_bytes=64 * MI, class_name="small"), "spec.class_name"),
+            (pb.VolumeSpec(name="x", size_bytes=2 << 30), "spec.size_bytes: 2Gi is larger than"),
         ]
         for spec, field in bad:
             err = await _error(api.CreateVolume(pb.CreateVolumeRequest(spec=spec)))
@@ -165,6 +172,29 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
         assert err.code() == grpc.StatusCode.ALREADY_EXISTS
         listed = await api.ListVolumes(pb.ListVolumesRequest())
         assert [v.spec.name for v in listed.volumes] == ["data-1"]
+
+        # A class with `immediate`: placed on a node and provisioned there at once.
+        await api.CreateVolume(
+            pb.CreateVolumeRequest(
+                spec=pb.VolumeSpec(name="early", size_bytes=64 * MI, class_name="now")
+            )
+        )
+        sent = await eventually(
+            lambda: _async([c for c in agent.commands if c.HasField("provision_volume")])
+        )
+        att = sent[0].provision_volume.volume
+        assert (att.name, att.node, att.backend, att.size_bytes) == (
+            "early",
+            "node-1",
+            "ext4",
+            64 * MI,
+        )
+        agent.report("early", pb.Volume.AVAILABLE)
+        v = await eventually(lambda: _state(api, "early", pb.Volume.AVAILABLE))
+        assert (v.node, v.pool, v.backend) == ("node-1", "default", "ext4")
+        await api.DeleteVolume(pb.DeleteVolumeRequest(name="early"))
+        await eventually(lambda: _absent(api, "early"))
+        agent.commands.clear()
 
         # Placement binds it to node-1 (the vol-place slice's job; written here as it does).
         vol = repo.volumes["data-1"]
@@ -265,6 +295,10 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
         assert json.loads(out)["spec"]["size_bytes"] == 32 * MI
     finally:
         await agent.stop()
+
+
+async def _async(value: object) -> object:
+    return value
 
 
 async def _known(repo: object, node: str) -> bool:

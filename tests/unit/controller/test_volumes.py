@@ -282,7 +282,7 @@ async def test_keeper_deletes_on_ack_and_keeps_deleting_on_refusal(repo: Repo) -
     assert repo.volumes["data-1"].message == "node n1 refused: held by web-a"
     await keeper.pass_once()
     assert len(link.sent) == 1  # not resent before RESEND_AFTER
-    keeper._sent.clear()
+    keeper._sent.clear()  # as if RESEND_AFTER had passed
     link.answer = CommandResult(ok=True)
     await keeper.pass_once()
     assert "data-1" not in repo.volumes
@@ -318,6 +318,11 @@ async def test_keeper_provisions_an_immediate_volume(repo: Repo) -> None:
     assert link.sent[0].provision_volume.volume.size_bytes == 64 * MI
     assert repo.volumes["b"].node == ""  # not immediate: placement binds it
     assert repo.volumes["c"].node == "" and "with 4Gi free" in repo.volumes["c"].message
+    # Deleted right after: the delete goes at once (the provision's resend timer is its own).
+    await put(repo, repo.volumes["a"].model_copy(update={"state": S.DELETING}))
+    await keeper.pass_once()
+    assert [(c.node, c.delete_volume.volume) for c in link.sent[1:]] == [("n2", "a")]
+    assert "a" not in repo.volumes
 
 
 async def test_keeper_applies_reports_node_loss_and_sync(repo: Repo) -> None:
