@@ -123,6 +123,8 @@ class InstanceReason(StrEnum):
     SCHEDULED = "Scheduled"
     UNSCHEDULABLE = "Unschedulable"
     START_REFUSED = "StartRefused"
+    # A volume it uses is missing, being deleted, failed, lost or held by another instance.
+    VOLUME_UNAVAILABLE = "VolumeUnavailable"
     # Loss: the node is gone, or came back without the instance.
     NODE_LOST = "NodeLost"
     NOT_ON_NODE = "NotOnNode"
@@ -914,6 +916,17 @@ class Instance(BaseModel):
         return self.model_copy(
             update={
                 "reason": InstanceReason.UNSCHEDULABLE.value,
+                "message": why,
+                "updated_at": now,
+            }
+        )
+
+    def volume_unavailable(self, why: str, now: float) -> Instance:
+        """Stays PENDING, not offered to any node, until its volume can be used."""
+        self._require("wait for a volume", _UNBOUND)
+        return self.model_copy(
+            update={
+                "reason": InstanceReason.VOLUME_UNAVAILABLE.value,
                 "message": why,
                 "updated_at": now,
             }

@@ -79,7 +79,9 @@ class Admission:
         instances: Mapping[str, Supervised],
         shutting_down: Callable[[], bool],
         send: Callable[[apb.AgentMessage], None],
+        node: str = "",
     ) -> None:
+        self.node = node
         self.capacity = capacity
         self.allowed_paths = allowed_paths
         self.healthy = healthy
@@ -167,11 +169,21 @@ class Admission:
                 )
         return None
 
+    def _volume_elsewhere(self, a: apb.Assignment) -> str | None:
+        """The scheduler's volume rule as this node sees it: a volume bound to another node
+        has its data there, never here (the rest of the rule, backends and room, is the
+        volume manager's to check when it provisions)."""
+        for v in a.volumes:
+            if v.node and self.node and v.node != self.node:
+                return fit.volume_elsewhere(v.name, v.node).message
+        return None
+
     def on_offer(self, offer: apb.Offer) -> None:
         name = offer.assignment.instance
         try:
             spec = convert.spec_from_pb(offer.assignment.spec)
             reason = None if name in self.instances else self.admit(name, spec)
+            reason = reason or self._volume_elsewhere(offer.assignment)
             code = code_pb2.FAILED_PRECONDITION
         except OrkaError as err:
             spec, reason = None, f"invalid assignment: {err.message}"

@@ -181,6 +181,7 @@ class Agent:
             instances=self.instances,
             shutting_down=lambda: self._leaving or self._stopping.is_set(),
             send=self.stream.send,
+            node=self.name,
         )
         self.runner = Runner(
             node=self.name,

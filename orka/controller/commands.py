@@ -26,10 +26,21 @@ class Assignment:
     instance: str
     generation: int
     spec: WorkloadSpec
+    # The volumes it uses, resolved by the controller (orka/controller/volume_plan.py).
+    volumes: tuple[VolumeAttachment, ...] = ()
+    ordinal: int = 0
 
     @classmethod
-    def of(cls, inst: Instance, w: Workload) -> Assignment:
-        return cls(instance=inst.name, generation=inst.generation, spec=w.spec)
+    def of(
+        cls, inst: Instance, w: Workload, volumes: tuple[VolumeAttachment, ...] = ()
+    ) -> Assignment:
+        return cls(
+            instance=inst.name,
+            generation=inst.generation,
+            spec=w.spec,
+            volumes=volumes,
+            ordinal=inst.ordinal,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,8 @@ class DeleteVolume:
 NodeCommand = Start | Stop | Release | ProvisionVolume | DeleteVolume
 
 
-def start_command(inst: Instance, w: Workload) -> Start:
-    return Start(node=inst.node, assignment=Assignment.of(inst, w))
+def start_command(inst: Instance, w: Workload, volumes: tuple[VolumeAttachment, ...] = ()) -> Start:
+    return Start(node=inst.node, assignment=Assignment.of(inst, w, volumes))
 
 
 def stop_command(node: str, instance: str, reason: str) -> Stop:

@@ -216,11 +216,37 @@ _ASSIGNMENT_OVERHEAD = 64
 def assignment_bytes(a: Assignment) -> int:
     """About what one assignment adds to a Place or Command request (within a few bytes): what
     keeps a batch under the gRPC message limit."""
-    return _spec_bytes(a.spec) + len(a.instance) + _ASSIGNMENT_OVERHEAD
+    return (
+        _spec_bytes(a.spec)
+        + len(a.instance)
+        + _ASSIGNMENT_OVERHEAD
+        + sum(_VOLUME_OVERHEAD + len(v.name) + len(v.mount_path) for v in a.volumes)
+    )
+
+
+# What one volume attachment adds besides its name and mount path (node, pool, backend ...).
+_VOLUME_OVERHEAD = 160
 
 
 def assignment_to_pb(a: Assignment) -> apb.Assignment:
-    return apb.Assignment(instance=a.instance, generation=a.generation, spec=_spec_msg(a.spec))
+    msg = apb.Assignment(instance=a.instance, generation=a.generation, spec=_spec_msg(a.spec))
+    if a.ordinal:
+        msg.ordinal = a.ordinal
+    if a.volumes:
+        msg.volumes.extend(
+            apb.VolumeAttachment(
+                name=v.name,
+                size_bytes=v.size_bytes,
+                backend=v.backend,
+                node=v.node,
+                pool=v.pool,
+                mount_path=v.mount_path,
+                read_only=v.read_only,
+                env_name=v.env_name,
+            )
+            for v in a.volumes
+        )
+    return msg
 
 
 def command_to_pb(c: NodeCommand) -> apb.NodeCommand:

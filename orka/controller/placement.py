@@ -10,17 +10,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
 
 from orka import fit, metrics
+from orka.controller import volume_plan
 from orka.controller.activity import NORMAL, WARNING, ActivityLog, placed_text
 from orka.controller.commands import Assignment, NodeCommand, Release, Start, start_command
 from orka.controller.link import PlaceResult, SchedulerLink, assignment_bytes
 from orka.controller.repo import Change, Repo
 from orka.errors import OrkaError
-from orka.models import Instance, InstancePhase, InstanceReason, NodeState, WorkloadSpec
+from orka.models import (
+    Instance,
+    InstancePhase,
+    InstanceReason,
+    NodeState,
+    VolumeAttachment,
+    Workload,
+    WorkloadSpec,
+)
 
 log = structlog.get_logger("orka.controller.placement")
 
@@ -65,12 +75,23 @@ class PlacementQueue:
     # the selected labels, more than any node's capacity): the cluster shape and the spec they
     # were refused on. Node events do not cut their backoff short until one of those changes.
     parked: dict[str, tuple[int, WorkloadSpec]] = field(default_factory=dict)
+    # Unbound volume -> the instance being placed with it (a volume is bound only once).
+    placing: dict[str, str] = field(default_factory=dict)
+    # Volume -> instances placed with it or waiting for it, woken when it changes.
+    waiting_on: dict[str, set[str]] = field(default_factory=dict)
     # cluster_changed() calls so far: a batch that saw one while it was out parks nothing.
     _changes: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _batches: set[asyncio.Task[None]] = field(default_factory=set)
     # Where placements and failed placements are recorded (orka/controller/activity.py).
     activity: ActivityLog = field(default_factory=ActivityLog)
+
+    def __post_init__(self) -> None:
+        self.repo.listeners.append(self._on_change)
+
+    def _on_change(self, change: Change, old: object) -> None:
+        if change.kind == "volumes":
+            self.volume_changed(change.name)
 
     def add(self, name: str) -> None:
         if name not in self.pending and name not in self.inflight:
@@ -95,7 +116,9 @@ class PlacementQueue:
 
     def _shape(self) -> int:
         """What an unresolvable refusal depends on: which nodes exist, with which drivers,
-        labels and allocatable (not their usage, state or cordon, which waiting changes)."""
+        pool, labels, allocatable and volume backends and space (not their usage, state or
+        cordon, which waiting changes). A volume's own change wakes its instances apart
+        (volume_changed)."""
         return hash(
             frozenset(
                 (
@@ -105,6 +128,9 @@ class PlacementQueue:
                     frozenset(n.labels.items()),
                     n.allocatable.cpu_millis,
                     n.allocatable.memory_bytes,
+                    # Where volumes can be made (VOLUME_BACKEND, VOLUME_TOO_BIG).
+                    frozenset(n.volume_backends),
+                    n.volume_capacity_bytes,
                 )
                 for n in self.repo.nodes.values()
             )
@@ -167,6 +193,8 @@ class PlacementQueue:
             inst = self.repo.instances.get(name)
             if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
                 del self.pending[name]
+                if self.waiting_on and inst is not None:
+                    self._forget_waits(inst)
                 continue
             w = self.repo.workloads.get(inst.workload)
             if w is None:
@@ -201,31 +229,115 @@ class PlacementQueue:
 
     async def _place(self, batch: list[Instance]) -> None:
         assignments = []
-        for inst in batch:
-            w = self.repo.workloads[inst.workload]
-            assignments.append(Assignment.of(inst, w))
-        changes = self._changes
+        waiting: dict[str, str] = {}
+        held_back: list[str] = []
         try:
-            try:
-                results = await self.link.place(assignments)
-            except OrkaError as err:
-                await self._mark_unplaced(
-                    {i.name: f"scheduler unavailable: {err.message}" for i in batch}
-                )
-                return
-            bound = {r.instance: r.node for r in results if r.node}
-            why = {r.instance: r.reasons for r in results if not r.node}
-            unplaced = {name: fit.format_reasons(counts) for name, counts in why.items()}
-            metrics.unschedulable(why)
-            committed = await self._bind(bound)
-            self._record(results, committed, unplaced)
-            if unplaced:
-                await self._mark_unplaced(unplaced)
-                self._park(why, changed=self._changes != changes)
-            await self._start(committed)
+            for inst in batch:
+                w = self.repo.workloads[inst.workload]
+                atts, why = self._volumes_of(inst, w)
+                if why:
+                    waiting[inst.name] = why
+                elif self._claim(inst.name, atts):
+                    assignments.append(Assignment.of(inst, w, atts))
+                else:
+                    held_back.append(inst.name)
+            if waiting:
+                await self._mark_waiting(waiting)
+            for name in held_back:
+                # Another instance is being placed with its unbound volume: once that one is
+                # bound, this one follows it to the volume's node.
+                self._retry_later(name)
+            if assignments:
+                await self._place_assignments(assignments)
         finally:
             for inst in batch:
                 self.inflight.discard(inst.name)
+            for a in assignments:
+                for v in a.volumes:
+                    if self.placing.get(v.name) == a.instance:
+                        del self.placing[v.name]
+
+    def _volumes_of(self, inst: Instance, w: Workload) -> tuple[tuple[VolumeAttachment, ...], str]:
+        """The instance's volume attachments, or why it must wait for one of them."""
+        spec = w.spec
+        if not spec.volumes and spec.volume_template is None:
+            return (), ""
+        r = volume_plan.resolve(inst, w, self.repo.volumes, self.repo.classes)
+        for name in r.names:
+            self.waiting_on.setdefault(name, set()).add(inst.name)
+        if r.wait:
+            return (), r.wait
+        if any(a.backend == "qcow2" for a in r.attachments):
+            siblings = self.repo.instances_of(w.name)
+            uses = {
+                s.name: volume_plan.volume_names(spec, w.name, s.ordinal)
+                for s in siblings
+                if s.node and not s.terminal
+            }
+            busy = volume_plan.single_user_busy(
+                inst, r.attachments, self.repo.volumes, siblings, uses
+            )
+            if busy:
+                return (), busy
+        return r.attachments, ""
+
+    def _claim(self, instance: str, atts: tuple[VolumeAttachment, ...]) -> bool:
+        """Take the instance's unbound volumes for its placement; False when another
+        placement in flight has one of them (a volume is bound once, with one instance)."""
+        unbound = [a.name for a in atts if not a.node]
+        if any(self.placing.get(n, instance) != instance for n in unbound):
+            return False
+        for n in unbound:
+            self.placing[n] = instance
+        return True
+
+    def _forget_waits(self, inst: Instance) -> None:
+        w = self.repo.workloads.get(inst.workload)
+        if w is not None:
+            self._unwait(inst.name, volume_plan.volume_names(w.spec, w.name, inst.ordinal))
+
+    def _unwait(self, instance: str, names: Iterable[str]) -> None:
+        """The instance no longer waits on these volumes (bound, or gone)."""
+        for name in names:
+            users = self.waiting_on.get(name)
+            if users is not None:
+                users.discard(instance)
+                if not users:
+                    del self.waiting_on[name]
+
+    def volume_changed(self, name: str) -> None:
+        """A volume changed: the instances that wait for it (or were placed with it) are tried
+        again now, not after their backoff."""
+        waiting = self.waiting_on.pop(name, None)
+        if not waiting:
+            return
+        for inst in waiting:
+            self.backoff.pop(inst, None)
+            self.parked.pop(inst, None)
+            if inst in self.repo.instances:
+                self.add(inst)
+        self._wake.set()
+
+    async def _place_assignments(self, assignments: list[Assignment]) -> None:
+        changes = self._changes
+        try:
+            results = await self.link.place(assignments)
+        except OrkaError as err:
+            await self._mark_unplaced(
+                {a.instance: f"scheduler unavailable: {err.message}" for a in assignments}
+            )
+            return
+        bound = {r.instance: r.node for r in results if r.node}
+        why = {r.instance: r.reasons for r in results if not r.node}
+        unplaced = {name: fit.format_reasons(counts) for name, counts in why.items()}
+        metrics.unschedulable(why)
+        volumes = {a.instance: a.volumes for a in assignments if a.volumes}
+        committed = await self._bind(bound, volumes)
+        self._record(results, committed, unplaced)
+        if unplaced:
+            await self._mark_unplaced(unplaced)
+            self._park(why, changed=self._changes != changes)
+        await self._start(committed)
 
     def _record(
         self, results: list[PlaceResult], committed: list[Instance], unplaced: dict[str, str]
@@ -241,24 +353,57 @@ class PlacementQueue:
             # The same reasons again fold into one entry with a count (retries with backoff).
             record("instance", name, WARNING, "FailedScheduling", f"no node took it: {why}")
 
-    async def _bind(self, bound: dict[str, str]) -> list[Instance]:
+    async def _bind(
+        self,
+        bound: dict[str, str],
+        volumes: dict[str, tuple[VolumeAttachment, ...]] | None = None,
+    ) -> list[Instance]:
+        volumes = volumes or {}
         released: list[tuple[str, str]] = []
         committed: list[Instance] = []
+        retry: list[str] = []
 
         def plan() -> list[Change]:
-            changes = []
+            changes: list[Change] = []
             now = time.time()
+            # Volumes bound by this plan so far: two instances of one batch never bind one
+            # volume to two nodes (the claim prevents it; this is the write's own check).
+            vols = dict(self.repo.volumes)
             for name, node in bound.items():
                 inst = self.repo.instances.get(name)
                 if inst is None or inst.phase is not InstancePhase.PENDING or inst.desired_stop:
                     released.append((node, name))
                     continue
+                atts = volumes.get(name, ())
+                if atts:
+                    w = self.repo.workloads.get(inst.workload)
+                    binds = (
+                        volume_plan.bind_volumes(
+                            inst, w, atts, self.repo.nodes.get(node), node, vols
+                        )
+                        if w is not None
+                        else None
+                    )
+                    if binds is None:
+                        # A volume went elsewhere (or away) meanwhile: placed again, anew.
+                        released.append((node, name))
+                        retry.append(name)
+                        continue
+                    for v in binds:
+                        vols[v.name] = v
+                        changes.append(
+                            Change("volumes", v.name, v, create=v.name not in self.repo.volumes)
+                        )
                 new = inst.scheduled(node, now)
                 committed.append(new)
                 changes.append(Change("instances", name, new))
             return changes
 
         await self.repo.mutate(plan)
+        for inst in committed:
+            self._unwait(inst.name, (a.name for a in volumes.get(inst.name, ())))
+        for name in retry:
+            self._retry_later(name)
         for name in (i.name for i in committed):
             self.backoff.pop(name, None)
         if released:
@@ -277,7 +422,10 @@ class PlacementQueue:
             w = self.repo.workloads.get(inst.workload)
             if w is None:
                 continue
-            cmds.append(start_command(inst, w))
+            atts = self.attachments(inst, w)
+            if atts is None:
+                continue  # a volume went away since the bind: the reconciler resends later
+            cmds.append(start_command(inst, w, atts))
         failed: dict[str, str] = {}
         try:
             results = await self.link.command(cmds)
@@ -309,6 +457,36 @@ class PlacementQueue:
         await self.repo.mutate(plan)
         for name in failed:
             self._retry_later(name)
+
+    def attachments(self, inst: Instance, w: Workload) -> tuple[VolumeAttachment, ...] | None:
+        """A bound instance's volumes as its start carries them (each with its node now);
+        None when one cannot be used any more."""
+        spec = w.spec
+        if not spec.volumes and spec.volume_template is None:
+            return ()
+        r = volume_plan.resolve(inst, w, self.repo.volumes, self.repo.classes)
+        return None if r.wait else r.attachments
+
+    async def _mark_waiting(self, reasons: dict[str, str]) -> None:
+        """Instances whose volume cannot be used now: PENDING with the reason, retried when
+        the volume changes (volume_changed) or after their backoff."""
+
+        def plan() -> list[Change]:
+            changes = []
+            for name, why in reasons.items():
+                inst = self.repo.instances.get(name)
+                if inst is None or inst.phase is not InstancePhase.PENDING:
+                    continue
+                if inst.reason == InstanceReason.VOLUME_UNAVAILABLE and inst.message == why:
+                    continue  # unchanged: no write
+                changes.append(Change("instances", name, inst.volume_unavailable(why, time.time())))
+            return changes
+
+        await self.repo.mutate(plan)
+        for name in reasons:
+            if name in self.repo.instances:
+                self._retry_later(name)
+                self.activity.record("instance", name, WARNING, "VolumeUnavailable", reasons[name])
 
     def _park(self, why: dict[str, list[fit.ReasonCount]], changed: bool) -> None:
         """Park what only a change of shape can place, unless one came while it was out."""

@@ -31,6 +31,7 @@ from orka.controller.commands import (
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
+from orka.controller.volume_plan import Ordinals, one_at_a_time
 from orka.errors import Invalid, OrkaError
 from orka.models import (
     TERMINAL_PHASES,
@@ -126,9 +127,12 @@ class History:
             raise Invalid(f"--finished-retention: must be > 0, got {self.retention:g}")
 
 
-def new_instance(w: Workload) -> Instance:
+def new_instance(w: Workload, ordinal: int = 0) -> Instance:
     return Instance(
-        name=f"{w.name}-{secrets.token_hex(3)}", workload=w.name, generation=w.generation
+        name=f"{w.name}-{secrets.token_hex(3)}",
+        workload=w.name,
+        generation=w.generation,
+        ordinal=ordinal,
     )
 
 
@@ -349,7 +353,21 @@ class Reconciler:
         (a rollback changes the workload) and replaces outdated instances within its bounds.
         True while outdated instances remain: the rollout, not scaling, sets the count then."""
         may_add = crash is None or step.now >= crash.not_before
-        out = rollout.plan_rollout(step.workload, step.current(), step.now, may_add, new_instance)
+        current = step.current()
+
+        def fresh(w: Workload) -> Instance:
+            # The lowest ordinal free in the new generation: with a volume_template, the
+            # successor of replica n takes replica n's volume (on its node: ext4 volumes
+            # are shared there, so the surge instance and its predecessor run side by side).
+            ordinals = taken.get(w.generation)
+            if ordinals is None:
+                ordinals = taken[w.generation] = Ordinals(
+                    current.values(), w.generation, any_generation=one_at_a_time(w.spec)
+                )
+            return new_instance(w, ordinals.take())
+
+        taken: dict[int, Ordinals] = {}
+        out = rollout.plan_rollout(step.workload, current, step.now, may_add, fresh)
         step.workload = out.workload
         for inst in out.puts:
             if crash is not None and inst.name not in step.insts:
@@ -382,7 +400,8 @@ class Reconciler:
         for inst in self._draining(step.current()):
             if crash is not None and now < crash.not_before:
                 continue  # a successor failed: the next waits out the backoff
-            succ = new_instance(w)
+            # The successor takes its replica's ordinal (and with it the replica's volume).
+            succ = new_instance(w, inst.ordinal)
             if crash is not None:
                 crash.probes.add(succ.name)
             step.put(succ)
@@ -614,8 +633,11 @@ class Reconciler:
                     w = self.repo.workloads.get(inst.workload)
                     if w is None:
                         continue
+                    atts = self.queue.attachments(inst, w)
+                    if atts is None:
+                        continue  # its volume cannot be used now; sent once it can
                     self._starts_sent[inst.name] = now
-                    cmds.append(start_command(inst, w))
+                    cmds.append(start_command(inst, w, atts))
         if full:
             for name in list(self._stops_sent):
                 if name not in self.repo.instances:
@@ -801,15 +823,22 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
     missing = w.spec.replicas - len(active) - len(done)
     if missing > 0 and crash is not None and step.now < crash.not_before:
         missing = 0
+    ordinals = Ordinals([*active, *done], w.generation) if missing > 0 else None
     for _ in range(max(0, missing)):
-        fresh = new_instance(w)
+        assert ordinals is not None
+        fresh = new_instance(w, ordinals.take())
         if crash is not None:
             crash.probes.add(fresh.name)
         step.put(fresh)
     if missing < 0:
-        extras = sorted(active, key=lambda i: (_SCALE_DOWN_ORDER.get(i.phase, 1), -i.created_at))[
-            :-missing
-        ]
+        if w.spec.volume_template is not None:
+            # Replicas with volumes of their own go from the highest ordinal down, so that
+            # scaling up again gives each replica back its volume.
+            extras = sorted(active, key=lambda i: (-i.ordinal, -i.created_at))[:-missing]
+        else:
+            extras = sorted(
+                active, key=lambda i: (_SCALE_DOWN_ORDER.get(i.phase, 1), -i.created_at)
+            )[:-missing]
         for inst in extras:
             step.put(_stop(inst, InstanceReason.SCALED_DOWN))
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from orka.controller.volume_plan import one_at_a_time
 from orka.errors import Conflict, Invalid
 from orka.etags import new_workload_etag
 from orka.models import (
@@ -337,6 +338,10 @@ def _replace(
     instances and at least `replicas - max_unavailable` ready ones. An outdated instance not
     yet placed simply becomes a new one (it has run nothing)."""
     spec, u = w.spec, w.spec.update
+    if one_at_a_time(spec):
+        # A VM's disk serves one VM at a time: a surge successor would wait for the disk its
+        # predecessor holds while the predecessor waits for it to be ready. Stop first.
+        u = u.model_copy(update={"max_surge": 0, "max_unavailable": max(1, u.max_unavailable)})
     replicas = spec.replicas
     puts: list[Instance] = []
     target_new = replicas

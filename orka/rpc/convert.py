@@ -653,6 +653,8 @@ def instance_fields(i: Instance) -> dict[str, object]:
     if i.ports:
         fields["ports"] = [binding_to_pb(b) for b in i.ports]
     fields["health"] = _HEALTH_TO_PB[i.health]
+    if i.ordinal:
+        fields["ordinal"] = i.ordinal
     if i.health_message:
         fields["health_message"] = i.health_message
     if i.health_changed_at is not None:
@@ -686,6 +688,7 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         health=health_from_pb(msg.health),
         health_message=msg.health_message,
         health_changed_at=seconds_from_pb(msg.health_time),
+        ordinal=msg.ordinal,
     )
 
 

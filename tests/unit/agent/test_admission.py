@@ -182,3 +182,28 @@ def test_an_accepted_offer_reserves_its_ports_and_a_release_frees_them(tmp_path:
     )
     a.release("web-0")
     assert offer("web-1", spec((8080, TCP))).code == 0
+
+
+@pytest.mark.parametrize(
+    ("volume_node", "refusal"),
+    [("", None), ("node-1", None), ("node-2", "volume data-1 lives on node-2")],
+)
+def test_an_offer_with_a_volume_bound_elsewhere_is_refused_and_reserves_nothing(
+    tmp_path: Path, volume_node: str, refusal: str | None
+) -> None:
+    sent: list[apb.AgentMessage] = []
+    a = admission(tmp_path, {}, sent)
+    a.node = "node-1"
+    volume = apb.VolumeAttachment(name="data-1", size_bytes=MI, backend="ext4", node=volume_node)
+    a.on_offer(
+        apb.Offer(
+            offer_id="o1",
+            assignment=apb.Assignment(
+                instance="web-0", spec=convert.spec_to_pb(spec()), volumes=[volume]
+            ),
+        )
+    )
+    status = sent[-1].offer_reply.status
+    assert (status.message or None, "web-0" in a.reservations) == (refusal, refusal is None)
+    if refusal:
+        assert status.code == code_pb2.FAILED_PRECONDITION

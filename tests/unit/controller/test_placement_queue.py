@@ -31,6 +31,10 @@ from orka.models import (
     InstancePhase,
     Node,
     NodeState,
+    Volume,
+    VolumeMount,
+    VolumeSpec,
+    VolumeState,
     Workload,
     WorkloadKind,
     WorkloadSpec,
@@ -770,3 +774,66 @@ async def test_place_records_the_chosen_node_the_passed_over_and_folds_failures(
     (failed,) = q.activity.entries("instance", names[1])
     assert (failed.type, failed.reason, failed.count) == ("Warning", "FailedScheduling", 2)
     assert failed.message == "no node took it: 2 nodes: insufficient memory"
+
+
+async def test_one_unbound_volume_is_placed_with_one_instance_and_the_next_follows_it(
+    repo: Repo,
+) -> None:
+    """Two replicas name one unbound volume: only the first is offered; the volume is bound
+    with it, in the same write; the second, held back, then goes with the volume's node."""
+    s = spec("web").model_copy(update={"volumes": [VolumeMount(volume="data-1")]})
+    names = await add(repo, s, 2)
+    vol = Volume(spec=VolumeSpec(name="data-1", size_bytes=1 << 20))
+    await repo.mutate(lambda: [Change("volumes", "data-1", vol, create=True)])
+    repo.nodes["n2"] = Node(name="n2", pool="p2")
+
+    async def place(items: list[apb.Assignment]) -> apb.PlaceResponse:
+        return apb.PlaceResponse(
+            results=[apb.PlaceResult(instance=i.instance, node="n2") for i in items]
+        )
+
+    link = _RecordingLink(place=place)
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    for n in names:
+        q.add(n)
+    await q._place(q._take(time.monotonic()))
+    [[offered]] = link.placed
+    assert (offered.instance, [(v.name, v.node) for v in offered.volumes]) == (
+        names[0],
+        [("data-1", "")],
+    )
+    bound = repo.volumes["data-1"]
+    assert (bound.node, bound.pool, bound.backend, bound.state) == (
+        "n2",
+        "p2",
+        "ext4",
+        VolumeState.PENDING,
+    )
+    assert repo.instances[names[0]].node == "n2"
+    # The start carries the volume with its node.
+    [[start]] = link.commands
+    assert [(v.name, v.node) for v in start.start.assignment.volumes] == [("data-1", "n2")]
+    # The second was held back (not offered, not marked) and is due again: the volume changed.
+    assert repo.instances[names[1]].phase is PENDING and repo.instances[names[1]].reason == ""
+    assert q.placing == {}
+    await q._place(q._take(time.monotonic()))
+    assert [(v.name, v.node) for v in link.placed[1][0].volumes] == [("data-1", "n2")]
+
+
+async def test_an_instance_whose_volume_is_missing_waits_with_the_reason_and_is_not_offered(
+    repo: Repo,
+) -> None:
+    s = spec("web").model_copy(update={"volumes": [VolumeMount(volume="data-1")]})
+    [name] = await add(repo, s, 1)
+    link = _RecordingLink()
+    q = PlacementQueue(repo, link=link)  # type: ignore[arg-type]
+    q.add(name)
+    await q._place(q._take(time.monotonic()))
+    assert link.placed == []
+    i = repo.instances[name]
+    assert (i.phase, i.reason, i.message) == (
+        PENDING,
+        "VolumeUnavailable",
+        "volume data-1 does not exist",
+    )
+    assert name in q.backoff and q.waiting_on == {"data-1": {name}}

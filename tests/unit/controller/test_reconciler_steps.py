@@ -20,7 +20,7 @@ from orka.controller.reconciler import (
     _scale,
 )
 from orka.controller.repo import Change
-from orka.models import Instance, InstancePhase, NodeState, RestartPolicy
+from orka.models import Instance, InstancePhase, NodeState, RestartPolicy, VolumeTemplate
 from tests.unit.controller.test_reconciler import (  # noqa: F401
     Env,
     env,
@@ -206,3 +206,42 @@ async def test_forget_finished_drops_stopped_unplaced_ones_not_in_flight(env: En
     step = WorkloadStep(workload(), insts, now=1.0)
     env.rec._forget_finished(step, [])
     assert step.changes == [Change("instances", "web-a", None)]
+
+
+def test_scale_gives_each_new_replica_the_lowest_free_ordinal() -> None:
+    # Replica 1 failed (its replacement takes 1 back); 0 and 3 run; 2 is being stopped.
+    insts = table(
+        inst("web-a", P.RUNNING, ordinal=0),
+        inst("web-b", P.FAILED, ordinal=1),
+        inst("web-c", P.RUNNING, ordinal=3),
+        inst("web-d", P.RUNNING, ordinal=2, desired_stop=True),
+    )
+    step = WorkloadStep(workload(replicas=4), insts, now=1.0)
+    _scale(step, [], None)
+    new = sorted(i.ordinal for i in planned(step.changes).values() if i is not None)
+    assert new == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("template", "stopped"), [(True, ["web-c", "web-b"]), (False, ["web-a", "web-z"])]
+)
+def test_scale_down_of_replicas_with_their_own_volumes_stops_the_highest_ordinals(
+    template: bool, stopped: list[str]
+) -> None:
+    spec = workload(replicas=2).spec
+    if template:
+        spec = spec.model_copy(
+            update={"volume_template": VolumeTemplate(name="data", size_bytes=1 << 20)}
+        )
+    w = workload(replicas=2).model_copy(update={"spec": spec})
+    # Without a template: the pending one first, then the newest (web-z).
+    insts = table(
+        inst("web-a", P.PENDING, ordinal=1),
+        inst("web-b", P.RUNNING, ordinal=2),
+        inst("web-c", P.RUNNING, ordinal=3),
+        inst("web-z", P.RUNNING, ordinal=0),
+    )
+    step = WorkloadStep(w, insts, now=1.0)
+    _scale(step, [], None)
+    out = planned(step.changes)
+    assert [n for n, i in out.items() if i and i.desired_stop] == stopped

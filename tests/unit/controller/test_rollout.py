@@ -18,6 +18,7 @@ from orka.models import (
     Rollout,
     RolloutState,
     UpdateStrategy,
+    VolumeTemplate,
     Workload,
     WorkloadKind,
     WorkloadSpec,
@@ -370,3 +371,25 @@ def test_a_rollback_that_fails_stays_failed_and_adopted_restarts_do_not_count() 
     out = run(w, [adopted, fresh_fail, *(inst(1) for _ in range(5))])
     assert out.workload.rollout.state is S.FAILED
     assert out.workload.generation == 2  # no rollback of the rollback
+
+
+@pytest.mark.parametrize(
+    ("kind", "stops", "adds"),
+    [
+        # A VM's disk serves one VM: the old replica stops first, its successor comes with it.
+        (WorkloadKind.VM, [0], 1),
+        # ext4 volumes are shared on their node: the default surge stays (new one first).
+        (WorkloadKind.PROCESS, [], 1),
+    ],
+)
+def test_a_vm_with_volumes_rolls_out_stop_first_whatever_its_surge(
+    kind: WorkloadKind, stops: list[int], adds: int
+) -> None:
+    fields: dict[str, Any] = {"volume_template": VolumeTemplate(name="disk", size_bytes=1 << 20)}
+    if kind is WorkloadKind.VM:
+        fields |= {"kind": kind, "command": [], "image": "/images/vm.qcow2"}
+    s = spec(replicas=3).model_copy(update=fields)
+    w = workload(s)
+    insts = [inst(1, P.RUNNING) for _ in range(3)]
+    stopped, added = moves(run(w, insts), insts)
+    assert (stopped, added) == ([insts[i].name for i in stops], adds)
