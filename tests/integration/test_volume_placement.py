@@ -31,6 +31,8 @@ class _VolumeStream(Stream):
         msg = super().register_message()
         node = msg.register.node
         node.pool = self.labels.get("pool", "default")
+        # Only ext4, whatever this host's agent found (it offers qcow2 too where qemu-img is).
+        del node.volume_backends[:]
         node.volume_backends.append("ext4")
         node.volume_capacity_bytes = 1 << 30
         return msg
