@@ -77,7 +77,9 @@ async def _get(args: argparse.Namespace) -> str:
             items.sort(key=lambda i: (i.workload, i.name))
             return output.dump(items, fmt) if fmt != "table" else output.instances_table(items)
         if kind == "volumes":
-            return await volume_cli.get(c, args.name or "", fmt, node=args.node or "")
+            return await volume_cli.get(
+                c, args.name or "", fmt, node=args.node or "", workload=args.workload or ""
+            )
         if kind == "endpoints":
             eps = sorted(await c.list_endpoints(args.name), key=lambda e: e.instance)
             return output.dump(eps, fmt) if fmt != "table" else output.endpoints_table(eps)
@@ -384,7 +386,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("resource", metavar=resources, help="also wl, inst, no, or singular")
     p.add_argument("name", nargs="?", help="one object by name")
     add_flag(p, "--output", "-o", default="table", help="table, json or yaml", metavar="FORMAT")
-    add_flag(p, "--workload", metavar="W", help="instances of this workload only")
+    add_flag(
+        p, "--workload", metavar="W", help="instances (or template volumes) of this workload only"
+    )
     add_flag(p, "--node", metavar="N", help="instances (or volumes) on this node only")
     add_flag(p, "--phase", metavar="PHASE", help="instances in this phase only")
     # Not from the environment: a watch that never ends must be asked for each time.

@@ -142,9 +142,9 @@ def describe(v: Volume, now: float | None = None) -> str:
     return text
 
 
-async def get(client: AdminClient, name: str, fmt: str, node: str = "") -> str:
+async def get(client: AdminClient, name: str, fmt: str, node: str = "", workload: str = "") -> str:
     if name:
         v = await client.get_volume(name)
         return output.dump(v, fmt) if fmt != "table" else table([v])
-    items = sorted(await client.list_volumes(node=node), key=lambda v: v.name)
+    items = sorted(await client.list_volumes(node=node, workload=workload), key=lambda v: v.name)
     return output.dump(items, fmt) if fmt != "table" else table(items)

@@ -355,10 +355,16 @@ class VolumeKeeper:
                 if new is not None:
                     changed[vol.name] = new
             removed: list[str] = []
-            for node, listed in syncs.items():
-                names = {r.name for r in listed}
-                for vol in list(self.repo.volumes.values()):
-                    if vol.node != node or vol.name in names:
+            # One walk over the volumes, not one per node (a controller connecting hears every
+            # node's sync at once).
+            on_synced: dict[str, list[Volume]] = {}
+            for vol in self.repo.volumes.values():
+                if vol.node in syncs:
+                    on_synced.setdefault(vol.node, []).append(vol)
+            for node, vols in on_synced.items():
+                names = {r.name for r in syncs[node]}
+                for vol in vols:
+                    if vol.name in names:
                         continue
                     vol = current(vol.name) or vol
                     if vol.state is VolumeState.DELETING:
@@ -367,7 +373,7 @@ class VolumeKeeper:
                     new = not_listed(vol, now)
                     if new is not None:
                         changed[vol.name] = new
-            for vol in list(self.repo.volumes.values()):
+            for vol in list(self.repo.volumes.values()) if lost else ():
                 if vol.node in lost:
                     new = node_lost(current(vol.name) or vol, now)
                     if new is not None:
