@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from google.rpc import code_pb2
 
 from orka.api import agent_pb2 as apb
@@ -286,6 +287,8 @@ async def test_volume_lifecycle(cluster: Cluster, certs_dir: Path) -> None:
             "logs     32Mi   PENDING     <none>   <none>    <none>",
             "t-db-0   64Mi   RELEASED    node-1   ext4      <none>",
         ]
+        code, out, _ = await orka(cluster, "get", "volumes", "--workload", "db", "-o", "yaml")
+        assert [v["spec"]["name"] for v in yaml.safe_load(out)] == ["t-db-0"]
         code, out, _ = await orka(cluster, "describe", "volume", "keep")
         assert "Data lives on node node-1's disk only" in out.decode()
         code, out, err = await orka(cluster, "delete", "volume", "keep", "--wait")
