@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from orka.api import agent_pb2 as apb
+from orka.api import controller_pb2 as pb
 from orka.controller import volumes as v
 from orka.controller import volumes_api
 from orka.controller.commands import NodeCommand, NodeSeen, NodeSynced, VolumeReported
@@ -385,3 +386,27 @@ async def test_create_checks_size_against_the_nodes_and_the_class(repo: Repo) ->
     assert error(class_name="none") == "spec.class_name: class 'none' not found"
     volumes_api.check_spec(api, VolumeSpec(name="x", size_bytes=2 << 30))
     volumes_api.check_spec(api, VolumeSpec(name="x", size_bytes=8 << 30, pool="new-pool"))
+
+
+async def test_list_volumes_pages_by_name_with_filters(repo: Repo) -> None:
+    api: Any = SimpleNamespace(repo=repo)
+    await put(
+        repo, vol("a", node="n1"), vol("b", node="n2"), vol("c", node="n1"), vol("d", node="")
+    )
+    names, token = [], ""
+    while True:
+        req = pb.ListVolumesRequest(node="n1", page_size=1, page_token=token)
+        resp = await volumes_api.list_volumes(api, req, None)
+        names += [v.spec.name for v in resp.volumes]
+        assert all(v.revision > 0 for v in resp.volumes)
+        token = resp.next_page_token
+        if not token:
+            break
+    assert names == ["a", "c"]
+    resp = await volumes_api.list_volumes(api, pb.ListVolumesRequest(page_size=3), None)
+    assert [v.spec.name for v in resp.volumes] == ["a", "b", "c"] and resp.next_page_token
+    other = pb.ListVolumesRequest(node="n2", page_token=resp.next_page_token)
+    with pytest.raises(Invalid, match="page_token: was issued for a listing with other filters"):
+        await volumes_api.list_volumes(api, other, None)
+    with pytest.raises(Invalid, match="node"):
+        await volumes_api.list_volumes(api, pb.ListVolumesRequest(node="N 1"), None)
