@@ -72,6 +72,8 @@ MARKER = "orka-guest-hello"
 POWEROFF_FLAG = "orka.poweroff"
 # The guest prints this with its address once eth0 is configured.
 NET_MARKER = "orka-guest-net"
+# What the guest prints for each virtio disk it sees, given `orka.disks`: name and size in bytes.
+DISK_MARKER = "orka-guest-disk"
 # virtio_net and its dependencies, each after the modules it depends on (their `depends=`
 # modinfo fields in the 6.1 cloud kernel); busybox insmod does not resolve dependencies.
 NIC_MODULES = (
@@ -83,6 +85,7 @@ NIC_MODULES = (
     "failover",
     "net_failover",
     "virtio_net",
+    "virtio_blk",
 )
 # Every domain of this test run carries this token in its name (tests put it in workload and
 # instance names), so teardown finds this run's leftovers and nothing else.
@@ -318,7 +321,8 @@ def _current_kernel_package() -> str | None:
 
 # Runs as PID 1: proves it is the guest talking (the kernel release is only known inside),
 # then reads commands from the console (a shell), or powers off when asked on the kernel
-# command line. Given `orka.ip=` it loads the NIC modules and configures eth0; given
+# command line. Given `orka.ip=` it loads the virtio modules and configures eth0; given `orka.disks`
+# it loads them and prints each virtio disk with its size (DISK_MARKER); given
 # `orka.httpd=PORT` it serves a page on that port.
 INIT = f"""#!/bin/busybox sh
 bb=/bin/busybox
@@ -330,15 +334,29 @@ if $bb grep -q {POWEROFF_FLAG} /proc/cmdline; then
 fi
 for word in $($bb cat /proc/cmdline); do
   case "$word" in
+    orka.disks) disks=1 ;;
     orka.ip=*) ip="${{word#orka.ip=}}" ;;
     orka.gw=*) gw="${{word#orka.gw=}}" ;;
     orka.httpd=*) httpd="${{word#orka.httpd=}}" ;;
   esac
 done
-if [ -n "$ip" ]; then
+if [ -n "$ip" ] || [ -n "$disks" ]; then
   for module in $($bb cat /lib/modules/order); do
     $bb insmod /lib/modules/$module.ko || echo "orka-guest: insmod $module failed"
   done
+fi
+if [ -n "$disks" ]; then
+  # Each virtio disk with its size in bytes, once the PCI probe has named them (5 s at most).
+  tries=50
+  while [ ! -e /sys/block/vdb ] && [ $tries -gt 0 ]; do
+    $bb sleep 0.1
+    tries=$((tries - 1))
+  done
+  for dev in /sys/block/vd*; do
+    echo "{DISK_MARKER} ${{dev##*/}} $(( $($bb cat $dev/size) * 512 ))"
+  done
+fi
+if [ -n "$ip" ]; then
   # The PCI probe that names eth0 may finish after insmod returns: wait for it (5 s at most).
   tries=50
   while [ ! -e /sys/class/net/eth0 ] && [ $tries -gt 0 ]; do

@@ -28,7 +28,15 @@ from google.rpc import code_pb2, status_pb2
 
 from orka.api import agent_pb2 as apb
 from orka.errors import OrkaError, RuntimeFailure
-from orka.models import VolumeAttachment, VolumeReport, VolumeState, WorkloadKind
+from orka.models import (
+    MAX_VOLUME_BYTES,
+    MIN_VOLUME_BYTES,
+    VolumeAttachment,
+    VolumeReport,
+    VolumeState,
+    WorkloadKind,
+    check_name,
+)
 from orka.rpc import convert
 from orka.rpc.volume_convert import attachment_from_pb, report_to_pb
 from orka.runtime.volume_ext4 import Ext4Backend
@@ -187,13 +195,24 @@ class VolumeManager:
 
     def release(self, instance: str) -> None:
         for vol in self.volumes.values():
-            if vol.holders.pop(instance, None) is not None and not vol.holders:
-                if vol.state is VolumeState.ATTACHED:
-                    self._set(vol, VolumeState.AVAILABLE)
-                else:
-                    self._changed(vol)
+            if vol.holders.pop(instance, None) is None:
+                continue
+            if not vol.holders and vol.state is VolumeState.ATTACHED:
+                self._set(vol, VolumeState.AVAILABLE)
+            else:
+                self._changed(vol)  # attached_to is one shorter
 
     async def _provisioned(self, a: VolumeAttachment) -> _Volume:
+        # Checked like any input from outside: these become file names and file sizes.
+        try:
+            check_name(a.name, "volume")
+        except ValueError as err:
+            raise RuntimeFailure(str(err)) from None
+        if not MIN_VOLUME_BYTES <= a.size_bytes <= MAX_VOLUME_BYTES:
+            raise RuntimeFailure(
+                f"volume {a.name}: size {a.size_bytes} is outside"
+                f" {MIN_VOLUME_BYTES}..{MAX_VOLUME_BYTES} bytes"
+            )
         vol = self.volumes.get(a.name)
         if vol is not None and vol.state is VolumeState.DELETING:
             raise RuntimeFailure(f"volume {a.name}: is being deleted on this node")

@@ -10,11 +10,13 @@ is not). In order, each before the workload's first instruction:
 1. join the instance's cgroup(s): write our pid to each `--cgroup-procs` file;
 2. `--private-tmp`: a mount namespace of our own with a fresh tmpfs on /tmp (skipped quietly
    where the platform refuses; the driver probes this once and logs it);
+2b. `--read-only PATH` (repeatable): PATH bind-mounted read-only onto itself in a mount
+   namespace of our own (a volume the workload may only read); fatal when refused;
 3. `--uid/--gid`: drop supplementary groups, then the group, then the user, and set
    no_new_privs so no setuid binary can take the privileges back;
 4. exec the command (an absolute path the agent resolved) with the environment we were given.
 
-A failure in steps 0, 1 or 3 is fatal (the command must not run with less isolation than asked):
+A failure in steps 0, 1, 2b or 3 is fatal (the command must not run with less isolation than asked):
 it prints `orka-launch: ...` to stderr, which is the instance's stderr log, and exits 126.
 """
 
@@ -29,8 +31,11 @@ EXIT_NOT_FOUND = 127
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
+_MS_RDONLY = 1
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_REMOUNT = 32
+_MS_BIND = 4096
 _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
@@ -52,6 +57,23 @@ def private_tmp(size: int) -> bool:
         return False
     options = b"mode=1777" + (b",size=%d" % size if size else b"")
     return libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
+
+
+def read_only(paths: list[str]) -> None:
+    """Each path read-only for us and our children only (our own mount namespace)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+    check(libc.unshare(_CLONE_NEWNS), "unshare")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+    for path in paths:
+        p = path.encode()
+        check(libc.mount(p, p, None, _MS_BIND | _MS_REC, None), f"bind {path}")
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        check(libc.mount(None, p, None, flags, None), f"read-only {path}")
 
 
 def join_netns(path: str) -> None:
@@ -80,6 +102,7 @@ def main(args: list[str]) -> None:
     tmp_size = 0
     probe = False
     netns = ""
+    readonly: list[str] = []
     while args and args[0] != "--":
         flag = args.pop(0)
         if flag == "--cgroup-procs":
@@ -92,6 +115,8 @@ def main(args: list[str]) -> None:
             tmp = True
         elif flag == "--tmp-size":
             tmp_size = int(args.pop(0))
+        elif flag == "--read-only":
+            readonly.append(args.pop(0))
         elif flag == "--netns":
             netns = args.pop(0)
         elif flag == "--probe":
@@ -118,6 +143,11 @@ def main(args: list[str]) -> None:
             _fail(f"cannot join cgroup {os.path.dirname(path)}: {exc.strerror}")
     if tmp:
         private_tmp(tmp_size)
+    if readonly:
+        try:
+            read_only(readonly)
+        except OSError as exc:
+            _fail(f"cannot make a volume read-only: {exc.strerror or exc}")
     if uid is not None and gid is not None:
         try:
             drop_privileges(uid, gid)

@@ -234,6 +234,8 @@ class DomainConfig:
     initrd: Path | None = None
     cmdline: str = ""
     nic: Nic | None = None
+    # Volumes as virtio disks after the image's vda (vdb, vdc, ...): (qcow2 file, read only).
+    volumes: tuple[tuple[Path, bool], ...] = ()
 
 
 def vcpus_for(cpu_millis: int) -> int:
@@ -286,6 +288,13 @@ def build_domain_xml(cfg: DomainConfig) -> str:
         ET.SubElement(disk, "driver", name="qemu", type=cfg.disk_format)
         ET.SubElement(disk, "source", file=str(cfg.disk))
         ET.SubElement(disk, "target", dev="vda", bus="virtio")
+    for i, (path, read_only) in enumerate(cfg.volumes):
+        disk = ET.SubElement(devices, "disk", type="file", device="disk")
+        ET.SubElement(disk, "driver", name="qemu", type="qcow2")
+        ET.SubElement(disk, "source", file=str(path))
+        ET.SubElement(disk, "target", dev=volume_target(i), bus="virtio")
+        if read_only:
+            ET.SubElement(disk, "readonly")
     if cfg.nic is not None:
         iface = ET.SubElement(devices, "interface", type="bridge")
         ET.SubElement(iface, "mac", address=cfg.nic.mac)
@@ -300,6 +309,14 @@ def build_domain_xml(cfg: DomainConfig) -> str:
     ET.SubElement(devices, "memballoon", model="virtio")
     ET.register_namespace(METADATA_PREFIX, METADATA_NS)
     return ET.tostring(dom, encoding="unicode")
+
+
+def volume_target(index: int) -> str:
+    """The guest's device of the index-th volume: vdb, vdc, ... (vda is the image's, even when
+    the VM boots a kernel without one, so a volume's name does not depend on how it boots)."""
+    if index >= 24:
+        raise RuntimeFailure("libvirt: a VM takes at most 24 volumes")
+    return "vd" + chr(ord("b") + index)
 
 
 def parse_task_metadata(xml: str) -> dict[str, str] | None:
@@ -711,6 +728,14 @@ class LibvirtDriver(TrackingDriver[_Vm]):
         initrd = _existing(vm.initrd, "vm.initrd") if vm and vm.initrd else None
         if disk is None and kernel is None:
             raise RuntimeFailure("libvirt: a VM needs an image or vm.kernel")
+        volumes = []
+        for v in run.volumes:
+            if v.backend != "qcow2" or not v.host_path.is_file():
+                raise RuntimeFailure(
+                    f"libvirt: volume {v.name} is a {v.backend} volume; a VM needs a qcow2 one"
+                )
+            volume_target(len(volumes))
+            volumes.append((v.host_path, v.read_only))
         if spec.resources.memory_bytes == 0:
             log.warning(
                 "libvirt.default_memory", instance=run.instance, memory=DEFAULT_MEMORY // MIB
@@ -739,6 +764,7 @@ class LibvirtDriver(TrackingDriver[_Vm]):
             kernel=kernel,
             initrd=initrd,
             cmdline=vm.cmdline if vm else "",
+            volumes=tuple(volumes),
         )
 
     # -- libvirt calls (each runs on the driver's thread pool through `_call`) ----------------

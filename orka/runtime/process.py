@@ -111,6 +111,8 @@ class _Task(TrackedTask):
     proc: asyncio.subprocess.Process | None = None
     killed: bool = False
     memory_limit: int = 0
+    # ORKA_VOLUME_<NAME> of its volumes: its execs and health checks see them too.
+    volume_env: dict[str, str] = field(default_factory=dict)
     # Kept between usage() calls because psutil's cpu_percent measures since the last call.
     samples: dict[int, psutil.Process] = field(default_factory=dict)
 
@@ -237,7 +239,8 @@ class ProcessDriver(TrackingDriver[_Task]):
                     _prepare, run, task_dir, self._work / instance, identity
                 )
                 env.update(self._network_env(run.spec.ports, ports))
-                env.update(await asyncio.to_thread(self._volume_env, run, identity))
+                volume_env = await asyncio.to_thread(self._volume_env, run, identity)
+                env.update(volume_env)
                 argv = await asyncio.to_thread(
                     self._isolate, run, identity, argv, attachment.netns if attachment else ""
                 )
@@ -281,6 +284,7 @@ class ProcessDriver(TrackingDriver[_Task]):
                 started_at=time.time(),
                 proc=proc,
                 memory_limit=run.spec.resources.memory_bytes,
+                volume_env=volume_env,
                 ports=ports,
                 address=attachment.address if attachment else "",
             )
@@ -296,6 +300,7 @@ class ProcessDriver(TrackingDriver[_Task]):
                 "command": argv,
                 "ports": [b.model_dump(mode="json") for b in ports],
                 "address": task.address,
+                "volume_env": volume_env,
             }
             await asyncio.to_thread(write_json, task_dir / TASK_FILE, record)
             self._tasks[instance] = task
@@ -378,6 +383,9 @@ class ProcessDriver(TrackingDriver[_Task]):
                 prefix += ["--cgroup-procs", str(path)]
         if self._private_tmp:
             prefix += ["--private-tmp", "--tmp-size", str(run.spec.resources.memory_bytes)]
+        for v in run.volumes:
+            if v.read_only:
+                prefix += ["--read-only", str(v.host_path)]
         if identity.switch:
             prefix += ["--uid", str(identity.uid), "--gid", str(identity.gid)]
         if not prefix:
@@ -398,6 +406,7 @@ class ProcessDriver(TrackingDriver[_Task]):
         run = RunSpec(instance=instance, workload=task.workload, spec=spec)
         cwd, env = await asyncio.to_thread(_context, run, self._work / instance, identity)
         env.update(self._network_env(spec.ports, task.ports))
+        env.update(task.volume_env)
         argv = [await asyncio.to_thread(_resolve, command[0], env["PATH"], cwd), *command[1:]]
         attachment = self._network.attachment(instance) if self._network is not None else None
         prefix = ["--netns", attachment.netns] if attachment and attachment.netns else []
@@ -527,6 +536,7 @@ class ProcessDriver(TrackingDriver[_Task]):
             start_ticks=record.get("start_ticks"),
             started_at=float(record.get("started_at", 0.0)),
             memory_limit=int(record.get("memory_limit") or 0),
+            volume_env={str(k): str(v) for k, v in (record.get("volume_env") or {}).items()},
             ports=_record_ports(record),
             address=str(record.get("address") or ""),
         )

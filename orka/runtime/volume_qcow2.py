@@ -64,7 +64,9 @@ class Qcow2Backend:
                 check_size(name, meta, size_bytes)
                 return self._provisioned(name, meta)
             await asyncio.to_thread(shutil.rmtree, directory, True)
-            await asyncio.to_thread(directory.mkdir, 0o700, True)
+            # Traversable: QEMU opens the file as its own user (libvirt gives it the file).
+            await asyncio.to_thread(self.root.mkdir, 0o711, True, True)
+            await asyncio.to_thread(directory.mkdir, 0o711)
             await run_tool(
                 "qemu-img", "create", "-q", "-f", "qcow2", str(directory / DISK), str(size_bytes),
                 what=f"volume {name}: qemu-img create",

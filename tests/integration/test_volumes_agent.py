@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,7 +26,8 @@ from orka.rpc.client import secure_channel
 from orka.runtime.volume_ext4 import Ext4Backend
 from orka.security.tls import TlsFiles
 from tests.containerd_env import Containerd, needs_containerd
-from tests.integration.cluster import Cluster, eventually
+from tests.integration.cluster import Cluster, crash, eventually
+from tests.libvirt_env import DISK_MARKER, DOMAIN_TYPE, RUN, Guest, LibvirtDaemons, needs_libvirt
 
 MIB = 1 << 20
 
@@ -143,10 +145,18 @@ async def test_process_writes_into_its_volume_through_the_agent(
     assert node.volume_capacity_bytes > 16 * MIB
 
     # The instance finds its volume in ORKA_VOLUME_DATA_1 and writes there as its own user.
+    # A read-only one beside it: its writes are refused (EROFS), its data readable.
+    agent.volumes.on_provision(apb.ProvisionVolume(command_id="p-ro", volume=attachment("ref-1")))
+    ack = await eventually(lambda: _async(sent.ack("p-ro")))
+    assert ack.status.code == code_pb2.OK, ack.status.message
+    (volume_dir / "ext4" / "ref-1" / "mnt" / "seed").write_text("seeded")
     script = (
-        'echo hello > "$ORKA_VOLUME_DATA_1/note" && id -u > "$ORKA_VOLUME_DATA_1/uid"; sleep 60'
+        'echo hello > "$ORKA_VOLUME_DATA_1/note" && id -u > "$ORKA_VOLUME_DATA_1/uid"'
+        ' && cat "$ORKA_VOLUME_REF_1/seed" > "$ORKA_VOLUME_DATA_1/seen"'
+        ' && if touch "$ORKA_VOLUME_REF_1/nope" 2>"$ORKA_VOLUME_DATA_1/ro"; then :; fi; sleep 60'
     )
-    (done,) = await command(cluster, start("writer-0", script, attachment("data-1")))
+    ro = attachment("ref-1", ro=True)
+    (done,) = await command(cluster, start("writer-0", script, attachment("data-1"), ro))
     assert done.status.code == code_pb2.OK, done.status.message
     await eventually(lambda: phase_of(agent, "writer-0", InstancePhase.RUNNING))
     mnt = volume_dir / "ext4" / "data-1" / "mnt"
@@ -155,17 +165,25 @@ async def test_process_writes_into_its_volume_through_the_agent(
         return (mnt / "note").read_text() if (mnt / "note").exists() else ""
 
     assert await eventually(note) == "hello\n"
+    # The script's last step done (it refused or not):
+    await eventually(lambda: _async((mnt / "ro").exists() and (mnt / "ro").stat().st_size))
     assert (mnt / "uid").read_text().strip() != "0"  # not root: the volume was given to it
+    assert (mnt / "seen").read_text() == "seeded"
+    assert "Read-only file system" in (mnt / "ro").read_text()
+    assert not (volume_dir / "ext4" / "ref-1" / "mnt" / "nope").exists()
+    # Its execs (orka exec, health checks) find the volume too.
+    writer = agent.instances["writer-0"]
+    cat = ["sh", "-c", 'cat "$ORKA_VOLUME_DATA_1/note"']
+    assert await writer.driver.check_exec("writer-0", writer.spec, cat) == (0, "hello\n")
     # Provisioned before the start: the instance waited (VolumePending), then ran.
     assert sent.phases("writer-0")[0] == ("STARTING", VOLUME_PENDING)
     assert ("RUNNING", "") in sent.phases("writer-0")
     assert sent.volume_states("data-1") == ["PENDING", "AVAILABLE", "ATTACHED"]
-    (reg,) = agent.stream.register_message().register.volumes
-    assert (reg.name, reg.state, list(reg.attached_to)) == (
-        "data-1",
-        pb.Volume.ATTACHED,
-        ["writer-0"],
-    )
+    registered = agent.stream.register_message().register.volumes
+    assert sorted((r.name, r.state, tuple(r.attached_to)) for r in registered) == [
+        ("data-1", pb.Volume.ATTACHED, ("writer-0",)),
+        ("ref-1", pb.Volume.ATTACHED, ("writer-0",)),
+    ]
 
     # Deleting a volume in use is refused, nothing touched.
     agent.volumes.on_delete(apb.DeleteVolume(command_id="del-1", volume="data-1"))
@@ -213,6 +231,9 @@ async def test_process_writes_into_its_volume_through_the_agent(
     assert ack.status.code == code_pb2.OK, ack.status.message
     assert not (volume_dir / "ext4" / "data-1").exists()
     assert sent.volume_states("data-1")[-2:] == ["AVAILABLE", "DELETING"]
+    # Long after: the instance whose volume failed was never started.
+    assert (odd.phase, odd.reason, odd.started_at) == (InstancePhase.FAILED, VOLUME_FAILED, None)
+    assert not odd.driver.log_paths("odd-0")[0].exists()
 
 
 async def test_agent_restart_re_adopts_and_remounts_its_volumes(
@@ -240,6 +261,28 @@ async def test_agent_restart_re_adopts_and_remounts_its_volumes(
         "ext4",
     )
     assert (mnt / "kept").read_text() == "still here"
+
+    # An instance on it survives an agent crash: the next agent re-adopts both, and knows
+    # from its state file that the instance holds the volume.
+    (done,) = await command(cluster, start("holder-0", "exec sleep 60", attachment("keep-1")))
+    assert done.status.code == code_pb2.OK, done.status.message
+    await eventually(lambda: phase_of(again, "holder-0", InstancePhase.RUNNING))
+    await crash(again)
+    del cluster.agents["node-1"]
+    third = await cluster.add_agent("node-1", runtimes=["process"], volume_dir=volume_dir)
+    assert third.instances["holder-0"].phase is InstancePhase.RUNNING
+    (reg,) = third.stream.register_message().register.volumes
+    assert (reg.name, reg.state, list(reg.attached_to)) == (
+        "keep-1",
+        pb.Volume.ATTACHED,
+        ["holder-0"],
+    )
+    stop = apb.NodeCommand(
+        node="node-1", stop=apb.StopInstance(instance="holder-0", remove=True, reason="test")
+    )
+    await command(cluster, stop)
+    await eventually(lambda: _async("holder-0" not in third.instances))
+    assert third.volumes.volumes["keep-1"].state is VolumeState.AVAILABLE
 
 
 @needs_containerd
@@ -292,6 +335,82 @@ async def test_container_volumes_rw_ro_and_size_limit(
         await agent.stop()
         del cluster.agents["node-1"]
         containerd.clean_namespace()
+
+
+@needs_libvirt
+@pytest.mark.timeout(600)
+async def test_vm_sees_its_qcow2_volume_as_a_second_disk(
+    cluster: Cluster, volume_dir: Path, libvirt_daemons: LibvirtDaemons, guest: Guest
+) -> None:
+    if not guest.networking:
+        pytest.skip("the guest has no virtio modules (ORKA_TEST_KERNEL without modules)")
+    agent = await cluster.add_agent(
+        "node-1",
+        runtimes=["libvirt"],
+        driver_options={
+            "libvirt": {
+                "uri": libvirt_daemons.uri,
+                "poll_interval": 0.2,
+                "domain_type": DOMAIN_TYPE,
+            }
+        },
+        allowed_paths=[guest.kernel.parent, guest.initrd.parent, volume_dir / "image"],
+        volume_dir=volume_dir,
+    )
+    # An image disk first (vda), as a VM booting from one has: its volume is the second disk.
+    image = volume_dir / "image" / "root.qcow2"
+    image.parent.mkdir(mode=0o755)
+    await asyncio.to_thread(
+        subprocess.run, ["qemu-img", "create", "-q", "-f", "qcow2", str(image), "1M"], check=True
+    )
+    instance = f"vm-{RUN}-0"
+    spec = pb.WorkloadSpec(
+        name=f"vm-{RUN}",
+        kind=pb.WorkloadSpec.VM,
+        image=str(image),
+        vm=pb.VmSpec(
+            kernel=str(guest.kernel),
+            initrd=str(guest.initrd),
+            cmdline=guest.cmdline() + " orka.disks",
+        ),
+        resources=pb.Resources(cpu_millis=500, memory_bytes=128 << 20),
+        restart_policy=pb.WorkloadSpec.NEVER,
+        stop_grace_period=Duration(seconds=1),
+    )
+    disk = attachment(f"disk-{RUN}", size=48 * MIB, backend="qcow2")
+    a = apb.Assignment(instance=instance, generation=1, spec=spec, volumes=[disk])
+    start_vm = apb.NodeCommand(node="node-1", start=apb.StartInstance(assignment=a))
+    try:
+        (done,) = await command(cluster, start_vm)
+        assert done.status.code == code_pb2.OK, done.status.message
+        await eventually(lambda: phase_of(agent, instance, InstancePhase.RUNNING), timeout=60)
+        console = agent.instances[instance].driver.log_paths(instance)[0]
+
+        async def disks() -> str:
+            text = console.read_text(errors="replace") if console.exists() else ""
+            return text if f"{DISK_MARKER} vdb" in text else ""  # vda is printed first
+
+        try:
+            text = await eventually(disks, timeout=180, interval=0.2)
+        except AssertionError:
+            seen = console.read_text(errors="replace") if console.exists() else "(no console)"
+            raise AssertionError(f"the guest printed no disks; console:\n{seen[-3000:]}") from None
+        assert f"{DISK_MARKER} vda {1 * MIB}\n{DISK_MARKER} vdb {48 * MIB}\n" in text
+        assert agent.volumes.volumes[disk.name].state is VolumeState.ATTACHED
+        # One running VM at a time on a qcow2 disk: a second is refused, never started.
+        a2 = apb.Assignment(instance=f"vm-{RUN}-1", generation=1, spec=spec, volumes=[disk])
+        await command(
+            cluster, apb.NodeCommand(node="node-1", start=apb.StartInstance(assignment=a2))
+        )
+        await eventually(lambda: phase_of(agent, f"vm-{RUN}-1", InstancePhase.FAILED))
+        second = agent.instances[f"vm-{RUN}-1"]
+        assert (second.reason, second.message) == (
+            VOLUME_FAILED,
+            f"volume {disk.name}: in use by VM {instance}",
+        )
+    finally:
+        await agent.stop()
+        del cluster.agents["node-1"]
 
 
 async def _async(value: object) -> object:
