@@ -4,6 +4,7 @@ time it is deleted and made again; per-replica template volumes follow their rep
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,17 +25,16 @@ MIB = 1 << 20
 
 
 class _VolumeStream(Stream):
-    """Announces what the volume manager (the vol-agent slice) will: the node's pool (here
-    from its `pool` label) and an ext4 backend with 1 GiB of volume space."""
+    """Announces the node's pool (from its `pool` label) and, when the agent announces none
+    itself (before its volume manager: the vol-agent slice), an ext4 backend with 1 GiB."""
 
     def register_message(self) -> apb.AgentMessage:
         msg = super().register_message()
         node = msg.register.node
         node.pool = self.labels.get("pool", "default")
-        # Only ext4, whatever this host's agent found (it offers qcow2 too where qemu-img is).
-        del node.volume_backends[:]
-        node.volume_backends.append("ext4")
-        node.volume_capacity_bytes = 1 << 30
+        if not node.volume_backends:
+            node.volume_backends.append("ext4")
+            node.volume_capacity_bytes = 1 << 30
         return msg
 
 
@@ -48,10 +48,21 @@ async def cluster(certs_dir: Path, tmp_path: Path) -> AsyncIterator[Cluster]:
     await c.scheduler.start()
     # Retries after a long backoff only: what places a waiting instance is its volume changing.
     await c.start_controller(placement=PlacementConfig(backoff_start=60.0, backoff_max=60.0))
-    for name, pool in (("node-1", "a"), ("node-2", "b")):
-        await c.add_agent(name, _VolumeAgent, runtimes=["fake"], labels={"pool": pool})
-    yield c
-    await c.stop()
+    try:
+        for name, pool in (("node-1", "a"), ("node-2", "b")):
+            await c.add_agent(name, _VolumeAgent, runtimes=["fake"], labels={"pool": pool})
+        yield c
+    finally:
+        await c.stop()
+        _unmount_under(tmp_path)
+
+
+def _unmount_under(root: Path) -> None:
+    """An agent with a volume manager mounts real ext4 volumes under its data dir, and keeps
+    them across its own restarts: the test takes them down (and their loop devices)."""
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for point in sorted((m for m in mounts if m.startswith(f"{root}/")), reverse=True):
+        subprocess.run(["umount", "-d", point], check=False, capture_output=True)
 
 
 def spec(name: str, replicas: int = 1, **kw: object) -> pb.WorkloadSpec:
@@ -153,8 +164,24 @@ async def test_instances_follow_their_volumes_and_wait_for_missing_ones(cluster:
         assert v is not None
         assert (v.node, v.workload, v.ordinal, v.spec.size_bytes) == (first[n], "kv", n, 8 * MIB)
     # Made again without the spread rule: each replica still goes to its own volume's node.
-    await recreate(c, spec("kv", replicas=2, volume_template=tpl))
+    kv2 = spec("kv", replicas=2, volume_template=tpl)
+    await recreate(c, kv2)
     assert await eventually(lambda: running_on(c, "kv", 2)) == first
+    # A rolling update (surge 1) replaces each replica beside its predecessor, on its volume's
+    # node (ext4: shared there), and completes: no deadlock on the pinned volumes.
+    kv2.env["REVISION"] = "2"
+    await c.api.UpdateWorkload(pb.UpdateWorkloadRequest(spec=kv2))
+
+    async def rolled() -> bool:
+        assert c.api is not None
+        w = await c.api.GetWorkload(pb.GetWorkloadRequest(name="kv"))
+        return w.rollout.state == pb.RolloutStatus.COMPLETE and w.rollout.revision == 2
+
+    await eventually(rolled)
+    now = await c.running("kv")
+    assert {i.ordinal: (i.node, i.generation) for i in now} == {
+        n: (node, 2) for n, node in first.items()
+    }
     # 5. A volume asking for a pool no node is in: unschedulable, saying so for every node.
     await make_volume(c, "data-2", pool="gpu")
     await c.api.CreateWorkload(

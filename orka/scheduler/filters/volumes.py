@@ -24,6 +24,10 @@ class VolumesFilter:
         return bool(req.volumes)
 
 
+# A bound on what an agent may list (duplicates are harmless: the set is kept).
+MAX_BACKENDS = 8
+
+
 def volume_offer(info: apb.NodeInfo) -> tuple[str, frozenset[str], int]:
     """What a registering node offers for volumes (its pool, backends, volume space), checked
     like any input from outside: an agent names only backends this version knows."""
@@ -31,8 +35,8 @@ def volume_offer(info: apb.NodeInfo) -> tuple[str, frozenset[str], int]:
         pool = check_name(info.pool, "register: node.pool") if info.pool else DEFAULT_POOL
     except ValueError as err:
         raise Invalid(str(err)) from None
-    if len(info.volume_backends) > len(VOLUME_BACKENDS):
-        raise Invalid(f"register: node.volume_backends: at most {len(VOLUME_BACKENDS)}")
+    if len(info.volume_backends) > MAX_BACKENDS:
+        raise Invalid(f"register: node.volume_backends: at most {MAX_BACKENDS}")
     for i, b in enumerate(info.volume_backends):
         if b not in VOLUME_BACKENDS:
             raise Invalid(

@@ -232,6 +232,7 @@ INSTANCES = [
         exit_code=-9,
         created_at=1.0,
         updated_at=1795000000.25,
+        ordinal=7,  # which replica (and template volume) it is
     ),
 ]
 
