@@ -820,6 +820,8 @@ class Workload(BaseModel):
     spec: WorkloadSpec
     generation: int = 1
     deleting: bool = False
+    # Deleted with `with_volumes`: its volumes go with it (orka/controller/volumes.py).
+    delete_volumes: bool = False
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
     # The caller's certificate identity ("admin/admin") at create and at the latest update.

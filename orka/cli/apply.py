@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from orka.cli import volumes as volume_docs
 from orka.cli.classes import apply_class
 from orka.cli.client import AdminClient, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
@@ -20,6 +21,7 @@ from orka.models import (
     InstancePhase,
     RestartPolicy,
     RolloutState,
+    VolumeSpec,
     Workload,
     WorkloadSpec,
 )
@@ -282,6 +284,9 @@ async def _apply(args: argparse.Namespace, docs: list[Manifest]) -> int:
     async with AdminClient(address, certs, identity=client_identity(args)) as client:
         for c in [d for d in docs if isinstance(d, Class)]:
             print(f"class/{c.name} {await apply_class(client, c)}", flush=True)
+        # Volumes next: the workloads that use them are placed at once.
+        for v in [d for d in docs if isinstance(d, VolumeSpec)]:
+            print(f"volume/{v.name} {await volume_docs.apply_volume(client, v)}", flush=True)
         for spec in specs:
             verb = await apply_one(client, spec, etag=args.etag)
             print(f"workload/{spec.name} {verb}", flush=True)

@@ -28,10 +28,12 @@ from orka.models import (
     InstancePhase,
     Node,
     Revision,
+    Volume,
+    VolumeSpec,
     Workload,
     WorkloadSpec,
 )
-from orka.rpc import convert
+from orka.rpc import convert, convert_volumes
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.pages import list_all
 from orka.security.tls import TlsFiles
@@ -296,9 +298,31 @@ class AdminClient:
         items = await self._list("ListWorkloads", pb.ListWorkloadsRequest(), "workloads")
         return [convert.workload_from_pb(w) for w in items]  # type: ignore[arg-type]
 
-    async def delete_workload(self, name: str, etag: str = "") -> Workload | None:
-        resp = await self._call("DeleteWorkload", pb.DeleteWorkloadRequest(name=name, etag=etag))
+    async def delete_workload(
+        self, name: str, etag: str = "", with_volumes: bool = False
+    ) -> Workload | None:
+        req = pb.DeleteWorkloadRequest(name=name, etag=etag, with_volumes=with_volumes)
+        resp = await self._call("DeleteWorkload", req)
         return convert.workload_from_pb(resp.workload) if resp.HasField("workload") else None
+
+    # ---- volumes ----
+
+    async def create_volume(self, spec: VolumeSpec) -> Volume:
+        req = pb.CreateVolumeRequest(spec=convert_volumes.spec_to_pb(spec))
+        return convert_volumes.volume_from_pb(await self._call("CreateVolume", req))
+
+    async def get_volume(self, name: str) -> Volume:
+        msg = await self._call("GetVolume", pb.GetVolumeRequest(name=name))
+        return convert_volumes.volume_from_pb(msg)
+
+    async def list_volumes(self, node: str = "", workload: str = "") -> list[Volume]:
+        req = pb.ListVolumesRequest(node=node, workload=workload)
+        items = await self._list("ListVolumes", req, "volumes")
+        return [convert_volumes.volume_from_pb(v) for v in items]  # type: ignore[arg-type]
+
+    async def delete_volume(self, name: str, etag: str = "") -> Volume:
+        msg = await self._call("DeleteVolume", pb.DeleteVolumeRequest(name=name, etag=etag))
+        return convert_volumes.volume_from_pb(msg)
 
     async def list_instances(
         self, workload: str = "", node: str = "", phase: InstancePhase | None = None

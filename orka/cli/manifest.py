@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from orka.cli import volumes as volume_docs
 from orka.cli.class_manifest import class_from_mapping
 from orka.cli.units import parse_cpu, parse_duration, parse_memory
 from orka.errors import Invalid
@@ -24,6 +25,7 @@ from orka.models import (
     TcpCheck,
     UpdateStrategy,
     VmSpec,
+    VolumeSpec,
     WorkloadKind,
     WorkloadSpec,
 )
@@ -46,7 +48,8 @@ _SPEC_KEYS = (set(WorkloadSpec.model_fields) - {"stop_grace_seconds", "class_nam
     "class",
 }
 # What parse_manifests returns: workloads, and the classes they may name.
-Manifest = WorkloadSpec | Class
+Manifest = WorkloadSpec | Class | VolumeSpec
+_KIND_OF: dict[type, str] = {Class: "class", VolumeSpec: "volume"}
 
 
 def snake(key: str) -> str:
@@ -274,9 +277,11 @@ def parse_manifests(text: str, source: str = "<stdin>") -> list[Manifest]:
         spec: Manifest
         if isinstance(kind, str) and kind.strip().lower() == "class":
             spec = class_from_mapping(doc, where)
+        elif volume_docs.is_volume(doc):
+            spec = volume_docs.spec_from_mapping(doc, where)
         else:
             spec = spec_from_mapping(doc, where)
-        what = f"{'class' if isinstance(spec, Class) else 'workload'} {spec.name!r}"
+        what = f"{_KIND_OF.get(type(spec), 'workload')} {spec.name!r}"
         if what in seen:
             raise Invalid(f"{where}: {what} is already defined in {seen[what]}")
         seen[what] = where

@@ -9,10 +9,11 @@ import sys
 import time
 
 from orka.cli import classes, output
+from orka.cli import volumes as volume_cli
 from orka.cli.client import AdminClient, Change, WatchedChange
 from orka.cli.defaults import UsageError, add_client_flags, add_flag, client_identity, client_target
 from orka.errors import Aborted, NotFound, OrkaError, OutOfRange
-from orka.models import Instance, InstancePhase
+from orka.models import Instance, InstancePhase, VolumeState
 
 # Every accepted spelling -> the canonical resource.
 ALIASES: dict[str, str] = {
@@ -22,6 +23,7 @@ ALIASES: dict[str, str] = {
     **dict.fromkeys(("endpoints", "endpoint", "ep"), "endpoints"),
     **dict.fromkeys(("classes", "class"), "classes"),
     **dict.fromkeys(("pools", "pool"), "pools"),
+    **dict.fromkeys(("volumes", "volume", "vol", "vols"), "volumes"),
 }
 
 
@@ -31,7 +33,7 @@ def resource_kind(value: str) -> str:
     except KeyError:
         raise UsageError(
             f"unknown resource {value!r}; use workloads (wl), instances (inst), nodes (no),"
-            " endpoints (ep), classes or pools"
+            " endpoints (ep), classes, pools or volumes (vol)"
         ) from None
 
 
@@ -74,6 +76,10 @@ async def _get(args: argparse.Namespace) -> str:
             )
             items.sort(key=lambda i: (i.workload, i.name))
             return output.dump(items, fmt) if fmt != "table" else output.instances_table(items)
+        if kind == "volumes":
+            return await volume_cli.get(
+                c, args.name or "", fmt, node=args.node or "", workload=args.workload or ""
+            )
         if kind == "endpoints":
             eps = sorted(await c.list_endpoints(args.name), key=lambda e: e.instance)
             return output.dump(eps, fmt) if fmt != "table" else output.endpoints_table(eps)
@@ -194,7 +200,7 @@ def _relisted(
 
 def cmd_get(args: argparse.Namespace) -> int:
     # Usage errors before any connection attempt.
-    if args.watch and resource_kind(args.resource) in ("classes", "pools"):
+    if args.watch and resource_kind(args.resource) in ("classes", "pools", "volumes"):
         raise UsageError(f"get -w: {resource_kind(args.resource)} cannot be watched")
     if args.watch and resource_kind(args.resource) == "endpoints":
         raise UsageError("get -w: endpoints cannot be watched; watch instances --workload W")
@@ -227,6 +233,9 @@ async def _describe(args: argparse.Namespace) -> str:
     kind = resource_kind(args.resource)
     fmt = args.output
     async with _client(args) as c:
+        if kind == "volumes":
+            vol = await c.get_volume(args.name)
+            return volume_cli.describe(vol) if fmt == "table" else output.dump(vol, fmt)
         obj: Change
         if kind == "workloads":
             obj = await c.get_workload(args.name)
@@ -263,14 +272,48 @@ def cmd_describe(args: argparse.Namespace) -> int:
 # ---- delete ----
 
 
+async def _delete_volume(args: argparse.Namespace) -> None:
+    async with _client(args) as c:
+        try:
+            vol = await c.delete_volume(args.name, etag=args.etag)
+        except Aborted:
+            raise Aborted(
+                f"volume/{args.name} was changed since it was read; nothing was deleted:"
+                f" re-read it (orka get volume {args.name}) and try again"
+            ) from None
+        if vol.state is not VolumeState.DELETING:
+            print(f"volume/{args.name} deleted")
+            return
+        if not args.wait:
+            print(f"volume/{args.name} deleting (on node {vol.node})")
+            return
+        print(f"volume/{args.name} deleting; waiting for node {vol.node} to delete it")
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                vol = await c.get_volume(args.name)
+            except NotFound:
+                print(f"volume/{args.name} deleted")
+                return
+            if time.monotonic() >= deadline:
+                why = f": {vol.message}" if vol.message else ""
+                raise OrkaError(
+                    f"volume/{args.name} still exists after {args.timeout:g}s"
+                    f" ({vol.state.value}{why})"
+                )
+            await asyncio.sleep(0.5)
+
+
 async def _delete(args: argparse.Namespace) -> None:
+    if resource_kind(args.resource) == "volumes":
+        return await _delete_volume(args)
     async with _client(args) as c:
         if resource_kind(args.resource) == "classes":
             await classes.delete_class(c, args.name, etag=args.etag)
             print(f"class/{args.name} deleted")
             return
         try:
-            await c.delete_workload(args.name, etag=args.etag)
+            await c.delete_workload(args.name, etag=args.etag, with_volumes=args.with_volumes)
         except Aborted:
             raise Aborted(
                 f"workload/{args.name} was changed since it was read; nothing was deleted:"
@@ -296,10 +339,14 @@ async def _delete(args: argparse.Namespace) -> None:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    if resource_kind(args.resource) not in ("workloads", "classes"):
+    kind = resource_kind(args.resource)
+    if kind not in ("workloads", "volumes", "classes"):
         raise UsageError(
-            "delete: only workloads and classes can be deleted (nodes leave on SIGTERM or drain)"
+            "delete: only workloads, volumes and classes can be deleted (nodes leave on SIGTERM"
+            " or drain)"
         )
+    if args.with_volumes and kind != "workloads":
+        raise UsageError("--with-volumes: only when deleting a workload")
     if args.timeout <= 0:
         raise UsageError("--timeout: must be > 0")
     asyncio.run(_delete(args))
@@ -334,13 +381,15 @@ def cmd_node_action(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    resources = "workloads|instances|nodes|endpoints|classes|pools"
+    resources = "workloads|instances|nodes|endpoints|classes|pools|volumes"
     p = sub.add_parser("get", help="list workloads, instances, nodes or a workload's endpoints")
     p.add_argument("resource", metavar=resources, help="also wl, inst, no, or singular")
     p.add_argument("name", nargs="?", help="one object by name")
     add_flag(p, "--output", "-o", default="table", help="table, json or yaml", metavar="FORMAT")
-    add_flag(p, "--workload", metavar="W", help="instances of this workload only")
-    add_flag(p, "--node", metavar="N", help="instances on this node only")
+    add_flag(
+        p, "--workload", metavar="W", help="instances (or template volumes) of this workload only"
+    )
+    add_flag(p, "--node", metavar="N", help="instances (or volumes) on this node only")
     add_flag(p, "--phase", metavar="PHASE", help="instances in this phase only")
     # Not from the environment: a watch that never ends must be asked for each time.
     p.add_argument(
@@ -358,7 +407,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_get)
 
     p = sub.add_parser("describe", help="show one workload, instance or node in detail")
-    p.add_argument("resource", metavar="workload|instance|node")
+    p.add_argument("resource", metavar="workload|instance|node|volume")
     p.add_argument("name")
     add_flag(
         p,
@@ -371,12 +420,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_client_flags(p)
     p.set_defaults(func=cmd_describe)
 
-    p = sub.add_parser("delete", help="delete a workload (its instances are stopped)")
-    p.add_argument("resource", metavar="workload|class")
+    p = sub.add_parser(
+        "delete",
+        help="delete a workload (its instances are stopped), a volume (its data) or a class",
+    )
+    p.add_argument("resource", metavar="workload|volume|class")
     p.add_argument("name")
-    add_flag(p, "--wait", action="store_true", help="wait until the workload is gone")
+    add_flag(p, "--wait", action="store_true", help="wait until it is gone")
     add_flag(p, "--timeout", type=float, default=120.0, metavar="S", help="for --wait")
-    _etag_flag(p, "workload or class")
+    # Not from the environment: deleting data must be asked for each time.
+    p.add_argument(
+        "--with-volumes",
+        action="store_true",
+        help="a workload's volumes too (its template's, and those no other workload names);"
+        " without it every volume and its data is kept",
+    )
+    _etag_flag(p, "workload, volume or class")
     add_client_flags(p)
     p.set_defaults(func=cmd_delete)
 

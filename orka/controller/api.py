@@ -22,6 +22,7 @@ from orka.controller.link import SchedulerLink
 from orka.controller.reconciler import Reconciler
 from orka.controller.repo import Change, Repo
 from orka.controller.secrets import keep_redacted
+from orka.controller.volumes import VolumeKeeper
 from orka.errors import (
     AlreadyExists,
     Conflict,
@@ -137,6 +138,8 @@ class ControllerApi(pb_grpc.ControllerServicer):
     auditor: Auditor | None = None
     # Recent activity per object (orka/controller/activity.py); set by the controller.
     activity: ActivityLog = ActivityLog()
+    # Volume commands and reports (orka/controller/volumes.py); set by the controller.
+    volume_keeper: VolumeKeeper | None = None
 
     def __init__(
         self,
@@ -362,9 +365,15 @@ class ControllerApi(pb_grpc.ControllerServicer):
             if w is None:
                 raise NotFound(f"workload {name!r} not found")
             check_etag(request.etag, w.etag, f"workload {name!r}")
-            if w.deleting:
+            if w.deleting and (w.delete_volumes or not request.with_volumes):
                 return []
-            new = w.model_copy(update={"deleting": True, "etag": new_workload_etag()})
+            new = w.model_copy(
+                update={
+                    "deleting": True,
+                    "delete_volumes": w.delete_volumes or request.with_volumes,
+                    "etag": new_workload_etag(),
+                }
+            )
             return [Change("workloads", name, new)]
 
         await self.repo.mutate(plan)

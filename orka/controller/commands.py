@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orka.models import Instance, InstanceReport, Node, VolumeAttachment, Workload, WorkloadSpec
+from orka.models import (
+    Instance,
+    InstanceReport,
+    Node,
+    VolumeAttachment,
+    VolumeReport,
+    Workload,
+    WorkloadSpec,
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,23 @@ class Release:
     instance: str
 
 
-NodeCommand = Start | Stop | Release
+@dataclass(frozen=True)
+class ProvisionVolume:
+    """Make a volume on its node now (a class with `immediate`), before any instance uses it."""
+
+    node: str
+    volume: VolumeAttachment
+
+
+@dataclass(frozen=True)
+class DeleteVolume:
+    """Delete a volume and its data from its node (refused there while an instance holds it)."""
+
+    node: str
+    volume: str
+
+
+NodeCommand = Start | Stop | Release | ProvisionVolume | DeleteVolume
 
 
 def start_command(inst: Instance, w: Workload, volumes: tuple[VolumeAttachment, ...] = ()) -> Start:
@@ -101,6 +125,16 @@ class NodeSynced:
 
     node: str
     reports: list[InstanceReport] = field(default_factory=list)
+    # Every volume it holds (orka/controller/volumes.py): one not listed is not there.
+    volumes: list[VolumeReport] = field(default_factory=list)
 
 
-ClusterUpdate = NodeSeen | InstanceReported | NodeSynced
+@dataclass(slots=True)
+class VolumeReported:
+    """A node's report of one of its volumes (a state change)."""
+
+    node: str
+    report: VolumeReport
+
+
+ClusterUpdate = NodeSeen | InstanceReported | NodeSynced | VolumeReported

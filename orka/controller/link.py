@@ -23,18 +23,21 @@ from orka.api import controller_pb2 as pb
 from orka.controller.commands import (
     Assignment,
     ClusterUpdate,
+    DeleteVolume,
     InstanceReported,
     NodeCommand,
     NodeSeen,
     NodeSynced,
+    ProvisionVolume,
     Release,
     Start,
     Stop,
+    VolumeReported,
 )
 from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
-from orka.rpc import convert
+from orka.rpc import convert, convert_volumes, volume_convert
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
 from orka.security.tls import TlsFiles
@@ -259,6 +262,15 @@ def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
             )
         case Release():
             return apb.NodeCommand(node=c.node, release=apb.ReleaseOffer(instance=c.instance))
+        case ProvisionVolume():
+            return apb.NodeCommand(
+                node=c.node,
+                provision_volume=apb.ProvisionVolume(
+                    volume=volume_convert.attachment_to_pb(c.volume)
+                ),
+            )
+        case DeleteVolume():
+            return apb.NodeCommand(node=c.node, delete_volume=apb.DeleteVolume(volume=c.volume))
 
 
 def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
@@ -290,7 +302,10 @@ def update_from_pb(u: apb.ClusterUpdate) -> ClusterUpdate | None:
         return NodeSynced(
             node=u.sync.node,
             reports=[convert.report_from_pb(s, u.sync.node) for s in u.sync.instances],
+            volumes=convert_volumes.reports_from_pb(u.sync.volumes, f"node {u.sync.node}"),
         )
+    if which == "volume":
+        return VolumeReported(u.volume.node, convert_volumes.report_from_pb(u.volume.status))
     return None  # a kind of update this controller does not know yet
 
 

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import structlog
 
-from orka.controller import rollout
+from orka.controller import rollout, volumes
 from orka.controller.activity import ActivityLog
 from orka.controller.commands import (
     ClusterUpdate,
     InstanceReported,
     NodeCommand,
     NodeSeen,
+    NodeSynced,
     start_command,
     stop_command,
 )
@@ -315,6 +316,8 @@ class Reconciler:
                 changes.append(Change("instances", inst.name, stopped))
         if remaining == 0:
             changes.append(Change("workloads", w.name, None))
+            # In the same commit: its volumes are released, or deleted when asked.
+            changes += volumes.workload_removed(self.repo, w, time.time())
         return changes
 
     def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
@@ -680,7 +683,7 @@ class Reconciler:
                 nodes.append(u.node)
             elif isinstance(u, InstanceReported):
                 reports.append(u.report)
-            else:
+            elif isinstance(u, NodeSynced):
                 reports += u.reports
                 syncs[u.node] = {r.name for r in u.reports}
         cleanups: list[NodeCommand] = []

@@ -30,6 +30,7 @@ from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementConfig, PlacementQueue
 from orka.controller.reconciler import History, Reconciler
 from orka.controller.repo import Repo
+from orka.controller.volumes import VolumeKeeper
 from orka.errors import Invalid, Unavailable
 from orka.filemodes import private_dir
 from orka.rpc.server import start_server
@@ -101,6 +102,7 @@ class Controller:
         self.audit = AuditLog(config.audit_log, reads=config.audit_reads)
         self.api.auditor = self.audit
         self.api.activity = self.activity
+        self.api.volume_keeper = self.volumes
         self.election: Election | None = None
         self.leadership: Leadership | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -124,9 +126,11 @@ class Controller:
         self.queue = PlacementQueue(self.repo, self.link, self.config.placement)
         self.reconciler = Reconciler(self.repo, self.link, self.queue, self.config.history)
         self.queue.activity = self.reconciler.activity = self.activity
+        self.volumes = VolumeKeeper(self.repo, self.link)
 
     async def _on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         await self.reconciler.on_updates(updates)
+        await self.volumes.on_updates(updates)
         # An agent (re-)registering is a node joining as far as placement is concerned: after
         # a scheduler restart its node record is unchanged, so the reconciler would not say so.
         if any(isinstance(u, NodeSynced) for u in updates):
@@ -212,6 +216,7 @@ class Controller:
         if not self._fresh:
             self._build()
             self.api.reconciler, self.api.link = self.reconciler, self.link
+            self.api.volume_keeper = self.volumes
         self._fresh = False
         await self.repo.load()
         log.info(
@@ -225,6 +230,7 @@ class Controller:
         for coro, name in (
             (self.reconciler.run(), "reconciler"),
             (self.queue.run(), "placement"),
+            (self.volumes.run(), "volumes"),
         ):
             task = asyncio.create_task(coro, name=name)
             task.add_done_callback(self._child_done)

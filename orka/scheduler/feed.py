@@ -111,6 +111,7 @@ def sync_update(node: NodeRecord) -> apb.ClusterUpdate:
     sync = apb.NodeSync(node=node.name)
     for report in node.reports.values():
         sync.instances.append(convert.instance_status_to_pb(report))
+    sync.volumes.extend(node.volumes.values())
     return apb.ClusterUpdate(sync=sync)
 
 

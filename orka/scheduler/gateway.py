@@ -15,6 +15,7 @@ from orka.errors import Invalid, PermissionDenied
 from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
 from orka.rpc import convert
 from orka.rpc.frames import drain
+from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
 from orka.scheduler.filters.volumes import volume_offer
 from orka.scheduler.liveness import Liveness
@@ -148,7 +149,9 @@ class Gateway:
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
         ]
+        held = volumes.registered(reg)
         node = self.registry.upsert(session.node)
+        node.volumes = held
         if node.session is not None and node.session is not session:
             node.session.close()
         node.session = session
@@ -209,6 +212,8 @@ class Gateway:
                 self.liveness.set_state(node, NodeState.READY)
         elif kind == "instance_status":
             self._on_status(node, msg.instance_status)
+        elif kind == "volume_status":
+            volumes.on_status(node, self.feed, msg.volume_status)
         elif kind == "offer_reply":
             r = msg.offer_reply
             session.resolve(r.offer_id, r.status)
@@ -225,8 +230,6 @@ class Gateway:
             session.send(apb.SchedulerMessage(leave_reply=reply))
             if reply.wait:
                 self._waiting[node.name] = session
-        elif kind == "volume_status":
-            pass  # not relayed yet (the vol-api slice forwards it to the controller)
         elif kind == "session_output":
             self.sessions.on_output(session, msg.session_output)
         elif kind == "batch":

@@ -24,6 +24,7 @@ from orka.scheduler.index import SnapshotIndex, updated
 from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
 
 if TYPE_CHECKING:
+    from orka.api import agent_pb2 as apb
     from orka.scheduler.session import AgentSession
 
 
@@ -68,6 +69,8 @@ class NodeRecord:
     pool: str = DEFAULT_POOL
     volume_backends: frozenset[str] = frozenset()
     volume_capacity_bytes: int = 0
+    # Its agent's last report of each volume it holds (orka/scheduler/volumes.py).
+    volumes: dict[str, apb.VolumeStatus] = field(default_factory=dict)
 
     def free(self) -> tuple[int, int]:
         return (

@@ -11,6 +11,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import NotFound
 from orka.rpc import convert
+from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
 from orka.scheduler.registry import Registry
 from orka.scheduler.session import Expected, Reply, next_id, replies
@@ -61,6 +62,8 @@ class Relay:
             msg = apb.SchedulerMessage(release=cmd.release)
             key = cmd.release.command_id or next_id("c")
             msg.release.command_id = key
+        elif (volume := volumes.command_message(cmd)) is not None:
+            msg, key = volume
         else:
             return apb.CommandResult(
                 status=convert.error_status(code_pb2.INVALID_ARGUMENT, "empty command")

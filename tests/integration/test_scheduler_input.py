@@ -76,8 +76,17 @@ async def stream_error(
         return info.value
 
 
+def register_with_volume(status: apb.VolumeStatus) -> apb.AgentMessage:
+    msg = register()
+    msg.register.volumes.append(status)
+    return msg
+
+
 # Needles of the cases whose register message itself is refused.
-REFUSED_REGISTRATIONS = ("node.capacity must not be negative",)
+REFUSED_REGISTRATIONS = (
+    "node.capacity must not be negative",
+    "volume status 'd': backend: at most 32 characters",
+)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +132,31 @@ REFUSED_REGISTRATIONS = ("node.capacity must not be negative",)
             ],
             "instance status z: finished_at: must be a time in seconds since 1970, got -1.0",
         ),
+        (
+            [register(), apb.AgentMessage(volume_status=apb.VolumeStatus(name="Data 1"))],
+            "volume status: name 'Data 1' must be",
+        ),
+        (
+            [register(), apb.AgentMessage(volume_status=apb.VolumeStatus(name="d", state=99))],
+            "volume status 'd': state 99 is not a volume state",
+        ),
+        (
+            [
+                register(),
+                apb.AgentMessage(
+                    volume_status=apb.VolumeStatus(
+                        name="d", state=pb.Volume.ATTACHED, attached_to=["x"] * 300
+                    )
+                ),
+            ],
+            "volume status 'd': attached_to: at most 256 instances",
+        ),
+        (
+            [
+                register_with_volume(apb.VolumeStatus(name="d", state=1, backend="z" * 33)),
+            ],
+            "volume status 'd': backend: at most 32 characters",
+        ),
         ([register(), register()], "register may only be sent once"),
         ([register(), apb.AgentMessage()], "empty agent message"),
         ([register(), batch(batch(heartbeat()))], "a batch must not hold another batch"),
@@ -145,7 +179,7 @@ async def test_bad_agent_messages_are_refused(
     if messages[0].WhichOneof("body") == "register" and needle not in REFUSED_REGISTRATIONS:
         # Registered before the bad message: nothing that came with or after it was recorded.
         assert node is not None
-        assert node.reports == {} and node.holds == {}
+        assert node.reports == {} and node.holds == {} and node.volumes == {}
     else:
         assert node is None  # never registered
 
