@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -96,3 +97,23 @@ def guest() -> Iterator[Guest]:
         yield make_guest(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _mounts_under(root: Path) -> list[str]:
+    prefix = str(root) + "/"
+    with open("/proc/mounts", encoding="utf-8") as f:
+        # /proc/mounts escapes a space in a path as \040: paths under a tmp_path have none.
+        return [p for _, p, *_ in (line.split() for line in f) if p.startswith(prefix)]
+
+
+@pytest.fixture(autouse=True)
+def _unmount_what_the_test_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Volumes outlive their agents by design (a restarted agent adopts them), so a test whose
+    agents made ext4 volumes leaves them mounted under its tmp_path: unmount them (which also
+    frees their loop devices) before the next test, deepest first."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if not isinstance(tmp, Path):
+        return
+    for path in sorted(_mounts_under(tmp), key=len, reverse=True):
+        subprocess.run(["umount", "-l", path], check=False, capture_output=True)

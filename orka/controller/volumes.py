@@ -12,6 +12,8 @@ their nodes (NodeCommand.provision_volume / delete_volume), resending until they
     any state --its node LOST--> LOST --node back, volume listed--> the reported state
     DeleteVolume: PENDING without node / LOST --> record removed at once;
                   ATTACHED --> refused; else DELETING --node acks the delete--> removed
+    a node registers with a volume nobody has a record of --> recorded as it reports it (its
+        data is never deleted unasked: the user sees it and deletes it, or keeps it)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import structlog
+from pydantic import ValidationError
 
 from orka.controller.commands import (
     ClusterUpdate,
@@ -44,11 +47,15 @@ from orka.models import (
     Volume,
     VolumeAttachment,
     VolumeReport,
+    VolumeSpec,
     VolumeState,
     Workload,
     WorkloadKind,
     backend_for,
 )
+
+# How many (node, volume) pairs the keeper remembers having warned about.
+MAX_UNRECORDED_SEEN = 10_000
 
 log = structlog.get_logger("orka.controller.volumes")
 
@@ -117,6 +124,36 @@ def not_listed(vol: Volume, now: float) -> Volume | None:
         return None
     message = f"node {vol.node} registered again without it: its data is gone"
     return _changed(vol, {"state": VolumeState.LOST, "attached_to": [], "message": message}, now)
+
+
+def found(node: str, pool: str, r: VolumeReport, now: float) -> Volume | None:
+    """A volume its node holds with no record: deleted while the node was lost, or a store
+    restored from before it was made. Data is never deleted unasked, so it is recorded again
+    as its node reports it, for users to see and to delete if they want it gone."""
+    if r.state not in (VolumeState.AVAILABLE, VolumeState.ATTACHED, VolumeState.FAILED):
+        return None
+    try:
+        spec = VolumeSpec(
+            name=r.name,
+            size_bytes=r.size_bytes,
+            backend=r.backend if r.backend in VOLUME_BACKENDS else "",
+        )
+    except ValidationError:
+        return None
+    return Volume(
+        spec=spec,
+        state=r.state,
+        node=node,
+        pool=pool,
+        backend=spec.backend,
+        attached_to=sorted(r.attached_to) if r.state is VolumeState.ATTACHED else [],
+        message=(
+            f"found on node {node} with no record (deleted while the node was lost, or the"
+            " store is older than the volume): kept; delete it to remove its data"
+        ),
+        created_at=now,
+        updated_at=now,
+    )
 
 
 def released(vol: Volume, now: float) -> Volume | None:
@@ -285,7 +322,7 @@ class VolumeKeeper:
         # (command, volume name) -> when (time.monotonic) it was last sent: a delete right
         # after a provision is not held back by the provision's resend timer.
         self._sent: dict[tuple[str, str], float] = {}
-        self._orphans_sent: dict[tuple[str, str], float] = {}
+        self._unrecorded_seen: set[tuple[str, str]] = set()
 
     def kick(self) -> None:
         self._dirty.set()
@@ -336,7 +373,6 @@ class VolumeKeeper:
                 reports += [(u.node, r) for r in u.volumes]
         if not (lost or reports or syncs):
             return
-        orphans: list[NodeCommand] = []
 
         def plan() -> list[Change]:
             now = time.time()
@@ -347,9 +383,15 @@ class VolumeKeeper:
 
             for node, r in reports:
                 vol = current(r.name)
+                if vol is None and node in syncs:
+                    pool = self.repo.nodes[node].pool if node in self.repo.nodes else ""
+                    kept = found(node, pool, r, now)
+                    if kept is not None:
+                        changed[r.name] = kept
+                    continue
                 if vol is None or (vol.node and vol.node != node):
-                    if node in syncs and r.state is not VolumeState.DELETING:
-                        self._orphan(node, r.name, orphans)
+                    if node in syncs:
+                        self._unrecorded(node, r.name, vol)
                     continue
                 new = reported(vol, node, r, vol.workload in self.repo.workloads, now)
                 if new is not None:
@@ -382,21 +424,21 @@ class VolumeKeeper:
             return changes + [Change("volumes", n, None) for n in removed]
 
         changes = await self.repo.mutate(plan)
-        if orphans:
-            await self._command(orphans)
         if changes or lost:
             self.kick()
 
-    def _orphan(self, node: str, name: str, out: list[NodeCommand]) -> None:
-        """A node holds a volume the controller has no record of there (deleted while the node
-        was lost): its data was asked to go, so it goes now (resent at most every
-        RESEND_AFTER)."""
-        now = time.monotonic()
-        if now - self._orphans_sent.get((node, name), -1e9) < RESEND_AFTER:
+    def _unrecorded(self, node: str, name: str, vol: Volume | None) -> None:
+        """A node holds a volume whose name a volume on another node now has. Its data is
+        never deleted unasked: it stays on the node, said once per node and name."""
+        if (node, name) in self._unrecorded_seen:
             return
-        self._orphans_sent[(node, name)] = now
-        log.info("deleting a volume the controller has no record of", node=node, volume=name)
-        out.append(DeleteVolume(node=node, volume=name))
+        self._unrecorded_seen.add((node, name))
+        log.warning(
+            "a node holds a volume whose name is now another node's; its data is left there",
+            node=node,
+            volume=name,
+            recorded_on=vol.node if vol is not None else "",
+        )
 
     # ---- the pass: deletes and immediate provisioning ----
 
@@ -442,9 +484,8 @@ class VolumeKeeper:
             await self._command(to_send)
         for key in [k for k in self._sent if k[1] not in self.repo.volumes]:
             del self._sent[key]
-        for orphan, at in list(self._orphans_sent.items()):
-            if mono - at >= RESEND_AFTER:
-                del self._orphans_sent[orphan]
+        if len(self._unrecorded_seen) > MAX_UNRECORDED_SEEN:
+            self._unrecorded_seen.clear()  # said again, at worst: bounded whatever nodes send
 
     def _provision(
         self,

@@ -342,19 +342,40 @@ async def test_keeper_applies_reports_node_loss_and_sync(repo: Repo) -> None:
     assert "c" not in repo.volumes
 
 
-async def test_keeper_deletes_a_volume_it_has_no_record_of_at_register(repo: Repo) -> None:
+async def test_keeper_keeps_and_records_a_volume_it_has_no_record_of_at_register(
+    repo: Repo,
+) -> None:
     link = RecordingLink()
     keeper = v.VolumeKeeper(repo, link)  # type: ignore[arg-type]
-    await put(repo, node("n1"), vol("a", node="n2"))
-    await keeper.on_updates(
-        [
-            NodeSynced(
-                "n1", volumes=[report(S.AVAILABLE, name="gone"), report(S.AVAILABLE, name="a")]
-            )
-        ]
+    await put(repo, node("n1", pool="fast"), vol("a", node="n2"))
+    unknown = report(S.ATTACHED, "web-x", name="gone").model_copy(
+        update={"size_bytes": 64 * MI, "backend": "ext4"}
     )
-    assert sorted(c.delete_volume.volume for c in link.sent) == ["a", "gone"]
+    await keeper.on_updates([NodeSynced("n1", volumes=[unknown, report(S.AVAILABLE, name="a")])])
+    # Nothing is deleted unasked: the unknown volume is recorded as its node holds it, and
+    # the one whose name now lives on n2 is left alone on n1 and in the store.
+    assert link.sent == []
+    gone = repo.volumes["gone"]
+    assert (gone.node, gone.pool, gone.state, gone.attached_to, gone.spec.size_bytes) == (
+        "n1",
+        "fast",
+        S.ATTACHED,
+        ["web-x"],
+        64 * MI,
+    )
+    assert gone.backend == "ext4" and "no record" in gone.message
     assert repo.volumes["a"].node == "n2" and repo.volumes["a"].state is S.AVAILABLE
+
+
+def test_found_records_only_what_a_node_holds() -> None:
+    for state in (S.PENDING, S.DELETING, S.LOST, S.RELEASED):
+        r = report(state).model_copy(update={"size_bytes": 64 * MI})
+        assert v.found("n1", "default", r, 0.0) is None
+    too_small = report(S.AVAILABLE).model_copy(update={"size_bytes": 1})
+    assert v.found("n1", "default", too_small, 0.0) is None
+    odd = report(S.FAILED, msg="disk").model_copy(update={"size_bytes": MI, "backend": "zfs"})
+    kept = v.found("n1", "default", odd, 0.0)
+    assert kept is not None and (kept.state, kept.backend, kept.attached_to) == (S.FAILED, "", [])
 
 
 async def test_create_checks_size_against_the_nodes_and_the_class(repo: Repo) -> None:
