@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "network": ("network", ()),
     "health": ("health", ()),
     "logs": ("logs", ()),
+    "volumes": ("volumes", ()),
 }
 FULL_ONLY = {"placement_5000_nodes"}
 

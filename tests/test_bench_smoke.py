@@ -42,6 +42,7 @@ def test_run_all_smoke() -> None:
         "network",
         "health",
         "logs",
+        "volumes",
     }
     # 100 instances checked each second: every check probed about once a second and passing
     # (none restarted); without checks, no probes.
@@ -115,3 +116,10 @@ def test_run_all_smoke() -> None:
     assert lost_after - 1.5 <= healing["kill_to_lost_s"] <= lost_after + 5.0
     assert healing["kill_to_lost_s"] <= healing["kill_to_all_running_elsewhere_s"]
     assert healing["kill_to_all_running_elsewhere_s"] <= lost_after + 10.0
+    # Volumes: each backend this host can use provisioned, deleted and re-adopted every one.
+    volumes = results["volumes"]
+    assert volumes["repeat"] == 2
+    for backend in ("ext4", "qcow2"):
+        figures = volumes[backend]
+        assert figures.get("skipped") or figures["adopted"] == 2, backend
+        assert figures.get("skipped") or 0 < figures["provision_1Gi_ms"], backend

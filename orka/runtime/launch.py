@@ -47,16 +47,30 @@ def _fail(message: str, code: int = EXIT_SETUP_FAILED) -> None:
     os._exit(code)
 
 
-def private_tmp(size: int) -> bool:
-    """A mount namespace with an empty tmpfs on /tmp; False where that is not allowed."""
+def private_tmp(size: int, keep: list[str] | None = None) -> bool:
+    """A mount namespace with an empty tmpfs on /tmp; False where that is not allowed.
+
+    `keep`: directories under /tmp (an agent's volumes when its data dir is there) that stay
+    visible at the same path: held open before the tmpfs hides them, bound back in after.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(_CLONE_NEWNS) != 0:
         return False
     # Our mounts must not propagate back to the host's namespace.
     if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         return False
+    held = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in keep or ()]
     options = b"mode=1777" + (b",size=%d" % size if size else b"")
-    return libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        return False
+    for path, fd in held:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        source = f"/proc/self/fd/{fd}".encode()
+        if libc.mount(source, path.encode(), None, _MS_BIND | _MS_REC, None) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot keep {path} visible: {os.strerror(errno)}")
+        os.close(fd)
+    return True
 
 
 def read_only(paths: list[str]) -> None:
@@ -103,6 +117,7 @@ def main(args: list[str]) -> None:
     probe = False
     netns = ""
     readonly: list[str] = []
+    keep: list[str] = []
     while args and args[0] != "--":
         flag = args.pop(0)
         if flag == "--cgroup-procs":
@@ -115,6 +130,8 @@ def main(args: list[str]) -> None:
             tmp = True
         elif flag == "--tmp-size":
             tmp_size = int(args.pop(0))
+        elif flag == "--keep":
+            keep.append(args.pop(0))
         elif flag == "--read-only":
             readonly.append(args.pop(0))
         elif flag == "--netns":
@@ -142,7 +159,10 @@ def main(args: list[str]) -> None:
         except OSError as exc:
             _fail(f"cannot join cgroup {os.path.dirname(path)}: {exc.strerror}")
     if tmp:
-        private_tmp(tmp_size)
+        try:
+            private_tmp(tmp_size, keep)
+        except OSError as exc:
+            _fail(f"cannot keep a volume under /tmp visible: {exc.strerror or exc}")
     if readonly:
         try:
             read_only(readonly)

@@ -346,12 +346,6 @@ class ProcessDriver(TrackingDriver[_Task]):
         env = {}
         for v in run.volumes:
             path = Path(v.host_path)
-            if self._private_tmp is not False and path.is_relative_to("/tmp"):
-                # The instance's own /tmp hides the host's: it would find nothing there.
-                raise RuntimeFailure(
-                    f"process: volume {v.name} is at {path}, under /tmp, which the instance's"
-                    " private /tmp hides (give the agent a --volume-dir outside /tmp)"
-                )
             if identity.switch and not v.read_only and path.is_dir():
                 try:
                     os.chown(path, identity.uid, identity.gid)
@@ -383,6 +377,11 @@ class ProcessDriver(TrackingDriver[_Task]):
                 prefix += ["--cgroup-procs", str(path)]
         if self._private_tmp:
             prefix += ["--private-tmp", "--tmp-size", str(run.spec.resources.memory_bytes)]
+            # The instance's own /tmp would hide a volume under the host's (an agent whose
+            # data dir is there): the launcher binds each one back in at its path.
+            for v in run.volumes:
+                if Path(v.host_path).is_relative_to("/tmp"):
+                    prefix += ["--keep", str(v.host_path)]
         for v in run.volumes:
             if v.read_only:
                 prefix += ["--read-only", str(v.host_path)]

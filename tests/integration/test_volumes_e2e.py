@@ -5,8 +5,6 @@ deleted without --with-volumes leaves the data, and with it the node deletes the
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,12 +23,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def volume_dir() -> Iterator[Path]:
-    # Not under /tmp: a process instance's private /tmp hides the host's.
-    path = Path(tempfile.mkdtemp(prefix="orka-volumes-", dir="/var/tmp"))
+def volume_dir(tmp_path: Path) -> Iterator[Path]:
+    # Under /tmp on purpose: the process instance's private /tmp must not hide it (the
+    # launcher binds it back in), as for `orka up --data-dir /tmp/...`.
+    path = tmp_path / "volumes"
     yield path
     asyncio.run(Ext4Backend(path / "ext4").unmount_all())
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
