@@ -37,6 +37,7 @@ from cryptography import x509
 
 from orka.cli.up import host_port_range
 from orka.runtime.network import host_unavailable
+from orka.runtime.volume_ext4 import Ext4Backend
 from orka.security.issue import init_certs, issue_cert
 from orka.security.tls import due_for_renewal
 from tests.e2e.procs import free_port
@@ -331,6 +332,53 @@ async def day2_tour(tour: Tour, instances: list[str]) -> None:
     assert {i["name"] for i in running} == {i["name"] for i in v2}, running  # kept, not restarted
 
 
+async def stateful_tour(tour: Tour) -> None:
+    """The README's volume lines: counter.yaml's instance appends a line per start to a file on
+    its volume and prints the file; deleted and applied again, it lands on the volume's node
+    and prints both starts; --with-volumes removes the volume too."""
+
+    async def volumes() -> dict[str, list[str]]:
+        table = await tour.orka("get", "volumes")
+        return {row.split()[0]: row.split()[1:] for row in table.splitlines()[1:] if row}
+
+    await tour.orka("apply", "-f", str(EXAMPLES / "counter.yaml"), "--wait", timeout=60)
+    (first,) = await tour.running("counter")
+    # NAME SIZE STATE NODE BACKEND ATTACHED
+    attached = ["64Mi", "ATTACHED", first["node"], "ext4", first["name"]]
+
+    async def in_use() -> bool:
+        return (await volumes()).get("counter-data") == attached
+
+    await _soon(in_use, timeout=20)
+    await tour.orka("delete", "workload", "counter", "--wait", timeout=60)
+
+    async def available() -> list[str] | None:
+        row = (await volumes()).get("counter-data")
+        return row if row and row[1] == "AVAILABLE" else None
+
+    assert (await _soon(available, timeout=20))[2] == first["node"]
+    await tour.orka("apply", "-f", str(EXAMPLES / "counter.yaml"), "--wait", timeout=60)
+    (second,) = await tour.running("counter")
+    assert second["node"] == first["node"] and second["name"] != first["name"]
+
+    async def both_starts() -> str | None:
+        out = await tour.orka("logs", second["name"])
+        lines = [line for line in out.splitlines() if line.startswith("started ")]
+        want = [f"started {first['name']}", f"started {second['name']}"]
+        return out if lines == want else None
+
+    await _soon(both_starts, timeout=20)
+    pools = (await tour.orka("get", "pools")).splitlines()
+    assert pools[0].split()[:3] == ["POOL", "NODES", "READY"], pools
+    assert pools[1].split()[:3] == ["default", "2", "2"], pools
+    await tour.orka("delete", "workload", "counter", "--with-volumes", "--wait", timeout=60)
+
+    async def volume_gone() -> bool:
+        return "counter-data" not in await volumes()
+
+    await _soon(volume_gone, timeout=30)
+
+
 async def _status_when(tour: Tour, state: str) -> dict[str, Any] | None:
     w = await tour.json("get", "workload", "web")
     w = w[0] if isinstance(w, list) else w
@@ -485,6 +533,12 @@ async def test_orka_up_tour(tour: Tour) -> None:
         timings["apply web-bridge --wait -> answers at address and host port"] = (
             time.monotonic() - t
         )
+
+    # 2d. A volume keeps its data across its workload's delete and re-create (ext4: root).
+    if Ext4Backend(Path("/")).unavailable() is None:
+        t = time.monotonic()
+        await stateful_tour(tour)
+        timings["counter: data kept across delete and re-create"] = time.monotonic() - t
 
     # 3. A workload that does not fit, and why.
     t = time.monotonic()
