@@ -19,7 +19,7 @@ from orka.api import agent_pb2 as apb
 from orka.errors import OrkaError
 from orka.models import Resources, VolumeAttachment, WorkloadSpec
 from orka.rpc import convert
-from orka.rpc.volume_convert import attachment_from_pb
+from orka.rpc.convert_volumes import attachment_from_pb
 from orka.runtime.base import Driver, TaskState
 
 log = structlog.get_logger("orka.agent")

@@ -38,7 +38,7 @@ from orka.models import (
     check_name,
 )
 from orka.rpc import convert
-from orka.rpc.volume_convert import attachment_from_pb, report_to_pb
+from orka.rpc.convert_volumes import attachment_from_pb, report_to_pb
 from orka.runtime.volume_ext4 import Ext4Backend
 from orka.runtime.volume_qcow2 import Qcow2Backend
 from orka.runtime.volume_tools import fs_size

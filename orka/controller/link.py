@@ -37,7 +37,7 @@ from orka.controller.commands import (
 from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
-from orka.rpc import convert, convert_volumes, volume_convert
+from orka.rpc import convert, convert_volumes
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
 from orka.security.tls import TlsFiles
@@ -233,19 +233,7 @@ def assignment_to_pb(a: Assignment) -> apb.Assignment:
     if a.ordinal:
         msg.ordinal = a.ordinal
     if a.volumes:
-        msg.volumes.extend(
-            apb.VolumeAttachment(
-                name=v.name,
-                size_bytes=v.size_bytes,
-                backend=v.backend,
-                node=v.node,
-                pool=v.pool,
-                mount_path=v.mount_path,
-                read_only=v.read_only,
-                env_name=v.env_name,
-            )
-            for v in a.volumes
-        )
+        msg.volumes.extend(convert_volumes.attachment_to_pb(v) for v in a.volumes)
     return msg
 
 
@@ -266,7 +254,7 @@ def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
             return apb.NodeCommand(
                 node=c.node,
                 provision_volume=apb.ProvisionVolume(
-                    volume=volume_convert.attachment_to_pb(c.volume)
+                    volume=convert_volumes.attachment_to_pb(c.volume)
                 ),
             )
         case DeleteVolume():

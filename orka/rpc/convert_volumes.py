@@ -1,9 +1,9 @@
 """Volumes on the wire: the public Volume and VolumeSpec, and what agents report of theirs as
 the scheduler and controller check it.
 
-Beside orka/rpc/convert.py, which holds the rest, and orka/rpc/volume_convert.py, the agent's
-side (attachments, its reports as it sends them). What an agent reports is input like a
-user's and is checked here (names, sizes, bounded text).
+Beside orka/rpc/convert.py, which holds the rest. What an agent reports is input like a user's
+and is checked here (names, sizes, bounded text); what the agent sends and is sent (its reports,
+the attachments of an assignment) is written here too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from orka.errors import Invalid
 from orka.models import (
     MAX_VOLUME_BYTES,
     Volume,
+    VolumeAttachment,
     VolumeReport,
     VolumeSpec,
     VolumeState,
@@ -165,3 +166,41 @@ def reports_from_pb(msgs: Iterable[apb.VolumeStatus], what: str) -> list[VolumeR
             raise Invalid(f"{what}: at most {MAX_NODE_VOLUMES} volumes")
         out.append(report_from_pb(msg))
     return out
+
+
+def report_to_pb(r: VolumeReport) -> apb.VolumeStatus:
+    """What an agent sends of one of its volumes."""
+    return apb.VolumeStatus(
+        name=r.name,
+        state=_STATE_TO_PB[r.state],
+        size_bytes=r.size_bytes,
+        backend=r.backend,
+        message=r.message,
+        attached_to=r.attached_to,
+    )
+
+
+def attachment_from_pb(msg: apb.VolumeAttachment) -> VolumeAttachment:
+    return VolumeAttachment(
+        name=msg.name,
+        size_bytes=msg.size_bytes,
+        backend=msg.backend,
+        node=msg.node,
+        pool=msg.pool,
+        mount_path=msg.mount_path,
+        read_only=msg.read_only,
+        env_name=msg.env_name,
+    )
+
+
+def attachment_to_pb(a: VolumeAttachment) -> apb.VolumeAttachment:
+    return apb.VolumeAttachment(
+        name=a.name,
+        size_bytes=a.size_bytes,
+        backend=a.backend,
+        node=a.node,
+        pool=a.pool,
+        mount_path=a.mount_path,
+        read_only=a.read_only,
+        env_name=a.env_name,
+    )
