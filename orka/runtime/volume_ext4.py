@@ -16,10 +16,10 @@ import structlog
 
 from orka.errors import RuntimeFailure
 from orka.runtime.volume_tools import (
+    LocalVolumes,
     VolumeMeta,
     check_size,
     check_volume_name,
-    fs_size,
     read_meta,
     run_tool,
     subdirs,
@@ -32,13 +32,9 @@ log = structlog.get_logger("orka.runtime.volumes")
 TOOLS = ("mkfs.ext4", "mount", "umount")
 
 
-class Ext4Backend:
+class Ext4Backend(LocalVolumes):
     name = "ext4"
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        # One change at a time per volume: a provision racing a delete of the same name.
-        self._locks: dict[str, asyncio.Lock] = {}
+    host_file = "mnt"
 
     def unavailable(self) -> str | None:
         missing = [t for t in TOOLS if shutil.which(t) is None]
@@ -49,21 +45,6 @@ class Ext4Backend:
         if not Path("/dev/loop-control").exists():
             return "ext4 volumes need loop devices (/dev/loop-control is missing)"
         return None
-
-    def capacity_bytes(self) -> int:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return fs_size(self.root)
-
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
-
-    def _provisioned(self, name: str, meta: VolumeMeta) -> ProvisionedVolume:
-        return ProvisionedVolume(
-            name=name,
-            backend=self.name,
-            size_bytes=meta.size_bytes,
-            host_path=self.root / name / "mnt",
-        )
 
     async def provision(self, name: str, size_bytes: int) -> ProvisionedVolume:
         check_volume_name(name)

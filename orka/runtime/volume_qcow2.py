@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from pathlib import Path
 
 import structlog
 
 from orka.runtime.volume_tools import (
+    LocalVolumes,
     VolumeMeta,
     check_size,
     check_volume_name,
-    fs_size,
     read_meta,
     run_tool,
     subdirs,
@@ -28,32 +27,14 @@ log = structlog.get_logger("orka.runtime.volumes")
 DISK = "disk.qcow2"
 
 
-class Qcow2Backend:
+class Qcow2Backend(LocalVolumes):
     name = "qcow2"
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._locks: dict[str, asyncio.Lock] = {}
+    host_file = DISK
 
     def unavailable(self) -> str | None:
         if shutil.which("qemu-img") is None:
             return "qcow2 volumes need qemu-img"
         return None
-
-    def capacity_bytes(self) -> int:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return fs_size(self.root)
-
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
-
-    def _provisioned(self, name: str, meta: VolumeMeta) -> ProvisionedVolume:
-        return ProvisionedVolume(
-            name=name,
-            backend=self.name,
-            size_bytes=meta.size_bytes,
-            host_path=self.root / name / DISK,
-        )
 
     async def provision(self, name: str, size_bytes: int) -> ProvisionedVolume:
         check_volume_name(name)

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from orka.errors import Invalid, RuntimeFailure
+from orka.runtime.volumes import ProvisionedVolume
 
 # Volume names become directory names: the API's names (DNS labels), nothing that escapes.
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -90,3 +91,31 @@ def subdirs(root: Path) -> list[str]:
         return sorted(p.name for p in root.iterdir() if p.is_dir())
     except FileNotFoundError:
         return []
+
+
+class LocalVolumes:
+    """What both local backends share: one directory per volume under `root`, one change at
+    a time per volume, and the file or directory (`host_file`) a driver is given."""
+
+    name = ""
+    host_file = ""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        # One change at a time per volume: a provision racing a delete of the same name.
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def capacity_bytes(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return fs_size(self.root)
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _provisioned(self, name: str, meta: VolumeMeta) -> ProvisionedVolume:
+        return ProvisionedVolume(
+            name=name,
+            backend=self.name,
+            size_bytes=meta.size_bytes,
+            host_path=self.root / name / self.host_file,
+        )
