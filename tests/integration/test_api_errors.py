@@ -58,6 +58,29 @@ async def test_a_bad_spec_names_each_bad_field_and_stores_nothing(cluster: Clust
     assert cluster.controller is not None and not cluster.controller.repo.workloads
 
 
+async def test_bad_volume_mounts_name_their_field_and_store_nothing(cluster: Cluster) -> None:
+    api = api_of(cluster)
+    relative = spec("db", volumes=[pb.VolumeMount(volume="data-1", mount_path="data")])
+    with pytest.raises(Invalid) as err:
+        await call(api.CreateWorkload, pb.CreateWorkloadRequest(spec=relative))
+    assert err.value.fields == [
+        FieldViolation(
+            "spec.volumes[0].mount_path",
+            "'data' must be an absolute, normalised path other than / (no '..', '.' or '//')",
+        )
+    ]
+    both = [
+        pb.VolumeMount(volume="data-1", mount_path="/data"),
+        pb.VolumeMount(volume="data-2", mount_path="/data"),
+    ]
+    with pytest.raises(Invalid) as err:
+        await call(api.CreateWorkload, pb.CreateWorkloadRequest(spec=spec("db", volumes=both)))
+    assert err.value.message.endswith("volumes[1].mount_path: '/data' is used by two volumes")
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert cluster.controller is not None and not cluster.controller.repo.workloads
+    assert not cluster.controller.repo.volumes
+
+
 async def test_updating_a_workload_being_deleted_is_a_conflict_not_internal(
     cluster: Cluster,
 ) -> None:
