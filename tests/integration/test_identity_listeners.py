@@ -226,6 +226,16 @@ async def test_scheduler_table(cluster: Cluster, certs: Certs) -> None:
     target = f"127.0.0.1:{cluster.scheduler.port}"
 
     async def connect(stub: apb_grpc.SchedulerStub) -> grpc.StatusCode:
+        # A stream refused while its first message is in flight can end on the client's side
+        # as INTERNAL (an RST_STREAM ahead of the trailers; CI saw it once in ~10 runs): asked
+        # again, a refusal the server really answered with INTERNAL would still show.
+        for _ in range(3):
+            code = await connect_once(stub)
+            if code is not grpc.StatusCode.INTERNAL:
+                break
+        return code
+
+    async def connect_once(stub: apb_grpc.SchedulerStub) -> grpc.StatusCode:
         call = stub.Connect()
         try:
             await call.write(_register())
