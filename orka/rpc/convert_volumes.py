@@ -16,7 +16,9 @@ from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
 from orka.models import (
+    DEFAULT_POOL,
     MAX_VOLUME_BYTES,
+    VOLUME_BACKENDS,
     Volume,
     VolumeAttachment,
     VolumeReport,
@@ -204,3 +206,27 @@ def attachment_to_pb(a: VolumeAttachment) -> apb.VolumeAttachment:
         read_only=a.read_only,
         env_name=a.env_name,
     )
+
+
+# A bound on what an agent may list (duplicates are harmless: the set is kept).
+MAX_BACKENDS = 8
+
+
+def volume_offer(info: apb.NodeInfo) -> tuple[str, frozenset[str], int]:
+    """What a registering node offers for volumes (its pool, backends, volume space), checked
+    like any input from outside: an agent names only backends this version knows."""
+    try:
+        pool = check_name(info.pool, "register: node.pool") if info.pool else DEFAULT_POOL
+    except ValueError as err:
+        raise Invalid(str(err)) from None
+    if len(info.volume_backends) > MAX_BACKENDS:
+        raise Invalid(f"register: node.volume_backends: at most {MAX_BACKENDS}")
+    for i, b in enumerate(info.volume_backends):
+        if b not in VOLUME_BACKENDS:
+            raise Invalid(
+                f"register: node.volume_backends[{i}]: {b[:32]!r} is not one of"
+                f" {', '.join(VOLUME_BACKENDS)}"
+            )
+    if info.volume_capacity_bytes < 0:
+        raise Invalid("register: node.volume_capacity_bytes must not be negative")
+    return pool, frozenset(info.volume_backends), info.volume_capacity_bytes

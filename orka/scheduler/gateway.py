@@ -13,11 +13,10 @@ import structlog
 from orka.api import agent_pb2 as apb
 from orka.errors import Invalid, PermissionDenied
 from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
-from orka.rpc import convert
+from orka.rpc import convert, convert_volumes
 from orka.rpc.frames import drain
 from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
-from orka.scheduler.filters.volumes import volume_offer
 from orka.scheduler.liveness import Liveness
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession
@@ -144,7 +143,7 @@ class Gateway:
                 check_text(driver, MAX_DRIVER_NAME)
             except ValueError as err:
                 raise Invalid(f"register: node.drivers[{i}]: {err}") from None
-        pool, volume_backends, volume_capacity = volume_offer(info)
+        pool, volume_backends, volume_capacity = convert_volumes.volume_offer(info)
         reports = [
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
             for s in reg.instances
