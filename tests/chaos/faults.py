@@ -2,10 +2,10 @@
 partitions (an iptables DROP of everything one process sends), on random members.
 
 It keeps the cluster able to recover: at most one etcd member, one controller and one scheduler
-faulted at a time (the others keep quorum and a leader candidate), and at most `concurrent`
-faults in all. Every fault is recorded with its start and end, so the invariant checker can
-excuse what a fault explains (a partitioned node's copies run on while it is cut off) and
-nothing else.
+faulted at a time (etcd keeps its quorum, a controller stays to lead), and at most `concurrent`
+faults in all. A lone scheduler is faulted too: it holds soft state only and must come back.
+Every fault is recorded with its start and end, so the invariant checker can excuse what a
+fault explains (a partitioned node's copies run on while it is cut off) and nothing else.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ class Faults:
         for m in self.cluster.members.values():
             if m.name in busy:
                 continue
-            peers = len(self.cluster.by_role(m.role))
-            if m.role != "agent" and (peers < 2 or busy_roles.count(m.role) >= 1):
-                continue  # keep quorum and a candidate for each leadership
+            if m.role != "agent" and busy_roles.count(m.role) >= 1:
+                continue  # one of each kind of service at a time: etcd keeps its quorum
+            if m.role in ("etcd", "controller") and len(self.cluster.by_role(m.role)) < 2:
+                continue  # a lone store or controller down is an outage, not a fault to survive
             out.append(m)
         return out
 
