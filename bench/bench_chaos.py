@@ -30,15 +30,17 @@ def main() -> int:
     parser.add_argument("--schedulers", type=int, default=1)
     parser.add_argument("--agents", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="a 20-second soak")
+    parser.add_argument("--keep", type=Path, help="keep certs, data and logs in this dir")
     args = parser.parse_args()
     seconds = 20.0 if args.smoke else args.minutes * 60
     config = SoakConfig(
         seconds=seconds, seed=args.seed, schedulers=args.schedulers, agents=args.agents
     )
     with tempfile.TemporaryDirectory(prefix="orka-chaos-") as tmp:
-        certs = Path(tmp) / "certs"
+        base = args.keep or Path(tmp)
+        certs = base / "certs"
         init_certs(certs, nodes=[f"node-{i}" for i in range(1, args.agents + 1)])
-        report = asyncio.run(soak(certs, Path(tmp) / "data", config))
+        report = asyncio.run(soak(certs, base / "data", config))
     print("\n".join(report.lines()), flush=True)
     emit({"bench": "chaos", **report.as_dict()})
     return 1 if report.violations else 0

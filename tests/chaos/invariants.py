@@ -29,6 +29,8 @@ from tests.chaos.cluster import ChaosCluster
 from tests.chaos.faults import Faults
 from tests.chaos.load import ABSENT, Client, History
 
+DELETING = -2  # stored, marked for deletion
+
 
 @dataclass(frozen=True)
 class Copy:
@@ -130,7 +132,9 @@ class Checker:
         for name in sorted(self.names):
             try:
                 w = await client.stub().GetWorkload(pb.GetWorkloadRequest(name=name), timeout=5)
-                out[name] = w.spec.replicas
+                # A workload being deleted is gone as far as its users are concerned; it must
+                # still disappear (converge waits for that).
+                out[name] = DELETING if w.deleting else w.spec.replicas
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.NOT_FOUND:
                     raise
@@ -162,6 +166,8 @@ class Checker:
         for name, replicas in stored.items():
             if per[name] != max(replicas, 0):
                 return False, f"{name}: {per[name]} RUNNING, want {max(replicas, 0)}"
+            if replicas == DELETING:
+                return False, f"{name}: still being deleted"
         copies = await asyncio.to_thread(host_copies, self.cluster, self.names)
         on_hosts = {(c.instance, c.node) for c in copies}
         if len(on_hosts) != len(copies):
@@ -178,12 +184,13 @@ class Checker:
         against what was acknowledged once, as soon as the API answers."""
         start = time.monotonic()
         why = "the API never answered"
-        stored: dict[str, int] | None = None
+        checked = False
         while time.monotonic() - start < timeout:
             try:
-                if stored is None:
-                    stored = await self._stored(client)
+                stored = await self._stored(client)
+                if not checked:
                     self.lost_writes(stored)
+                    checked = True
                 ok, why = await self._converged(client, stored)
             except grpc.aio.AioRpcError as err:
                 ok, why = False, f"API: {err.code().name} {err.details()}"
@@ -197,7 +204,7 @@ class Checker:
     def lost_writes(self, stored: dict[str, int]) -> None:
         for name, replicas in stored.items():
             allowed = self.history.candidates(name)
-            if replicas not in allowed:
+            if (ABSENT if replicas == DELETING else replicas) not in allowed:
                 self.violations.append(
                     Violation("lost-write", f"{name}: stored {replicas}, acknowledged {allowed}")
                 )

@@ -50,6 +50,9 @@ class Report:
     lost_instances: int = 0
     converged_after: float | None = None
     seconds: float = 0.0
+    # The requests for each workload a violation names, to read what happened.
+    histories: dict[str, list[str]] = field(default_factory=dict)
+    fault_log: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         out = [
@@ -66,6 +69,12 @@ class Report:
             f"violations: {len(self.violations)}",
         ]
         out += [f"  {v.rule}: {v.detail}" for v in self.violations]
+        if self.violations:
+            out.append("faults (seconds from the start):")
+            out += [f"  {line}" for line in self.fault_log]
+        for name, ops in self.histories.items():
+            out.append(f"requests for {name} (seconds from the start):")
+            out += [f"  {op}" for op in ops]
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -145,6 +154,20 @@ async def soak(certs: Path, data: Path, config: SoakConfig) -> Report:
         report.faults = faults.summary()
         report.requests = load.history.counts()
         report.violations = checker.violations
+        report.fault_log = [
+            f"{f.started - start:7.1f} "
+            + ("    ..." if f.ended is None else f"{f.ended - start:7.1f}")
+            + f" {f.kind} {f.target}"
+            for f in faults.log
+        ]
+        for v in checker.violations:
+            for name in names:
+                if v.detail.startswith(name + ":") or f"{name}-" in v.detail:
+                    report.histories[name] = [
+                        f"{op.started - start:7.1f} {op.ended - start:7.1f} {op.kind} "
+                        f"{op.replicas} {op.outcome} {op.error}"
+                        for op in load.history.of(name)
+                    ]
         report.samples = checker.samples
         report.most_copies = checker.most_copies
         report.lost_instances = checker.lost_instances
