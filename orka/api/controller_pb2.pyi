@@ -128,7 +128,7 @@ class VolumeTemplate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., class_name: _Optional[str] = ..., mount_path: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check", "class_name", "pool", "volumes", "volume_template")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check", "class_name", "pool", "volumes", "volume_template", "on_node_lost", "max_disconnect")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -157,6 +157,14 @@ class WorkloadSpec(_message.Message):
     NETWORK_MODE_UNSPECIFIED: WorkloadSpec.NetworkMode
     HOST: WorkloadSpec.NetworkMode
     BRIDGE: WorkloadSpec.NetworkMode
+    class OnNodeLost(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ON_NODE_LOST_UNSPECIFIED: _ClassVar[WorkloadSpec.OnNodeLost]
+        ON_NODE_LOST_REPLACE: _ClassVar[WorkloadSpec.OnNodeLost]
+        ON_NODE_LOST_WAIT: _ClassVar[WorkloadSpec.OnNodeLost]
+    ON_NODE_LOST_UNSPECIFIED: WorkloadSpec.OnNodeLost
+    ON_NODE_LOST_REPLACE: WorkloadSpec.OnNodeLost
+    ON_NODE_LOST_WAIT: WorkloadSpec.OnNodeLost
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +218,8 @@ class WorkloadSpec(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     VOLUME_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ON_NODE_LOST_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -235,7 +245,9 @@ class WorkloadSpec(_message.Message):
     pool: str
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
     volume_template: VolumeTemplate
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., volume_template: _Optional[_Union[VolumeTemplate, _Mapping]] = ...) -> None: ...
+    on_node_lost: WorkloadSpec.OnNodeLost
+    max_disconnect: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., volume_template: _Optional[_Union[VolumeTemplate, _Mapping]] = ..., on_node_lost: _Optional[_Union[WorkloadSpec.OnNodeLost, str]] = ..., max_disconnect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class UpdateStrategy(_message.Message):
     __slots__ = ("max_unavailable", "max_surge", "min_ready_seconds", "progress_deadline_seconds", "auto_rollback", "canary")
@@ -349,6 +361,7 @@ class Instance(_message.Message):
         STOPPING: _ClassVar[Instance.Phase]
         STOPPED: _ClassVar[Instance.Phase]
         LOST: _ClassVar[Instance.Phase]
+        DISCONNECTED: _ClassVar[Instance.Phase]
     PHASE_UNSPECIFIED: Instance.Phase
     PENDING: Instance.Phase
     SCHEDULED: Instance.Phase
@@ -359,6 +372,7 @@ class Instance(_message.Message):
     STOPPING: Instance.Phase
     STOPPED: Instance.Phase
     LOST: Instance.Phase
+    DISCONNECTED: Instance.Phase
     class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HEALTH_UNSPECIFIED: _ClassVar[Instance.Health]
