@@ -301,3 +301,24 @@ def test_an_agent_cannot_report_an_instance_disconnected() -> None:
     msg = apb.InstanceStatus(name="web-a", workload="web", phase=pb.Instance.DISCONNECTED)
     with pytest.raises(Invalid, match="set by the controller"):
         report_from_pb(msg, "n1")
+
+
+async def test_a_pending_replacement_is_dropped_for_one_original_only(env: Env) -> None:
+    """Two originals back in one sync, one replacement pending and one placed: the first takes
+    the pending one; the second was replaced for real and is stopped on its node."""
+    await env.put(
+        node("n1"),
+        node("n2"),
+        workload(replicas=2),
+        inst("web-a", P.LOST, "n1", reason="NodeLost", ordinal=0),
+        inst("web-b", P.LOST, "n1", reason="NodeLost", ordinal=1),
+        inst("web-c", P.PENDING, ordinal=0),
+        inst("web-d", P.RUNNING, "n2", ordinal=1),
+    )
+    await env.rec.on_updates([NodeSynced(node="n1", reports=[running("web-a"), running("web-b")])])
+    got = copies(env)
+    assert got["web-a"] == (P.RUNNING, "n1", False)
+    assert got["web-b"] == (P.LOST, "n1", False)
+    assert got["web-c"] == (P.PENDING, "", True)
+    assert got["web-d"] == (P.RUNNING, "n2", False)
+    assert [(c.node, c.stop.instance) for c in env.link.commands] == [("n1", "web-b")]
