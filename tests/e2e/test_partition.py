@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +37,10 @@ from tests.integration.cluster import eventually
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and iptables need root"),
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("iptables")),
+        reason="a network namespace and iptables need root, ip and iptables",
+    ),
 ]
 
 NODES = ["node-1", "node-2", "node-3"]
