@@ -348,7 +348,7 @@ class Workload(_message.Message):
     def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "ordinal", "revision")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "ordinal", "revision", "disconnect_time")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -405,6 +405,7 @@ class Instance(_message.Message):
     HEALTH_TIME_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECT_TIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
     node: str
@@ -427,7 +428,8 @@ class Instance(_message.Message):
     health_time: _timestamp_pb2.Timestamp
     ordinal: int
     revision: int
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ordinal: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    disconnect_time: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ordinal: _Optional[int] = ..., revision: _Optional[int] = ..., disconnect_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "pool", "volume_backends", "volume_capacity_bytes", "last_heartbeat_time", "etag", "revision")

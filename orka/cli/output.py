@@ -84,6 +84,7 @@ _TIME_FIELDS = {
     "last_heartbeat": "last_heartbeat_time",
     "joined_at": "join_time",
     "health_changed_at": "health_time",
+    "disconnected_at": "disconnect_time",
     "first_at": "first_time",
     "progress_at": "progress_time",
     "deadline": "deadline_time",
@@ -418,6 +419,8 @@ def describe_instance(i: Instance, now: float | None = None) -> str:
         ("Address", i.address or NONE),
         ("Host IP", i.host_ip or NONE),
     ]
+    if i.disconnected_at is not None:
+        pairs.insert(4, ("Disconnected", timestamp(i.disconnected_at, now)))
     out = fields(pairs)
     if not i.ports:
         return out + f"\nPorts:  {NONE}"

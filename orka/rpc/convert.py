@@ -700,6 +700,8 @@ def instance_fields(i: Instance) -> dict[str, object]:
         fields["health_message"] = i.health_message
     if i.health_changed_at is not None:
         fields["health_time"] = timestamp_fields(i.health_changed_at)
+    if i.disconnected_at is not None:
+        fields["disconnect_time"] = timestamp_fields(i.disconnected_at)
     return fields
 
 
@@ -730,6 +732,7 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         health_message=msg.health_message,
         health_changed_at=seconds_from_pb(msg.health_time),
         ordinal=msg.ordinal,
+        disconnected_at=seconds_from_pb(msg.disconnect_time),
     )
 
 

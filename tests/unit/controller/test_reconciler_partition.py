@@ -18,6 +18,7 @@ import pytest
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.cli.manifest import parse_manifests
+from orka.cli.output import describe_instance
 from orka.controller.commands import InstanceReported, NodeSynced
 from orka.controller.reconciler import LossDecision, node_lost_policy
 from orka.errors import Invalid
@@ -30,7 +31,13 @@ from orka.models import (
     OnNodeLost,
     WorkloadSpec,
 )
-from orka.rpc.convert import report_from_pb, spec_from_pb, spec_to_pb
+from orka.rpc.convert import (
+    instance_from_pb,
+    instance_to_pb,
+    report_from_pb,
+    spec_from_pb,
+    spec_to_pb,
+)
 from tests.unit.controller.test_reconciler import (  # noqa: F401
     Clock,
     Env,
@@ -322,3 +329,12 @@ async def test_a_pending_replacement_is_dropped_for_one_original_only(env: Env) 
     assert got["web-c"] == (P.PENDING, "", True)
     assert got["web-d"] == (P.RUNNING, "n2", False)
     assert [(c.node, c.stop.instance) for c in env.link.commands] == [("n1", "web-b")]
+
+
+def test_an_instance_says_since_when_it_is_disconnected() -> None:
+    waiting = inst("web-a", P.DISCONNECTED, disconnected_at=NOW - 30, reason="NodeDisconnected")
+    msg = instance_to_pb(waiting)
+    assert (msg.phase, msg.disconnect_time.seconds) == (pb.Instance.DISCONNECTED, int(NOW - 30))
+    assert instance_from_pb(msg).disconnected_at == NOW - 30
+    assert not instance_to_pb(inst("web-b")).HasField("disconnect_time")
+    assert "Disconnected:" in describe_instance(waiting, now=NOW)
