@@ -338,3 +338,19 @@ def test_an_instance_says_since_when_it_is_disconnected() -> None:
     assert instance_from_pb(msg).disconnected_at == NOW - 30
     assert not instance_to_pb(inst("web-b")).HasField("disconnect_time")
     assert "Disconnected:" in describe_instance(waiting, now=NOW)
+
+
+@pytest.mark.parametrize("phase", list(InstancePhase))
+def test_only_a_bound_live_instance_can_be_disconnected(phase: InstancePhase) -> None:
+    i = inst("web-a", phase, "n1")
+    if phase in (P.SCHEDULED, P.STARTING, P.RUNNING, P.STOPPING):
+        got = i.disconnected("node n1 is LOST", NOW)
+        assert (got.phase, got.reason, got.disconnected_at) == (
+            P.DISCONNECTED,
+            "NodeDisconnected",
+            NOW,
+        )
+        assert i.phase is phase  # the record is a value: the old one is left as it was
+    else:
+        with pytest.raises(InvalidTransition):
+            i.disconnected("node n1 is LOST", NOW)
