@@ -65,6 +65,9 @@ FINISHED_RETENTION = 3600.0
 FULL_PASS_EVERY = 2.0
 # Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
+# Phases that keep a workload from being settled (`_settled`): finished, or waited for (the
+# wait's end is a step-1 decision).
+_UNSETTLED_PHASES = TERMINAL_PHASES | {InstancePhase.DISCONNECTED}
 # A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
 # the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
 # counted from when the failed instance finished. A replacement that then runs for
@@ -544,10 +547,10 @@ class Reconciler:
 
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do but move the rollout's
-        state: as many instances as replicas, none finished, stopping, replaced or of an old
-        generation, none on a node that is lost, departed or draining. Most workloads are so
-        on most passes (a full pass looks at every one), and one loop tells, where the steps
-        take one or more each."""
+        state: as many instances as replicas, none finished, DISCONNECTED, stopping, replaced or
+        of an old generation, none on a node that is lost, departed or draining. Most workloads
+        are so on most passes (a full pass looks at every one), and one loop tells, where the
+        steps take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
         if w.rollout.revision != w.generation:
@@ -555,11 +558,10 @@ class Reconciler:
         generation = w.generation
         for i in insts.values():
             if (
-                i.phase in TERMINAL_PHASES
+                i.phase in _UNSETTLED_PHASES
                 or i.desired_stop
                 or i.replaced_by
                 or i.generation != generation
-                or i.phase is InstancePhase.DISCONNECTED
             ):
                 return False
             if i.node:
