@@ -223,6 +223,7 @@ async def _scenario(c: PartitionCluster, ns: Netns) -> None:
             (await c.nodes()).get(CUT) == pb.Node.LOST
             and keep[cut_copy["keep"]].phase == pb.Instance.DISCONNECTED
             and keep[cut_copy["keep"]].reason == "NodeDisconnected"
+            and keep[cut_copy["keep"]].HasField("disconnect_time")
             and len(keep) == REPLICAS  # nothing placed in its stead
             and sum(i.node != CUT for i in move) == REPLICAS  # replaced elsewhere
             and any(i.phase == pb.Instance.PENDING for i in stay)  # nowhere to go
