@@ -32,6 +32,7 @@ DEFINITE = {
     grpc.StatusCode.PERMISSION_DENIED,
 }
 ABSENT = -1  # the "replicas" of a deleted (or never created) workload
+WAIT_SECONDS = 8  # max_disconnect of the workloads that wait for a lost node
 
 
 @dataclass
@@ -88,9 +89,15 @@ class History:
 
 
 def spec(name: str, replicas: int) -> pb.WorkloadSpec:
-    return pb.WorkloadSpec(
+    """Every other workload waits out a lost node (`on_node_lost: wait`) for a few seconds,
+    so partitions and pauses hit both policies."""
+    out = pb.WorkloadSpec(
         name=name, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "3600"], replicas=replicas
     )
+    if int(name.rsplit("-", 1)[-1]) % 2:
+        out.on_node_lost = pb.WorkloadSpec.ON_NODE_LOST_WAIT
+        out.max_disconnect.FromSeconds(WAIT_SECONDS)
+    return out
 
 
 class Client:
