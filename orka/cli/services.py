@@ -280,6 +280,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+# etcd grants no lease shorter than about 1.5 s (its election timeout): 2 s is the least.
+MIN_ELECTION_TTL = 2
+
+
 def _check_advertise(value: str | None) -> None:
     if value:
         try:
@@ -345,23 +349,22 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise UsageError(f"--policy: {args.policy!r} is not one of {', '.join(POLICIES)}")
     data_dir = resolve_data_dir(args.data_dir)
+    _check_advertise(args.advertise)
+    etcd_tls = _etcd_tls(args)
+    if args.election_ttl < MIN_ELECTION_TTL:
+        raise UsageError(
+            f"--election-ttl: must be at least {MIN_ELECTION_TTL} (etcd's shortest lease),"
+            f" got {args.election_ttl}"
+        )
+    if args.store and args.store.strip().lower().partition(":")[0] != "etcd":
+        # SQLite and memory have no leases: every scheduler would win its own election.
+        raise UsageError(
+            f"--store: {args.store!r} cannot elect an active scheduler (only etcd has leases);"
+            " use etcd://HOST:PORT[,...], or leave --store out to run one scheduler alone"
+        )
     tls = check_tls(
         resolve_certs(args.certs, data_dir), "scheduler", "scheduler", args.tls_reload_interval
     )
-    _check_advertise(args.advertise)
-    etcd_tls = _etcd_tls(args)
-    if args.store:
-        from orka.store.factory import open_store
-
-        try:
-            store = open_store(args.store, data_dir, **etcd_tls)
-        except Invalid as e:
-            raise UsageError(f"--store: {e.message}") from None
-        if not (store.supports_leases and store.supports_watch):
-            raise UsageError(
-                f"--store: {args.store!r} cannot elect an active scheduler (no leases); use"
-                " etcd://HOST:PORT[,...], or leave --store out to run one scheduler alone"
-            )
     log.configure(level=args.log_level, service="scheduler")
     warn_if_expiring(tls)
     config = SchedulerConfig(
@@ -373,6 +376,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         store_url=args.store or "",
         data_dir=data_dir,
         advertise=args.advertise or "",
+        election_ttl=args.election_ttl,
         **etcd_tls,
     )
 
@@ -781,6 +785,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
     add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    add_flag(
+        p,
+        "--election-ttl",
+        type=_int_arg,
+        default=3,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
+        metavar="S",
+        help="with --store: the active scheduler's lease; a standby takes over within about"
+        " this long after the active one dies (3)",
+    )
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("agent", help="run a node agent")

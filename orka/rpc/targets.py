@@ -13,7 +13,10 @@ every client:
   anyone holding a scheduler certificate, must not be able to send a node elsewhere;
 * a NOT_LEADER without a usable address: the next address of the list after a short pause (the
   server is alive and answered; only nobody leads yet, or it does not know who);
-* any other failure (refused, reset, timed out): the next address after the caller's backoff.
+* any other failure (refused, reset, timed out): the next address after the caller's backoff,
+  but at most FAILOVER_PAUSE when that address was the leader a NOT_LEADER just named: the
+  active server is then likely dead and a standby about to take over (its lease expires within
+  the election TTL), so the client asks again soon instead of waiting out a growing backoff.
 
 The backoff itself stays the caller's (it differs per client); this only chooses the address
 and whether the backoff applies.
@@ -30,6 +33,9 @@ from orka.errors import NotLeader, OrkaError, from_rpc_error
 
 # The pause before asking the next server after a NOT_LEADER that names no usable leader.
 NOT_LEADER_PAUSE = 0.25
+# The longest wait after the leader a NOT_LEADER named could not be reached. Longer than
+# NOT_LEADER_PAUSE: every client of a dead server does this until the standby takes over.
+FAILOVER_PAUSE = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,4 +95,6 @@ class Targets:
             self._followed = True
             return 0.0
         self._index = (self._index + 1) % len(self.addresses)
-        return self.pause if hint.not_leader else backoff
+        if hint.not_leader:
+            return self.pause
+        return min(backoff, FAILOVER_PAUSE) if followed else backoff

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from orka.errors import NotLeader, PermissionDenied, Unavailable, trailing_metadata, wire_message
-from orka.rpc.targets import NOT_LEADER_PAUSE, Targets, hint_of
+from orka.rpc.targets import FAILOVER_PAUSE, NOT_LEADER_PAUSE, Targets, hint_of
 
 A, B, C = "10.0.0.1:7444", "10.0.0.2:7444", "10.0.0.3:7444"
 BACKOFF = 1.6
@@ -88,15 +88,21 @@ def test_two_servers_naming_each_other_cannot_make_it_spin() -> None:
     assert targets.current == B
 
 
-def test_a_followed_leader_that_is_down_backs_off_and_moves_on() -> None:
+def test_a_followed_leader_that_is_down_means_a_failover_is_under_way() -> None:
     """The standby still names the old active scheduler (its lease has not expired): the client
-    goes there at once, finds it down, and waits its backoff before asking the next one."""
+    goes there at once, finds it down, and asks the standby again after a short pause rather
+    than its (growing) backoff, which would hold it away long after the standby took over."""
     targets = Targets([A, B])
     targets.failed(None, BACKOFF)  # A died: on to B
     assert targets.failed(not_leader(A), BACKOFF) == 0.0
     assert targets.current == A
-    assert targets.failed(rpc_error(Unavailable("connection refused")), BACKOFF) == BACKOFF
+    down = rpc_error(Unavailable("connection refused"))
+    assert targets.failed(down, BACKOFF) == FAILOVER_PAUSE
     assert targets.current == B
+    # A smaller backoff stays as it is; a failure not following a hint keeps the backoff.
+    assert targets.failed(not_leader(A), 0.4) == 0.0
+    assert targets.failed(down, 0.4) == 0.4
+    assert targets.failed(down, BACKOFF) == BACKOFF
 
 
 def test_connected_resets_the_chain() -> None:
