@@ -13,6 +13,9 @@ every client:
   anyone holding a scheduler certificate, must not be able to send a node elsewhere;
 * a NOT_LEADER without a usable address: the next address of the list after a short pause (the
   server is alive and answered; only nobody leads yet, or it does not know who);
+* moving down the list skips an address that could not be reached within the last DOWN_FOR
+  seconds while another may still answer: during a failover the standby is asked again and
+  again (it is about to be elected), not the dead server, whose refusal would cost a backoff;
 * any other failure (refused, reset, timed out): the next address after the caller's backoff,
   but at most FAILOVER_PAUSE when that address was the leader a NOT_LEADER just named: the
   active server is then likely dead and a standby about to take over (its lease expires within
@@ -24,7 +27,8 @@ and whether the backoff applies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -36,6 +40,8 @@ NOT_LEADER_PAUSE = 0.25
 # The longest wait after the leader a NOT_LEADER named could not be reached. Longer than
 # NOT_LEADER_PAUSE: every client of a dead server does this until the standby takes over.
 FAILOVER_PAUSE = 1.0
+# How long an address that could not be reached is passed over when moving down the list.
+DOWN_FOR = 5.0
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,22 @@ class Targets:
     `failed(error, backoff)` moves on after a failure of `current` and returns how long to wait
     before dialing the new `current`; `connected()` after a success."""
 
-    def __init__(self, addresses: Sequence[str], pause: float = NOT_LEADER_PAUSE) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        pause: float = NOT_LEADER_PAUSE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one address is required")
         self.addresses = list(addresses)
         self.pause = pause
+        self.clock = clock
         self._index = 0
         # True while `current` was chosen by following a leader hint at once.
         self._followed = False
+        # Address -> when it last could not be reached (no answer, or not the server's own).
+        self._down: dict[str, float] = {}
 
     @property
     def current(self) -> str:
@@ -80,21 +94,38 @@ class Targets:
 
     def connected(self) -> None:
         self._followed = False
+        self._down.pop(self.current, None)
 
     def failed(self, error: BaseException | None, backoff: float) -> float:
         """After `current` failed with `error`: choose the next address, return the delay."""
         hint = hint_of(error)
         followed, self._followed = self._followed, False
+        now = self.clock()
+        if not hint.not_leader:
+            self._down[self.current] = now
         if (
             hint.leader is not None
             and hint.leader != self.current
             and hint.leader in self.addresses
             and not followed
         ):
+            # Fresh word from a live server (read from the election): followed even to an
+            # address that was down a moment ago (it may have restarted and been elected).
             self._index = self.addresses.index(hint.leader)
             self._followed = True
             return 0.0
-        self._index = (self._index + 1) % len(self.addresses)
+        self._index = self._next(now)
         if hint.not_leader:
             return self.pause
         return min(backoff, FAILOVER_PAUSE) if followed else backoff
+
+    def _next(self, now: float) -> int:
+        """The next address down the list (wrapping) not down lately; the current one if it
+        is the only such; simply the next when all are down."""
+        count = len(self.addresses)
+        for step in range(1, count + 1):
+            i = (self._index + step) % count
+            at = self._down.get(self.addresses[i])
+            if at is None or now - at >= DOWN_FOR:
+                return i
+        return (self._index + 1) % count

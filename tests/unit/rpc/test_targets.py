@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from orka.errors import NotLeader, PermissionDenied, Unavailable, trailing_metadata, wire_message
-from orka.rpc.targets import FAILOVER_PAUSE, NOT_LEADER_PAUSE, Targets, hint_of
+from orka.rpc.targets import DOWN_FOR, FAILOVER_PAUSE, NOT_LEADER_PAUSE, Targets, hint_of
 
 A, B, C = "10.0.0.1:7444", "10.0.0.2:7444", "10.0.0.3:7444"
 BACKOFF = 1.6
@@ -59,7 +59,7 @@ def test_next_target(
 ) -> None:
     targets = Targets(addresses)
     for _ in range(index):
-        targets.failed(None, BACKOFF)
+        targets.failed(not_leader(None), BACKOFF)  # moves on, marks nothing down
     assert targets.current == addresses[index]
     assert targets.failed(error, BACKOFF) == delay
     assert targets.current == then
@@ -103,6 +103,54 @@ def test_a_followed_leader_that_is_down_means_a_failover_is_under_way() -> None:
     assert targets.failed(not_leader(A), 0.4) == 0.0
     assert targets.failed(down, 0.4) == 0.4
     assert targets.failed(down, BACKOFF) == BACKOFF
+
+
+def test_while_the_dead_one_is_down_the_standby_is_asked_again() -> None:
+    """After the old active's lease expired and before the standby has taken over, the standby
+    names nobody: the client asks it again after a short pause rather than dialing the dead
+    address (whose refusal would cost it a whole backoff)."""
+    now = [100.0]
+    targets = Targets([A, B], clock=lambda: now[0])
+    down = rpc_error(Unavailable("connection refused"))
+    assert targets.failed(down, BACKOFF) == BACKOFF  # A died under the client
+    assert targets.current == B
+    for _ in range(3):
+        assert targets.failed(not_leader(None), BACKOFF) == NOT_LEADER_PAUSE
+        assert targets.current == B
+    # Once A has been down long enough, it is tried again in turn.
+    now[0] += DOWN_FOR
+    targets.failed(not_leader(None), BACKOFF)
+    assert targets.current == A
+
+
+def test_a_hint_is_followed_even_to_an_address_that_was_down() -> None:
+    """The election is the authority: a restarted server named by it is tried at once."""
+    targets = Targets([A, B, C], clock=lambda: 0.0)
+    targets.failed(rpc_error(Unavailable("connection refused")), BACKOFF)  # A down
+    assert targets.current == B
+    assert targets.failed(not_leader(A), BACKOFF) == 0.0
+    assert targets.current == A
+
+
+def test_when_every_other_is_down_it_goes_round_in_order() -> None:
+    targets = Targets([A, B, C], clock=lambda: 0.0)
+    down = rpc_error(Unavailable("connection refused"))
+    seen = []
+    for _ in range(4):
+        targets.failed(down, BACKOFF)
+        seen.append(targets.current)
+    assert seen == [B, C, A, B]
+
+
+def test_connecting_clears_the_down_mark() -> None:
+    targets = Targets([A, B], clock=lambda: 0.0)
+    down = rpc_error(Unavailable("connection refused"))
+    targets.failed(down, BACKOFF)  # A down, now at B
+    targets.failed(down, BACKOFF)  # B down too: round to A
+    assert targets.current == A
+    targets.connected()  # A answers after all
+    targets.failed(not_leader(None), BACKOFF)  # on to B? B is down, A is not: stay on A
+    assert targets.current == A
 
 
 def test_connected_resets_the_chain() -> None:
