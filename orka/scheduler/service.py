@@ -307,7 +307,17 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def Connect(
         self, request_iterator: AsyncIterator[apb.AgentMessage], who: Identity
     ) -> AsyncIterator[apb.SchedulerMessage]:
-        await self._require_active()
+        try:
+            await self._require_active()
+        except NotLeader:
+            # Refused only once the agent's registration has arrived: an agent that writes it
+            # after the stream has ended (a busy agent, a standby answering at once) sees the
+            # write fail ("RPC already finished", INTERNAL) instead of this NOT_LEADER, and
+            # would not know where to go.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.config.register_timeout):
+                    await anext(aiter(request_iterator))
+            raise
         async for msg in self.gateway.connect(request_iterator, who.name):
             yield msg
 

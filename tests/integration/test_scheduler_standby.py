@@ -111,6 +111,15 @@ async def test_a_lost_lease_closes_streams_with_not_leader_and_hands_over(
         feed_b = apb_grpc.SchedulerStub(ctl_b).Watch(apb.WatchClusterRequest())
         assert (await refused(feed_b.read())).leader == addr(a)
 
+        # An agent's registration is refused with NOT_LEADER, never with a transport error
+        # (which would not say where to go), even many at once.
+        async with channel(certs_dir, b, "agent", "node-2") as agent_b:
+            refusals = await asyncio.gather(
+                *(register_refused(agent_b) for _ in range(30)), return_exceptions=True
+            )
+        assert [r for r in refusals if not isinstance(r, NotLeader)] == []
+        assert {r.leader for r in refusals if isinstance(r, NotLeader)} == {addr(a)}
+
         agent = apb_grpc.SchedulerStub(agent_ch).Connect()
         await agent.write(apb.AgentMessage(register=apb.Register(node=apb.NodeInfo())))
         first = await agent.read()
@@ -153,6 +162,23 @@ async def test_a_lost_lease_closes_streams_with_not_leader_and_hands_over(
     await b.stop()
     await eventually(lambda: _active(a), timeout=15)
     assert [n.name for n in a.registry] == []
+
+
+async def register_refused(ch: grpc.aio.Channel) -> NotLeader:
+    """An agent's Connect as the agent makes it (register, then read): the error it ends with."""
+    call = apb_grpc.SchedulerStub(ch).Connect(timeout=10)
+    try:
+        # A busy agent writes late: by then a standby that refused at once has ended the
+        # stream, and the write fails with INTERNAL instead of the NOT_LEADER.
+        await asyncio.sleep(0.2)
+        await call.write(apb.AgentMessage(register=apb.Register(node=apb.NodeInfo())))
+        await call.read()
+    except grpc.aio.AioRpcError as err:
+        found = from_rpc_error(err)
+        if isinstance(found, NotLeader):
+            return found
+        raise AssertionError(f"{err.code()}: {err.details()}") from None
+    raise AssertionError("the standby accepted a registration")
 
 
 async def _refusal_naming(ch: grpc.aio.Channel, leader: str) -> NotLeader | None:
