@@ -789,10 +789,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p,
         "--election-ttl",
         type=_int_arg,
-        default=3,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
+        default=5,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
         metavar="S",
         help="with --store: the active scheduler's lease; a standby takes over within about"
-        " this long after the active one dies (3)",
+        " this long after the active one dies; too short, and a busy active scheduler loses"
+        " its lease (5)",
     )
     p.set_defaults(func=cmd_scheduler)
 

@@ -86,9 +86,9 @@ class SchedulerConfig:
     etcd_cert: Path | None = None
     etcd_key: Path | None = None
     # The active scheduler's lease; a dead one is replaced within about this many seconds.
-    # Shorter than the controller's: a scheduler's failover leaves no node watched while it
-    # lasts, and a loop stalled this long has already cost its nodes their heartbeats.
-    election_ttl: int = 3
+    # As the controller's: at 3 s a standby taking over 1,000 agents on 2 loaded cores could
+    # not refresh its lease through the registration storm, lost it, and started another.
+    election_ttl: int = 5
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:
