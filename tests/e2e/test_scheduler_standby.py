@@ -118,10 +118,12 @@ class EventLog:
         ]
 
     def lost_instances(self) -> list[str]:
+        """Instances marked LOST, or DISCONNECTED (a `wait` workload's node lost)."""
+        gone = (pb.Instance.LOST, pb.Instance.DISCONNECTED)
         return [
             e.instance.name
             for e in self.events
-            if e.WhichOneof("object") == "instance" and e.instance.phase == pb.Instance.LOST
+            if e.WhichOneof("object") == "instance" and e.instance.phase in gone
         ]
 
     async def close(self) -> None:
