@@ -27,7 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--schedulers", type=int, default=1)
+    parser.add_argument("--schedulers", type=int, default=2)
     parser.add_argument("--agents", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="a 20-second soak")
     parser.add_argument("--keep", type=Path, help="keep certs, data and logs in this dir")

@@ -134,7 +134,7 @@ class ChaosCluster:
     certs: Path
     data: Path
     controllers: int = 2
-    schedulers: int = 1
+    schedulers: int = 2
     agents: int = 5
     etcd_members: int = 3
     members: dict[str, Member] = field(default_factory=dict)

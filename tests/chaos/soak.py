@@ -32,7 +32,7 @@ class SoakConfig:
     workloads: int = 6
     agents: int = 5
     controllers: int = 2
-    schedulers: int = 1
+    schedulers: int = 2
     converge: float = 90.0
     bound: float = 3.0
     grace: float = 15.0
