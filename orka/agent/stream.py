@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -17,7 +16,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, from_rpc_error
 from orka.models import TERMINAL_PHASES, Resources
-from orka.rpc import convert
+from orka.rpc import backoff, convert
 from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
 from orka.runtime.base import Driver
@@ -176,8 +175,8 @@ class Stream:
             self.connected.clear()
             self.outbox = None
             attempt += 1
-            delay = min(0.2 * 2 ** min(attempt, 6), self.reconnect_max)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            next_target = self.schedulers[attempt % len(self.schedulers)]
+            await backoff.pause(backoff.delay(attempt, 0.2, self.reconnect_max), next_target)
 
     async def session(self, target: str) -> None:
         """One stream, from registering until it ends. Its reader, writer and heartbeats end
