@@ -54,12 +54,30 @@ class Liveness:
 
     async def run(self) -> None:
         tick = min(self.heartbeat_interval / 4, MAX_TICK)
+        loop = asyncio.get_running_loop()
         while True:
+            asleep = loop.time()
             await asyncio.sleep(tick)
+            late = loop.time() - asleep - tick
+            if late > tick:
+                self.excuse(late)
             now = self.clock()
             self.check(now)
             for duty in self.on_pass:
                 duty(now)
+
+    def excuse(self, seconds: float) -> None:
+        """This scheduler did not run for `seconds` (its pass came that late: an event loop
+        busy with other work, or the process paused), so it read nothing in that time, and
+        what the nodes sent meanwhile still waits, unread, in its own buffers. That time is
+        not counted as the nodes' silence: a scheduler that falls behind under load must not
+        turn the nodes it has not got round to NOT_READY, then LOST, and close their streams,
+        which makes every one of them reconnect and register again, more load on a scheduler
+        already behind. (Cassandra's failure detector likewise convicts no peer after a
+        local pause.) A node that really went silent is declared at most that much later."""
+        for node in self.registry:
+            if node.session is not None:  # a node without a stream has nothing waiting
+                node.last_seen += seconds
 
     def check(self, now: float) -> None:
         """One pass over every node at time `now`."""
