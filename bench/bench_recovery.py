@@ -29,6 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import psutil
+
 from bench.bench_placement import Tracker, etcd_server
 from bench.common import (
     AgentHost,
@@ -143,18 +145,23 @@ async def measure(
         ]
         return len(fresh) >= nodes
 
-    async def since_restart(check: Any, interval: float) -> float:
+    scheduler = psutil.Process(services.pid("scheduler"))
+    cpu: dict[str, float] = {}
+
+    async def since_restart(check: Any, interval: float, name: str) -> float:
         await poll(check, 600, interval)
+        used = scheduler.cpu_times()
+        cpu[name] = used.user + used.system
         return time.monotonic() - restarted
 
     listening = asyncio.create_task(
-        since_restart(lambda: backoff.reachable(services.scheduler), 0.02)
+        since_restart(lambda: backoff.reachable(services.scheduler), 0.02, "listening")
     )
 
     async def registered_again() -> float:
         # Registered as the agents see it: the scheduler's share, before the controller's.
         await poll(lambda: _none_connected(hosts), 30, 0.02)
-        return await since_restart(lambda: _all_connected(hosts, nodes), 0.05)
+        return await since_restart(lambda: _all_connected(hosts, nodes), 0.05, "registered")
 
     registered = asyncio.create_task(registered_again())
     await poll(back, 600, 0.1)
@@ -185,6 +192,9 @@ async def measure(
         "scheduler_restart_to_listening_s": round(scheduler_listening, 2),
         "scheduler_restart_to_agents_registered_s": round(agents_registered, 2),
         "scheduler_restart_to_agents_back_s": round(agents_back, 2),
+        # CPU seconds the new scheduler used to start, and then to take every agent back.
+        "scheduler_cpu_start_s": round(cpu["listening"], 2),
+        "scheduler_cpu_registrations_s": round(cpu["registered"] - cpu["listening"], 2),
         "scheduler_restart_to_placement_resumed_s": round(placement_resumed, 2),
         "scheduler_restart_nodes_not_ready_seen": len(tracker.not_ready),
         "controller_failover_s": round(failover, 2),
