@@ -198,7 +198,8 @@ class Gateway:
         node.last_seen = self.clock()
         if kind == "heartbeat":
             hb = msg.heartbeat
-            node.last_heartbeat_wall = time.time()
+            node.last_heartbeat_wall = wall = time.time()
+            self.liveness.heard(wall - hb.sent_at)
             usage = hb.usage
             if (
                 usage.cpu_millis != node.usage.cpu_millis

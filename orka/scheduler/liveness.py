@@ -15,6 +15,9 @@ log = structlog.get_logger("orka.scheduler")
 
 # Longest wait between two passes: a node is declared at most this late.
 MAX_TICK = 0.25
+# Behind by more than this many heartbeat intervals (the freshest heartbeats read were sent
+# that long ago), the scheduler stops counting its nodes' silence until it has caught up.
+BEHIND_INTERVALS = 1.0
 
 
 class Liveness:
@@ -38,6 +41,17 @@ class Liveness:
         self.node_lost_after = node_lost_after
         self.clock = clock
         self.on_pass = list(on_pass)
+        # How old (by their senders' clocks) the heartbeats read in the current window were:
+        # the smallest age, over one heartbeat interval, that is, over every live node.
+        self._freshest: float | None = None
+        self._window_start = 0.0
+        # The smallest age over the last whole window (None: no heartbeat read in it).
+        self.behind: float | None = None
+
+    def heard(self, age: float) -> None:
+        """A heartbeat read now was sent `age` seconds ago (the agent's `sent_at`)."""
+        if self._freshest is None or age < self._freshest:
+            self._freshest = age
 
     def set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
         if node.state is state:
@@ -55,11 +69,22 @@ class Liveness:
     async def run(self) -> None:
         tick = min(self.heartbeat_interval / 4, MAX_TICK)
         loop = asyncio.get_running_loop()
+        self._window_start = loop.time()
         while True:
             asleep = loop.time()
             await asyncio.sleep(tick)
-            late = loop.time() - asleep - tick
-            if late > tick:
+            woke = loop.time()
+            late = woke - asleep - tick
+            if woke - self._window_start >= self.heartbeat_interval:
+                self.behind, self._freshest = self._freshest, None
+                self._window_start = woke
+            if self.behind is not None and self.behind > BEHIND_INTERVALS * (
+                self.heartbeat_interval
+            ):
+                # Even the freshest heartbeats it reads are old: the rest wait unread in
+                # its buffers. Nobody's silence grows until it has caught up.
+                self.excuse(woke - asleep)
+            elif late > tick:
                 self.excuse(late)
             now = self.clock()
             self.check(now)
@@ -67,9 +92,11 @@ class Liveness:
                 duty(now)
 
     def excuse(self, seconds: float) -> None:
-        """This scheduler did not run for `seconds` (its pass came that late: an event loop
-        busy with other work, or the process paused), so it read nothing in that time, and
-        what the nodes sent meanwhile still waits, unread, in its own buffers. That time is
+        """This scheduler did not keep up for `seconds`: its pass came that late (an event
+        loop busy with other work, the process paused), or what it reads was sent long ago
+        (`heard`; the minimum over every live node, so one node's slow clock cannot make the
+        scheduler look behind). What the nodes sent meanwhile still waits, unread, in its own
+        buffers, behind the backlog the scheduler is working through. That time is
         not counted as the nodes' silence: a scheduler that falls behind under load must not
         turn the nodes it has not got round to NOT_READY, then LOST, and close their streams,
         which makes every one of them reconnect and register again, more load on a scheduler

@@ -66,3 +66,38 @@ async def test_a_stalled_scheduler_does_not_declare_its_nodes_silent() -> None:
         assert connected.session.closed is True  # type: ignore[union-attr]
     finally:
         clock.cancel()
+
+
+async def test_a_scheduler_reading_old_heartbeats_stops_counting_silence_until_caught_up() -> None:
+    reg, liveness = cluster()
+    read, waiting = reg.upsert("read"), reg.upsert("waiting")
+    read.session = waiting.session = Stream()  # type: ignore[assignment]
+    changes: list[tuple[str, NodeState]] = []
+    original = liveness.set_state
+
+    def record(node, state, message=""):  # type: ignore[no-untyped-def]
+        changes.append((node.name, state))
+        original(node, state, message)
+
+    liveness.set_state = record  # type: ignore[method-assign]
+    clock = asyncio.create_task(liveness.run())
+    try:
+        read.last_seen = waiting.last_seen = time.monotonic()
+        # For three node_lost_after, every heartbeat read was sent a second (five intervals)
+        # ago: `waiting`'s are in the backlog behind them, not missing.
+        end = time.monotonic() + 3 * LOST_AFTER
+        while time.monotonic() < end:
+            liveness.heard(5 * INTERVAL)
+            read.last_seen = time.monotonic()
+            await asyncio.sleep(0.02)
+        assert changes == []
+        # Caught up (fresh heartbeats from `read`), and still nothing from `waiting`.
+        end = time.monotonic() + 2 * LOST_AFTER
+        while time.monotonic() < end and waiting.state is not NodeState.LOST:
+            liveness.heard(0.01)
+            read.last_seen = time.monotonic()
+            await asyncio.sleep(0.02)
+        assert changes == [("waiting", NodeState.NOT_READY), ("waiting", NodeState.LOST)]
+        assert read.state is NodeState.READY
+    finally:
+        clock.cancel()
