@@ -15,9 +15,21 @@ log = structlog.get_logger("orka.scheduler")
 
 # Longest wait between two passes: a node is declared at most this late.
 MAX_TICK = 0.25
-# Behind by more than this many heartbeat intervals (the freshest heartbeats read were sent
-# that long ago), the scheduler stops counting its nodes' silence until it has caught up.
-BEHIND_INTERVALS = 1.0
+# Behind by more than this share of a heartbeat interval (the heartbeats read over the last
+# half interval were all read at least that much later than their nodes' usual), the
+# scheduler stops counting its nodes' silence until it has caught up.
+BEHIND_SHARE = 0.5
+# Seconds a node's lag floor rises per heartbeat, so that a clock stepped back on the node
+# stops looking like late reads within minutes. A backlog grows far faster than this.
+LAG_FLOOR_DRIFT = 0.01
+
+
+def lateness(node: NodeRecord, lag: float) -> float:
+    """How much later than usual a heartbeat of `node` was read, given `lag`: our clock when
+    read minus the node's `sent_at`. Measured from the node's own least lag (its clock's
+    offset from ours plus the network), so no clock offset counts, only a late read."""
+    node.lag_floor = floor = min(lag, node.lag_floor + LAG_FLOOR_DRIFT)
+    return lag - floor
 
 
 class Liveness:
@@ -41,17 +53,18 @@ class Liveness:
         self.node_lost_after = node_lost_after
         self.clock = clock
         self.on_pass = list(on_pass)
-        # How old (by their senders' clocks) the heartbeats read in the current window were:
-        # the smallest age, over one heartbeat interval, that is, over every live node.
+        # How much later than usual the heartbeats read in the current window were read:
+        # the least of them (the window is half an interval: about half the live nodes).
         self._freshest: float | None = None
         self._window_start = 0.0
-        # The smallest age over the last whole window (None: no heartbeat read in it).
+        # The same over the last whole window (None: no heartbeat read in it).
         self.behind: float | None = None
 
-    def heard(self, age: float) -> None:
-        """A heartbeat read now was sent `age` seconds ago (the agent's `sent_at`)."""
-        if self._freshest is None or age < self._freshest:
-            self._freshest = age
+    def heard(self, late: float) -> None:
+        """A heartbeat was read `late` seconds later than its node's heartbeats usually are
+        (gateway: measured against the node's own lag floor, so no clock offset counts)."""
+        if self._freshest is None or late < self._freshest:
+            self._freshest = late
 
     def set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
         if node.state is state:
@@ -75,12 +88,10 @@ class Liveness:
             await asyncio.sleep(tick)
             woke = loop.time()
             late = woke - asleep - tick
-            if woke - self._window_start >= self.heartbeat_interval:
+            if woke - self._window_start >= self.heartbeat_interval / 2:
                 self.behind, self._freshest = self._freshest, None
                 self._window_start = woke
-            if self.behind is not None and self.behind > BEHIND_INTERVALS * (
-                self.heartbeat_interval
-            ):
+            if self.behind is not None and self.behind > BEHIND_SHARE * self.heartbeat_interval:
                 # Even the freshest heartbeats it reads are old: the rest wait unread in
                 # its buffers. Nobody's silence grows until it has caught up.
                 self.excuse(woke - asleep)
@@ -93,10 +104,9 @@ class Liveness:
 
     def excuse(self, seconds: float) -> None:
         """This scheduler did not keep up for `seconds`: its pass came that late (an event
-        loop busy with other work, the process paused), or what it reads was sent long ago
-        (`heard`; the minimum over every live node, so one node's slow clock cannot make the
-        scheduler look behind). What the nodes sent meanwhile still waits, unread, in its own
-        buffers, behind the backlog the scheduler is working through. That time is
+        loop busy with other work, the process paused), or even the most timely heartbeats
+        it reads come late (`heard`). What the nodes sent meanwhile still waits, unread, in
+        its own buffers, behind the backlog the scheduler is working through. That time is
         not counted as the nodes' silence: a scheduler that falls behind under load must not
         turn the nodes it has not got round to NOT_READY, then LOST, and close their streams,
         which makes every one of them reconnect and register again, more load on a scheduler

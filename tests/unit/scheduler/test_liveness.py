@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from orka.models import NodeState
 from orka.scheduler.feed import Feed
-from orka.scheduler.liveness import Liveness
+from orka.scheduler.liveness import LAG_FLOOR_DRIFT, Liveness, lateness
 from orka.scheduler.registry import Registry
 
 
@@ -101,3 +103,16 @@ async def test_a_scheduler_reading_old_heartbeats_stops_counting_silence_until_c
         assert read.state is NodeState.READY
     finally:
         clock.cancel()
+
+
+def test_lateness_is_measured_on_the_nodes_own_clock() -> None:
+    node = Registry().upsert("n1")
+    # The node's clock is 10 s behind ours: its heartbeats look 10 s old, and are on time.
+    assert [lateness(node, 10.0 + net) for net in (0.003, 0.001, 0.002)] == [0.0, 0.0, 0.0]
+    # Read about 3 s later than its usual: measured from its floor (10.002 s by now), which
+    # rises by one drift per beat.
+    assert lateness(node, 13.001) == pytest.approx(13.001 - 10.002 - LAG_FLOOR_DRIFT)
+    # Its clock stepped back 5 s more: no longer late after enough beats, never negative.
+    seen = [lateness(node, 15.0) for _ in range(600)]
+    assert seen[0] == pytest.approx(15.0 - 10.002 - 2 * LAG_FLOOR_DRIFT)
+    assert seen[-1] == 0.0 and min(seen) >= 0.0
