@@ -199,7 +199,9 @@ class Gateway:
         if kind == "heartbeat":
             hb = msg.heartbeat
             node.last_heartbeat_wall = wall = time.time()
-            self.liveness.heard(lateness(node, wall - hb.sent_at))
+            late = lateness(node, wall - hb.sent_at)
+            if late is not None:
+                self.liveness.heard(late)
             usage = hb.usage
             if (
                 usage.cpu_millis != node.usage.cpu_millis

@@ -24,12 +24,18 @@ BEHIND_SHARE = 0.5
 LAG_FLOOR_DRIFT = 0.01
 
 
-def lateness(node: NodeRecord, lag: float) -> float:
+def lateness(node: NodeRecord, lag: float) -> float | None:
     """How much later than usual a heartbeat of `node` was read, given `lag`: our clock when
     read minus the node's `sent_at`. Measured from the node's own least lag (its clock's
-    offset from ours plus the network), so no clock offset counts, only a late read."""
-    node.lag_floor = floor = min(lag, node.lag_floor + LAG_FLOOR_DRIFT)
-    return lag - floor
+    offset from ours plus the network), so no clock offset counts, only a late read. None
+    for a node's first heartbeat here: nothing to compare it with yet (a scheduler taking
+    thousands of registrations reads every first heartbeat late, and counting them as on
+    time would hide that it is behind)."""
+    floor = node.lag_floor
+    node.lag_floor = min(lag, floor + LAG_FLOOR_DRIFT)
+    if floor == float("inf"):
+        return None
+    return lag - node.lag_floor
 
 
 class Liveness:
