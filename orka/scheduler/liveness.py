@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -15,8 +16,8 @@ log = structlog.get_logger("orka.scheduler")
 
 # Longest wait between two passes: a node is declared at most this late.
 MAX_TICK = 0.25
-# Behind by more than this share of a heartbeat interval (the heartbeats read over the last
-# half interval were all read at least that much later than their nodes' usual), the
+# Behind by more than this share of a heartbeat interval (half the heartbeats read over the
+# last half interval were read at least that much later than their nodes' usual), the
 # scheduler stops counting its nodes' silence until it has caught up.
 BEHIND_SHARE = 0.5
 # Seconds a node's lag floor rises per heartbeat, so that a clock stepped back on the node
@@ -59,18 +60,19 @@ class Liveness:
         self.node_lost_after = node_lost_after
         self.clock = clock
         self.on_pass = list(on_pass)
-        # How much later than usual the heartbeats read in the current window were read:
-        # the least of them (the window is half an interval: about half the live nodes).
-        self._freshest: float | None = None
+        # How much later than usual each heartbeat read in the current window was read (the
+        # window is half an interval: about half the live nodes).
+        self._late: list[float] = []
         self._window_start = 0.0
-        # The same over the last whole window (None: no heartbeat read in it).
+        # The median of those over the last whole window (None: no heartbeat read in it): a
+        # median, because the streams a busy scheduler reads are not served alike, and one
+        # slow agent must not make it look behind either.
         self.behind: float | None = None
 
     def heard(self, late: float) -> None:
         """A heartbeat was read `late` seconds later than its node's heartbeats usually are
         (gateway: measured against the node's own lag floor, so no clock offset counts)."""
-        if self._freshest is None or late < self._freshest:
-            self._freshest = late
+        self._late.append(late)
 
     def set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
         if node.state is state:
@@ -95,7 +97,8 @@ class Liveness:
             woke = loop.time()
             late = woke - asleep - tick
             if woke - self._window_start >= self.heartbeat_interval / 2:
-                self.behind, self._freshest = self._freshest, None
+                self.behind = statistics.median_low(self._late) if self._late else None
+                self._late = []
                 self._window_start = woke
             if self.behind is not None and self.behind > BEHIND_SHARE * self.heartbeat_interval:
                 # Even the freshest heartbeats it reads are old: the rest wait unread in
@@ -110,8 +113,8 @@ class Liveness:
 
     def excuse(self, seconds: float) -> None:
         """This scheduler did not keep up for `seconds`: its pass came that late (an event
-        loop busy with other work, the process paused), or even the most timely heartbeats
-        it reads come late (`heard`). What the nodes sent meanwhile still waits, unread, in
+        loop busy with other work, the process paused), or most of the heartbeats it reads
+        come late (`heard`). What the nodes sent meanwhile still waits, unread, in
         its own buffers, behind the backlog the scheduler is working through. That time is
         not counted as the nodes' silence: a scheduler that falls behind under load must not
         turn the nodes it has not got round to NOT_READY, then LOST, and close their streams,
