@@ -64,7 +64,7 @@ class Liveness:
         # window is half an interval: about half the live nodes).
         self._late: list[float] = []
         self._window_start = 0.0
-        # The median of those over the last whole window (None: no heartbeat read in it): a
+        # The median of those over the last whole window that read any (None: none yet): a
         # median, because the streams a busy scheduler reads are not served alike, and one
         # slow agent must not make it look behind either.
         self.behind: float | None = None
@@ -97,8 +97,12 @@ class Liveness:
             woke = loop.time()
             late = woke - asleep - tick
             if woke - self._window_start >= self.heartbeat_interval / 2:
-                self.behind = statistics.median_low(self._late) if self._late else None
-                self._late = []
+                if self._late:
+                    # A window in which nothing was read tells nothing: the last figure
+                    # stands. (Were every node gone, their streams would end, keepalive at
+                    # the latest, and a node without a stream is never excused.)
+                    self.behind = statistics.median_low(self._late)
+                    self._late = []
                 self._window_start = woke
             if self.behind is not None and self.behind > BEHIND_SHARE * self.heartbeat_interval:
                 # Even the freshest heartbeats it reads are old: the rest wait unread in
