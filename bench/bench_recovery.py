@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import signal
 import sys
@@ -35,8 +36,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_placement import etcd_server
+import psutil
+
+from bench.bench_placement import Tracker, etcd_server
 from bench.common import (
+    AgentHost,
     Services,
     admin_channel,
     certs_dir,
@@ -50,6 +54,7 @@ from bench.common import (
 )
 from orka.api import controller_pb2 as pb
 from orka.api import controller_pb2_grpc as pb_grpc
+from orka.rpc import backoff
 from orka.rpc.pages import list_all
 from orka.store.etcd import EtcdStore
 
@@ -88,6 +93,14 @@ async def running(stub: Any, workload: str, count: int) -> bool:
     return sum(1 for i in items if i.phase == pb.Instance.RUNNING) >= count
 
 
+async def _none_connected(hosts: list[AgentHost]) -> bool:
+    return await connected(hosts) == 0
+
+
+async def _all_connected(hosts: list[AgentHost], nodes: int) -> bool:
+    return await connected(hosts) >= nodes
+
+
 def restart_scheduler(services: Services) -> None:
     proc = services.procs["scheduler"]
     args = list(proc.args)[3:]  # [python, -m, orka.cli.main, *args]
@@ -96,8 +109,19 @@ def restart_scheduler(services: Services) -> None:
     services._spawn("scheduler", args)
 
 
+async def connected(hosts: list[AgentHost]) -> int:
+    """Agents whose stream is registered now, as the agent hosts count them."""
+    answers = await asyncio.gather(*(asyncio.to_thread(h.ask, "stats") for h in hosts))
+    return sum(int(a["connected"]) for a in answers)
+
+
 async def measure(
-    services: Services, certs: Path, store_url: str, nodes: int, standby: int
+    services: Services,
+    certs: Path,
+    store_url: str,
+    nodes: int,
+    standby: int,
+    hosts: list[AgentHost],
 ) -> dict[str, Any]:
     channel = admin_channel(certs, services.controller)
     stub = pb_grpc.ControllerStub(channel)
@@ -110,7 +134,9 @@ async def measure(
         place_s = await poll(lambda: running(stub, "base", replicas), 600, 0.2)
         writes = await etcd.revision() - rev0
 
-    # Scheduler SIGKILL and restart.
+    # Scheduler SIGKILL and restart, with every node event watched from before the kill.
+    tracker = Tracker(stub)
+    await tracker.start()
     restart_scheduler(services)
     restarted_wall, restarted = time.time(), time.monotonic()
 
@@ -126,11 +152,35 @@ async def measure(
         ]
         return len(fresh) >= nodes
 
+    scheduler = psutil.Process(services.pid("scheduler"))
+    cpu: dict[str, float] = {}
+
+    async def since_restart(check: Any, interval: float, name: str) -> float:
+        await poll(check, 600, interval)
+        used = scheduler.cpu_times()
+        cpu[name] = used.user + used.system
+        return time.monotonic() - restarted
+
+    listening = asyncio.create_task(
+        since_restart(lambda: backoff.reachable(services.scheduler), 0.02, "listening")
+    )
+
+    async def registered_again() -> float:
+        # Registered as the agents see it: the scheduler's share, before the controller's.
+        with contextlib.suppress(RuntimeError):  # all back already, on a fast host
+            await poll(lambda: _none_connected(hosts), 5, 0.02)
+        return await since_restart(lambda: _all_connected(hosts, nodes), 0.05, "registered")
+
+    registered = asyncio.create_task(registered_again())
     await poll(back, 600, 0.1)
     agents_back = time.monotonic() - restarted
+    scheduler_listening = await listening
+    agents_registered = await registered
     await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))
     await poll(lambda: running(stub, "probe", 1), 120)
     placement_resumed = time.monotonic() - restarted
+    await asyncio.sleep(1.0)  # events of the last moments still on their way
+    tracker.stop()
 
     # Controller failover: SIGKILL the leader, time until the standby answers.
     services.procs["controller"].send_signal(signal.SIGKILL)
@@ -147,8 +197,14 @@ async def measure(
         "instances_placed": replicas,
         "place_all_running_s": round(place_s, 2),
         "etcd_txns_per_placement": round(writes / replicas, 2),
+        "scheduler_restart_to_listening_s": round(scheduler_listening, 2),
+        "scheduler_restart_to_agents_registered_s": round(agents_registered, 2),
         "scheduler_restart_to_agents_back_s": round(agents_back, 2),
+        # CPU seconds the new scheduler used to start, and then to take every agent back.
+        "scheduler_cpu_start_s": round(cpu["listening"], 2),
+        "scheduler_cpu_registrations_s": round(cpu["registered"] - cpu["listening"], 2),
         "scheduler_restart_to_placement_resumed_s": round(placement_resumed, 2),
+        "scheduler_restart_nodes_not_ready_seen": len(tracker.not_ready),
         "controller_failover_s": round(failover, 2),
     }
 
@@ -270,7 +326,7 @@ def run(nodes: int) -> dict[str, Any]:
             wait_port(standby, services.procs["standby"])
             processes = max(1, -(-nodes // AGENTS_PER_PROCESS))
             hosts = start_agents(certs, services.scheduler, nodes, work, processes)
-            return asyncio.run(measure(services, certs, store_url, nodes, standby))
+            return asyncio.run(measure(services, certs, store_url, nodes, standby, hosts))
         finally:
             for h in hosts:
                 h.stop()

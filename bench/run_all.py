@@ -35,6 +35,9 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     # Not one of the targets: placement at the heartbeat benchmark's node count,
     # where a batch size that helps at 1,000 nodes once overran the scheduler.
     "placement_5000_nodes": ("placement", ("--nodes", "5000", "--no-etcd", "--paced-rate", "0")),
+    # Scheduler SIGKILL + restart with 1,000 and 5,000 simulated agents (and the controller's
+    # failover); full runs only: each size boots etcd, two controllers and the agent hosts.
+    "recovery": ("recovery", ("--sizes", "1000,5000")),
     "heartbeat": ("heartbeat", ()),
     "healing": ("healing", ()),
     "paging": ("paging", ()),
@@ -45,7 +48,7 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     # Invariants under faults, not a speed: a short soak here, the 30-minute one on its own.
     "chaos": ("chaos", ("--minutes", "3")),
 }
-FULL_ONLY = {"placement_5000_nodes", "chaos"}
+FULL_ONLY = {"placement_5000_nodes", "recovery", "chaos"}
 
 
 def machine() -> dict[str, Any]:
@@ -130,6 +133,15 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     if "running_per_s" in etcd:
         ratio("placement_etcd_running_per_echo_msg", etcd["running_per_s"])
         targets["placement_etcd>=700/s"] = etcd["running_per_s"] >= 700
+    for run in results.get("recovery", {}).get("runs", []):
+        agents = run["agents"]
+        bound = 3.0 if agents <= 1000 else 6.0
+        targets[f"scheduler_restart_{agents}_agents<={bound:.0f}s"] = (
+            run["scheduler_restart_to_placement_resumed_s"] <= bound
+        )
+        targets[f"scheduler_restart_{agents}_agents_0_not_ready"] = (
+            run["scheduler_restart_nodes_not_ready_seen"] == 0
+        )
     if "heartbeats_per_s" in hb:
         ratio("heartbeats_per_echo_msg", hb["heartbeats_per_s"])
         targets["heartbeat_cpu<60%"] = hb["scheduler_cpu_share"] < 0.6

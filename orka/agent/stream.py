@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -17,7 +16,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Invalid, from_rpc_error
 from orka.models import TERMINAL_PHASES, Resources
-from orka.rpc import convert
+from orka.rpc import backoff, convert
 from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
 from orka.rpc.targets import Targets
@@ -180,10 +179,13 @@ class Stream:
             self.connected.clear()
             self.outbox = None
             attempt += 1
-            delay = min(0.2 * 2 ** min(attempt, 6), self.reconnect_max)
-            # Which scheduler next, and whether to wait (a NOT_LEADER naming one: at once).
-            delay = self.targets.failed(failure, delay)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
+            # a pause ends early when a scheduler that refused connections starts listening.
+            delay = self.targets.failed(
+                failure, backoff.delay(attempt, 0.2, self.reconnect_max)
+            )
+            if delay > 0:
+                await backoff.pause(delay, self.targets.current)
 
     async def session(self, target: str) -> None:
         """One stream, from registering until it ends. Its reader, writer and heartbeats end

@@ -9,7 +9,6 @@ domain value does not carry yet.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +36,7 @@ from orka.controller.commands import (
 from orka.errors import OrkaError, Unavailable, from_rpc_error
 from orka.memo import ByIdentity
 from orka.models import Node, WorkloadSpec
-from orka.rpc import convert, convert_volumes
+from orka.rpc import backoff, convert, convert_volumes
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
 from orka.rpc.targets import Targets
@@ -153,10 +152,11 @@ class SchedulerLink:
             self.connected.clear()
             await self._drop()
             attempt += 1
-            delay = min(0.1 * 2 ** min(attempt, 6), 3.0)
-            # Which scheduler next, and whether to wait (a NOT_LEADER naming one: at once).
-            delay = self.targets.failed(failure, delay)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
+            # a pause ends early when a scheduler that refused connections starts listening.
+            delay = self.targets.failed(failure, backoff.delay(attempt, 0.1, 3.0))
+            if delay > 0:
+                await backoff.pause(delay, self.targets.current)
 
     def stub(self) -> apb_grpc.SchedulerStub:
         """The connected scheduler's stub, for calls of its own (orka/controller/streams.py)."""

@@ -17,7 +17,7 @@ from orka.rpc import convert, convert_volumes
 from orka.rpc.frames import drain
 from orka.scheduler import volumes
 from orka.scheduler.feed import Feed
-from orka.scheduler.liveness import Liveness
+from orka.scheduler.liveness import Liveness, lateness
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import AgentSession
 from orka.scheduler.streams import SessionRelay
@@ -198,7 +198,10 @@ class Gateway:
         node.last_seen = self.clock()
         if kind == "heartbeat":
             hb = msg.heartbeat
-            node.last_heartbeat_wall = time.time()
+            node.last_heartbeat_wall = wall = time.time()
+            late = lateness(node, wall - hb.sent_at)
+            if late is not None:
+                self.liveness.heard(late)
             usage = hb.usage
             if (
                 usage.cpu_millis != node.usage.cpu_millis

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -15,6 +16,27 @@ log = structlog.get_logger("orka.scheduler")
 
 # Longest wait between two passes: a node is declared at most this late.
 MAX_TICK = 0.25
+# Behind by more than this share of a heartbeat interval (half the heartbeats read over the
+# last half interval were read at least that much later than their nodes' usual), the
+# scheduler stops counting its nodes' silence until it has caught up.
+BEHIND_SHARE = 0.5
+# Seconds a node's lag floor rises per heartbeat, so that a clock stepped back on the node
+# stops looking like late reads within minutes. A backlog grows far faster than this.
+LAG_FLOOR_DRIFT = 0.01
+
+
+def lateness(node: NodeRecord, lag: float) -> float | None:
+    """How much later than usual a heartbeat of `node` was read, given `lag`: our clock when
+    read minus the node's `sent_at`. Measured from the node's own least lag (its clock's
+    offset from ours plus the network), so no clock offset counts, only a late read. None
+    for a node's first heartbeat here: nothing to compare it with yet (a scheduler taking
+    thousands of registrations reads every first heartbeat late, and counting them as on
+    time would hide that it is behind)."""
+    floor = node.lag_floor
+    node.lag_floor = min(lag, floor + LAG_FLOOR_DRIFT)
+    if floor == float("inf"):
+        return None
+    return lag - node.lag_floor
 
 
 class Liveness:
@@ -38,6 +60,19 @@ class Liveness:
         self.node_lost_after = node_lost_after
         self.clock = clock
         self.on_pass = list(on_pass)
+        # How much later than usual each heartbeat read in the current window was read (the
+        # window is half an interval: about half the live nodes).
+        self._late: list[float] = []
+        self._window_start = 0.0
+        # The median of those over the last whole window that read any (None: none yet): a
+        # median, because the streams a busy scheduler reads are not served alike, and one
+        # slow agent must not make it look behind either.
+        self.behind: float | None = None
+
+    def heard(self, late: float) -> None:
+        """A heartbeat was read `late` seconds later than its node's heartbeats usually are
+        (gateway: measured against the node's own lag floor, so no clock offset counts)."""
+        self._late.append(late)
 
     def set_state(self, node: NodeRecord, state: NodeState, message: str = "") -> None:
         if node.state is state:
@@ -54,12 +89,45 @@ class Liveness:
 
     async def run(self) -> None:
         tick = min(self.heartbeat_interval / 4, MAX_TICK)
+        loop = asyncio.get_running_loop()
+        self._window_start = loop.time()
         while True:
+            asleep = loop.time()
             await asyncio.sleep(tick)
+            woke = loop.time()
+            late = woke - asleep - tick
+            if woke - self._window_start >= self.heartbeat_interval / 2:
+                if self._late:
+                    # A window in which nothing was read tells nothing: the last figure
+                    # stands. (Were every node gone, their streams would end, keepalive at
+                    # the latest, and a node without a stream is never excused.)
+                    self.behind = statistics.median_low(self._late)
+                    self._late = []
+                self._window_start = woke
+            if self.behind is not None and self.behind > BEHIND_SHARE * self.heartbeat_interval:
+                # Even the freshest heartbeats it reads are old: the rest wait unread in
+                # its buffers. Nobody's silence grows until it has caught up.
+                self.excuse(woke - asleep)
+            elif late > tick:
+                self.excuse(late)
             now = self.clock()
             self.check(now)
             for duty in self.on_pass:
                 duty(now)
+
+    def excuse(self, seconds: float) -> None:
+        """This scheduler did not keep up for `seconds`: its pass came that late (an event
+        loop busy with other work, the process paused), or most of the heartbeats it reads
+        come late (`heard`). What the nodes sent meanwhile still waits, unread, in
+        its own buffers, behind the backlog the scheduler is working through. That time is
+        not counted as the nodes' silence: a scheduler that falls behind under load must not
+        turn the nodes it has not got round to NOT_READY, then LOST, and close their streams,
+        which makes every one of them reconnect and register again, more load on a scheduler
+        already behind. (Cassandra's failure detector likewise convicts no peer after a
+        local pause.) A node that really went silent is declared at most that much later."""
+        for node in self.registry:
+            if node.session is not None:  # a node without a stream has nothing waiting
+                node.last_seen += seconds
 
     def check(self, now: float) -> None:
         """One pass over every node at time `now`."""

@@ -57,6 +57,10 @@ class NodeRecord:
     leaving: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_heartbeat_wall: float = field(default_factory=time.time)
+    # The least a heartbeat of this node took from its `sent_at` to being read (drifting up
+    # slowly): its clock's offset from ours plus the network, what a late read is measured
+    # from (orka/scheduler/liveness.py: heard).
+    lag_floor: float = float("inf")
     session: AgentSession | None = None
     holds: dict[str, Hold] = field(default_factory=dict)
     reports: dict[str, InstanceReport] = field(default_factory=dict)

@@ -1,0 +1,80 @@
+"""Reconnect pauses (orka/rpc/backoff.py), against real sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from orka.rpc import backoff
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_delay_doubles_up_to_the_cap_with_jitter_below_the_full_step() -> None:
+    top = lambda lo, hi: hi  # noqa: E731 - the jitter's upper end
+    low = lambda lo, hi: lo  # noqa: E731
+    assert [backoff.delay(n, 0.2, 5.0, top) for n in (1, 2, 3, 4, 5, 6)] == [
+        0.4,
+        0.8,
+        1.6,
+        3.2,
+        5.0,
+        5.0,
+    ]
+    assert backoff.delay(3, 0.2, 5.0, low) == 0.8
+    assert backoff.delay(10**6, 0.1, 3.0, top) == 3.0  # no overflow on a long outage
+    assert 0.1 <= backoff.delay(1, 0.1, 3.0) < 0.2
+
+
+async def _serve(port: int) -> asyncio.Server:
+    return await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+
+
+async def test_reachable_tells_a_listening_port_from_a_closed_one() -> None:
+    port = free_port()
+    assert not await backoff.reachable(f"127.0.0.1:{port}")
+    server = await _serve(port)
+    try:
+        assert await backoff.reachable(f"127.0.0.1:{port}")
+    finally:
+        server.close()
+    assert not await backoff.reachable("no-port-here")
+
+
+async def test_a_pause_ends_soon_after_a_refusing_peer_starts_listening() -> None:
+    port = free_port()
+    start = time.monotonic()
+    waiter = asyncio.create_task(backoff.pause(30.0, f"127.0.0.1:{port}", probe_every=0.1))
+    await asyncio.sleep(0.5)
+    assert not waiter.done()  # still refused: still waiting
+    server = await _serve(port)
+    try:
+        async with asyncio.timeout(5):
+            await waiter
+    finally:
+        server.close()
+    assert time.monotonic() - start < 2.0
+
+
+async def test_a_pause_is_served_in_full_when_the_peer_accepts_connections() -> None:
+    # It answered and then failed the call: the backoff is what protects it.
+    port = free_port()
+    server = await _serve(port)
+    try:
+        start = time.monotonic()
+        await backoff.pause(0.6, f"127.0.0.1:{port}", probe_every=0.05)
+        assert time.monotonic() - start >= 0.6
+    finally:
+        server.close()
+
+
+async def test_a_pause_on_a_peer_that_stays_down_lasts_its_full_time() -> None:
+    port = free_port()
+    start = time.monotonic()
+    await backoff.pause(0.5, f"127.0.0.1:{port}", probe_every=0.05)
+    assert 0.5 <= time.monotonic() - start < 2.0
