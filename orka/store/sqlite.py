@@ -31,13 +31,16 @@ from orka.store.base import (
     Op,
     PreparedOp,
     Put,
+    Require,
     Store,
     Update,
     check_precondition,
     decode_value,
     prepare_batch,
+    requirements_first,
     validate_key,
     validate_kind,
+    writes_nothing,
 )
 
 _SCHEMA = (
@@ -229,13 +232,18 @@ def _commit(conn: sqlite3.Connection, prepared: list[PreparedOp]) -> list[int]:
     try:
         row = conn.execute("SELECT value FROM meta WHERE key = 'revision'").fetchone()
         revision = int(row[0]) + 1
-        checked = [p.op for p in prepared if not isinstance(p.op, Put)]
+        checked = requirements_first([p.op for p in prepared if not isinstance(p.op, Put)])
         current = _revisions(conn, [(op.kind, op.name) for op in checked])
         for op in checked:
             check_precondition(op, current.get((op.kind, op.name)))
+        if writes_nothing(prepared):
+            conn.execute("COMMIT")
+            return [0] * len(prepared)
         rows: dict[type, list[tuple[Any, ...]]] = {Delete: [], Create: [], Update: [], Put: []}
         for p in prepared:
             op = p.op
+            if isinstance(op, Require):
+                continue
             if isinstance(op, Delete):
                 rows[Delete].append((op.kind, op.name))
             elif isinstance(op, Update):
@@ -252,7 +260,7 @@ def _commit(conn: sqlite3.Connection, prepared: list[PreparedOp]) -> list[int]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    return [0 if isinstance(p.op, Delete) else revision for p in prepared]
+    return [0 if isinstance(p.op, Delete | Require) else revision for p in prepared]
 
 
 _WRITES: tuple[tuple[type, str], ...] = (
