@@ -230,6 +230,8 @@ class Controller:
         # Every write of this term carries it: a successor's key makes them fail as a whole.
         assert self.election is not None
         self.repo.fence = self.election.fence()
+        # The same term fences its orders to nodes, at the scheduler.
+        self.link.term = 0 if self.repo.fence is None else self.repo.fence.revision
         self.repo.writable = True
         self.link.start()
         for coro, name in (

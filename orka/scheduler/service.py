@@ -33,6 +33,7 @@ from orka.scheduler.pipeline import Pipeline, PipelineConfig
 from orka.scheduler.placer import Placer
 from orka.scheduler.registry import Registry
 from orka.scheduler.relay import Relay
+from orka.scheduler.terms import LeaderTerms
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
 from orka.supervision import Parts
@@ -109,6 +110,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         )
         self.liveness.on_pass.append(self.gateway.recheck_leaves)
         self.relay = Relay(self.registry, self.feed, config.command_timeout)
+        self.terms = LeaderTerms()  # the controller term allowed to give orders
         self.parts = Parts("scheduler", self._fail)
         self._server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
@@ -173,17 +175,21 @@ class Scheduler(apb_grpc.SchedulerServicer):
         return self.gateway.connect(request_iterator, who.name)
 
     async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
+        self.terms.admit(request.leader_term)
         return await self.placer.place(request)
 
     async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
+        self.terms.admit(request.leader_term)
         return await self.relay.command(request)
 
     async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:
+        self.terms.admit(request.leader_term)
         return self.relay.set_node(request)
 
     def Watch(
         self, request: apb.WatchClusterRequest, who: Identity
     ) -> AsyncIterator[apb.ClusterUpdates]:
+        self.terms.admit(request.leader_term)
         return self.feed.watch()
 
     def Session(
