@@ -262,9 +262,10 @@ class Controller:
         self.repo.reset()
 
     def _fenced(self, err: Fenced) -> None:
-        """A write failed its fence: another controller leads. End the term now (the lease
-        may still look alive to us, as it does to a leader that was paused past its TTL)."""
-        log.error("write fenced: another controller leads; stepping down", error=err.message)
+        """A write failed its fence: our election key is gone (the lease ran out) or another
+        controller's. End the term now: the lease may still look alive to us, as it does to a
+        leader that was paused or starved past its TTL."""
+        log.error("write fenced: this controller no longer leads; stepping down", error=err.message)
         if self.election is not None:
             self.election.fenced()
 

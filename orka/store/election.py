@@ -81,7 +81,7 @@ class Election(ABC):
     def fenced(self) -> None:
         """A write carrying our fence failed: someone else leads. Stop acting as leader now."""
         if self.is_leader:
-            log.warning("fenced: another candidate leads", election=self.name)
+            log.warning("fenced: our election key is gone or another's", election=self.name)
         self.is_leader = False
         self.lost.set()
 
