@@ -343,10 +343,12 @@ class SchedulerMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "leader_term")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[Assignment]
-    def __init__(self, items: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, items: _Optional[_Iterable[_Union[Assignment, _Mapping]]] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class PlaceReason(_message.Message):
     __slots__ = ("code", "message", "node_count", "resolvable")
@@ -404,10 +406,12 @@ class NodeCommand(_message.Message):
     def __init__(self, node: _Optional[str] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ...) -> None: ...
 
 class CommandRequest(_message.Message):
-    __slots__ = ("commands",)
+    __slots__ = ("commands", "leader_term")
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     commands: _containers.RepeatedCompositeFieldContainer[NodeCommand]
-    def __init__(self, commands: _Optional[_Iterable[_Union[NodeCommand, _Mapping]]] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, commands: _Optional[_Iterable[_Union[NodeCommand, _Mapping]]] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("status", "unconfirmed")
@@ -424,18 +428,22 @@ class CommandResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[CommandResult, _Mapping]]] = ...) -> None: ...
 
 class SetNodeRequest(_message.Message):
-    __slots__ = ("name", "schedulable", "draining")
+    __slots__ = ("name", "schedulable", "draining", "leader_term")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SCHEDULABLE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     name: str
     schedulable: bool
     draining: bool
-    def __init__(self, name: _Optional[str] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, name: _Optional[str] = ..., schedulable: _Optional[bool] = ..., draining: _Optional[bool] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class WatchClusterRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("leader_term",)
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    leader_term: int
+    def __init__(self, leader_term: _Optional[int] = ...) -> None: ...
 
 class NodeSync(_message.Message):
     __slots__ = ("node", "instances", "volumes")

@@ -9,9 +9,10 @@ one source of truth per moment.)
 
 A term runs: campaign → `lead()` (reload from the store, start the leader-only parts) → wait
 until the election's lease is lost → `step_down()` (stop them, drop the caches) → campaign
-again. Two controllers never write as leaders at once for long, and when they do (a leader that
-has not yet noticed its lease expired), every write is a compare-and-swap on the revision it
-read, so the stale one's writes fail and make it reload.
+again. Two controllers never write as leaders at once: a leader that has not yet noticed its
+lease expired (paused, cut off) still carries its term's fence in every write (a `Require` on
+its own election key, in the same transaction), so its writes fail once a successor holds the
+key, and that failure (`Fenced`) ends its term at once through `election.fenced()`.
 """
 
 from __future__ import annotations

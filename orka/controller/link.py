@@ -92,6 +92,8 @@ class SchedulerLink:
         self._stub: apb_grpc.SchedulerStub | None = None
         self.connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # This controller's leadership term, sent with every order (orka/scheduler/terms.py).
+        self.term = 0
 
     def _ensure(self) -> apb_grpc.SchedulerStub:
         if self._stub is None:
@@ -122,7 +124,9 @@ class SchedulerLink:
             try:
                 stub = self._ensure()
                 first = True
-                async for updates in _merged(stub.Watch(apb.WatchClusterRequest())):
+                async for updates in _merged(
+                    stub.Watch(apb.WatchClusterRequest(leader_term=self.term))
+                ):
                     if first:
                         log.info("scheduler feed connected", target=self.current)
                         self.connected.set()
@@ -179,14 +183,16 @@ class SchedulerLink:
 
     async def place(self, items: list[Assignment], timeout: float = 120.0) -> list[PlaceResult]:
         """One result per item, in the order of `items`."""
-        req = apb.PlaceRequest(items=[assignment_to_pb(a) for a in items])
+        req = apb.PlaceRequest(items=[assignment_to_pb(a) for a in items], leader_term=self.term)
         resp = await self._call("Place", req, timeout)
         assert isinstance(resp, apb.PlaceResponse)
         return [place_result_from_pb(r) for r in resp.results]
 
     async def command(self, commands: Sequence[NodeCommand]) -> list[CommandResult]:
         """One result per command, in the order of `commands`."""
-        req = apb.CommandRequest(commands=[command_to_pb(c) for c in commands])
+        req = apb.CommandRequest(
+            commands=[command_to_pb(c) for c in commands], leader_term=self.term
+        )
         resp = await self._call("Command", req, 60.0)
         assert isinstance(resp, apb.CommandResponse)
         return [command_result_from_pb(r) for r in resp.results]
@@ -194,7 +200,7 @@ class SchedulerLink:
     async def set_node(
         self, name: str, schedulable: bool | None = None, draining: bool | None = None
     ) -> Node:
-        req = apb.SetNodeRequest(name=name)
+        req = apb.SetNodeRequest(name=name, leader_term=self.term)
         if schedulable is not None:
             req.schedulable = schedulable
         if draining is not None:

@@ -7,13 +7,19 @@ before us, or leads after us). Such a loss means the cache is stale: it is reloa
 store before the error is raised, so the next plan starts from the truth instead of failing the
 same compare again and again.
 
+While leading on a store with an election, every transaction also carries `fence`, the
+leader's `Require` on its own election key: a controller whose lease ran out while it was
+paused or cut off lands nothing, even where its successor has not touched the keys it writes.
+A failed fence (`Fenced`) is not reloaded and retried like a lost compare: the repo stops
+writing and tells `on_fenced`, so the controller steps down at once.
+
 A commit is split into transactions of at most `MAX_TXN_OPS` ops, etcd's default per-txn limit,
 so the controller works against an etcd run with default flags. Each op is still a CAS on its
 own key, which is what keeps an instance from being bound twice; what a split gives up is only
 all-or-nothing across chunks, and every plan is written to converge when re-run from a partly
 applied state (the reconciler plans again from whatever landed). Each chunk is a commit with
-its own store revision; `revision` is the last one applied (or the store's at load), which is
-what a list answers with and what a watch resumes from.
+its own store revision (and its own copy of the fence); `revision` is the last one applied (or
+the store's at load), which is what a list answers with and what a watch resumes from.
 
 Each table has a sorted index of its objects' immutable keys, kept as they are written, so a
 list page is a range walk, not a sort of everything.
@@ -32,7 +38,7 @@ from sortedcontainers import SortedList
 
 from orka.errors import AlreadyExists, Conflict, NotFound, NotLeader
 from orka.models import Class, Instance, Node, Volume, Workload
-from orka.store.base import Create, Delete, JsonText, Op, Store, Update
+from orka.store.base import Create, Delete, Fenced, JsonText, Op, Require, Store, Update
 
 Kind = Literal["workloads", "instances", "nodes", "classes", "volumes"]
 
@@ -78,6 +84,11 @@ class Repo:
         # Only a leading controller writes; a follower's repo refuses before touching the store.
         self.writable = True
         self.max_txn_ops = MAX_TXN_OPS
+        # The leader's condition on its own election key, added to every transaction while it
+        # leads (None: a single-node store, where the SQLite writer lock does that job).
+        self.fence: Require | None = None
+        # Called once a commit failed its fence; the repo has stopped writing by then.
+        self.on_fenced: list[Callable[[Fenced], None]] = []
 
     async def load(self) -> None:
         """Replace every cache with the store's content (a new term, or a lost CAS)."""
@@ -172,10 +183,23 @@ class Repo:
                 ops.append(Create(kind, name, JsonText(c.value.model_dump_json())))
             else:
                 ops.append(Update(kind, name, JsonText(c.value.model_dump_json()), rev))
-        for lo in range(0, len(ops), self.max_txn_ops):
-            chunk = ops[lo : lo + self.max_txn_ops]
+        fence = self.fence
+        # The fence is one more compare in each transaction: it counts against etcd's limit.
+        size = self.max_txn_ops - (fence is not None)
+        for lo in range(0, len(ops), size):
+            chunk = ops[lo : lo + size]
             try:
-                revisions = await self.store.commit(chunk)
+                if fence is None:
+                    revisions = await self.store.commit(chunk)
+                else:
+                    revisions = (await self.store.commit([fence, *chunk]))[1:]
+            except Fenced as err:
+                # Someone else leads: reloading and retrying would only fail again, and this
+                # controller must not plan on anything any more.
+                self.writable = False
+                for hook in self.on_fenced:
+                    hook(err)
+                raise
             except (Conflict, AlreadyExists, NotFound):
                 # Another writer got there first: our cache is stale. Chunks already applied
                 # are in the cache and the store alike; reload so the caller re-plans on truth.

@@ -35,6 +35,7 @@ from orka.errors import Invalid, Unavailable
 from orka.filemodes import private_dir
 from orka.rpc.server import start_server
 from orka.security.tls import TlsFiles
+from orka.store.base import Fenced
 from orka.store.election import Election, election_for
 from orka.store.factory import open_store
 
@@ -91,6 +92,7 @@ class Controller:
         self.repo.listeners.append(self.events.on_change)
         self.repo.listeners.append(metrics.on_change)  # placements, restarts
         self.repo.on_reload.append(self.events.reset)
+        self.repo.on_fenced.append(self._fenced)
         # Recent activity per object, for `orka describe`: in memory, written only by the
         # leader (a follower's repo makes no writes), so a new leader starts with none.
         self.activity = ActivityLog()
@@ -225,6 +227,11 @@ class Controller:
             instances=len(self.repo.instances),
             nodes=len(self.repo.nodes),
         )
+        # Every write of this term carries it: a successor's key makes them fail as a whole.
+        assert self.election is not None
+        self.repo.fence = self.election.fence()
+        # The same term fences its orders to nodes, at the scheduler.
+        self.link.term = 0 if self.repo.fence is None else self.repo.fence.revision
         self.repo.writable = True
         self.link.start()
         for coro, name in (
@@ -240,6 +247,7 @@ class Controller:
     async def _step_down(self) -> None:
         """A term ends (lease lost, or shutdown): stop writing at once, then stop the rest."""
         self.repo.writable = False
+        self.repo.fence = None
         await self._set_serving(False)
         tasks, self._tasks = self._tasks, []
         for t in tasks:
@@ -252,6 +260,14 @@ class Controller:
         # Watchers reconnect to whoever leads next; the cache is not ours to answer from.
         self.events.close()
         self.repo.reset()
+
+    def _fenced(self, err: Fenced) -> None:
+        """A write failed its fence: our election key is gone (the lease ran out) or another
+        controller's. End the term now: the lease may still look alive to us, as it does to a
+        leader that was paused or starved past its TTL."""
+        log.error("write fenced: this controller no longer leads; stepping down", error=err.message)
+        if self.election is not None:
+            self.election.fenced()
 
     def _fail(self, exc: BaseException) -> None:
         """End the service with `exc`: run() stops everything, then raises it."""

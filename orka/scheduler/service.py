@@ -49,6 +49,7 @@ from orka.scheduler.pipeline import Pipeline, PipelineConfig
 from orka.scheduler.placer import Placer
 from orka.scheduler.registry import Registry
 from orka.scheduler.relay import Relay
+from orka.scheduler.terms import LeaderTerms
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
 from orka.store.base import Store
@@ -165,6 +166,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         )
         self.liveness.on_pass.append(self.gateway.recheck_leaves)
         self.relay = Relay(self.registry, self.feed, config.command_timeout)
+        # The newest controller leadership term seen: an older leader gives no orders.
+        self.controller_terms = LeaderTerms()
 
     # ---- lifecycle ----
 
@@ -323,6 +326,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     async def Place(self, request: apb.PlaceRequest, who: Identity) -> apb.PlaceResponse:
         await self._require_active()
+        self.controller_terms.admit(request.leader_term)
         term = self.term
         reply = await self.placer.place(request)
         await self._require_term(term)
@@ -330,6 +334,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     async def Command(self, request: apb.CommandRequest, who: Identity) -> apb.CommandResponse:
         await self._require_active()
+        self.controller_terms.admit(request.leader_term)
         term = self.term
         reply = await self.relay.command(request)
         await self._require_term(term)
@@ -337,12 +342,14 @@ class Scheduler(apb_grpc.SchedulerServicer):
 
     async def SetNode(self, request: apb.SetNodeRequest, who: Identity) -> pb.Node:
         await self._require_active()
+        self.controller_terms.admit(request.leader_term)
         return self.relay.set_node(request)
 
     async def Watch(
         self, request: apb.WatchClusterRequest, who: Identity
     ) -> AsyncIterator[apb.ClusterUpdates]:
         await self._require_active()
+        self.controller_terms.admit(request.leader_term)
         term = self.term
         async for batch in self.feed.watch():
             yield batch

@@ -6,7 +6,10 @@ Semantics follow etcd so that an etcd backend can pass the same conformance suit
   key written by that commit carries the new revision (etcd's mod_revision);
 * a commit is a transaction: all of its ops apply or none do;
 * a key may appear at most once per commit (etcd rejects duplicate keys in one txn), so every
-  op's precondition is checked against the state before the commit.
+  op's precondition is checked against the state before the commit;
+* a `Require` op writes nothing: it is a condition on another key (a leader's election key)
+  checked in the same transaction, so a writer that lost its leadership lands nothing; when it
+  fails, `Fenced` is raised ahead of any other op's error.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
+from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, NotLeader
 
 _KIND_RE = re.compile(r"[a-z_]+")
 
@@ -90,7 +93,26 @@ class Put:
     lease: int = 0
 
 
-Op = Create | Update | Delete | Put
+@dataclass(frozen=True)
+class Require:
+    """Write nothing; the commit applies only if the key exists at exactly `revision` (its
+    last write's revision). A leader adds `Require(leader, <election>, <its key's revision>)`
+    to every commit: once its lease has expired and a successor holds the key, the revision
+    differs and the whole commit fails with `Fenced`, in the same round trip as the write."""
+
+    kind: str
+    name: str
+    revision: int
+
+
+Op = Create | Update | Delete | Put | Require
+WRITE_OPS = (Create, Update, Delete, Put)
+
+
+class Fenced(NotLeader):
+    """A commit's `Require` failed: the writer no longer holds what it required (another
+    controller leads now). Nothing was written. Unlike a Conflict, re-reading and retrying
+    cannot help: the writer must stop writing and step down. On the wire it is a NotLeader."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +200,7 @@ def prepare_batch(ops: Sequence[Op], *, leases: bool = False) -> list[PreparedOp
     prepared: list[PreparedOp] = []
     seen: set[tuple[str, str]] = set()
     for op in ops:
-        if not isinstance(op, Create | Update | Delete | Put):
+        if not isinstance(op, Create | Update | Delete | Put | Require):
             raise Invalid(f"unsupported store op {op!r}")
         validate_key(op.kind, op.name)
         key = (op.kind, op.name)
@@ -195,6 +217,12 @@ def prepare_batch(ops: Sequence[Op], *, leases: bool = False) -> list[PreparedOp
             raise Invalid(f"{ref(*key)}: lease must be a non-negative integer")
         if lease and not leases:
             raise Unsupported(f"{ref(*key)}: this store has no leases")
+        if isinstance(op, Require):
+            revision = op.revision
+            if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
+                raise Invalid(f"{ref(*key)}: required revision must be a positive integer")
+            prepared.append(PreparedOp(op, None))
+            continue
         encoded = None if isinstance(op, Delete) else encode_value(op.kind, op.name, op.value)
         prepared.append(PreparedOp(op, encoded))
     return prepared
@@ -202,7 +230,14 @@ def prepare_batch(ops: Sequence[Op], *, leases: bool = False) -> list[PreparedOp
 
 def check_precondition(op: Op, current: int | None) -> None:
     """Raise the error `op` meets against a key whose revision is `current` (None: absent)."""
-    if isinstance(op, Create):
+    if isinstance(op, Require):
+        if current != op.revision:
+            now = "absent" if current is None else f"at revision {current}"
+            raise Fenced(
+                f"fenced: {ref(op.kind, op.name)} is {now}, not at revision {op.revision} "
+                "as this writer's commit requires; nothing was written"
+            )
+    elif isinstance(op, Create):
         if current is not None:
             raise AlreadyExists(f"{ref(op.kind, op.name)} already exists")
     elif isinstance(op, Update | Delete):
@@ -213,6 +248,19 @@ def check_precondition(op: Op, current: int | None) -> None:
                 f"{ref(op.kind, op.name)}: expected revision {op.expected_revision}, "
                 f"current is {current}"
             )
+
+
+def requirements_first(ops: Sequence[Op]) -> list[Op]:
+    """`ops` in the order their preconditions are checked: every `Require` first, so that a
+    fenced writer learns it is fenced rather than meeting a Conflict and retrying."""
+    return [op for op in ops if isinstance(op, Require)] + [
+        op for op in ops if not isinstance(op, Require)
+    ]
+
+
+def writes_nothing(prepared: Sequence[PreparedOp]) -> bool:
+    """Whether a batch is only requirements: it then leaves the revision where it is."""
+    return all(isinstance(p.op, Require) for p in prepared)
 
 
 class Store(ABC):
@@ -247,11 +295,11 @@ class Store(ABC):
 
     @abstractmethod
     async def commit(self, ops: Sequence[Op]) -> list[int]:
-        """Apply `ops` atomically; return the new revision per op (0 for Delete).
+        """Apply `ops` atomically; return the new revision per op (0 for Delete and Require).
 
-        Raises Invalid for a malformed batch, otherwise the first failing op's AlreadyExists,
-        NotFound or Conflict; on any error the store is left unchanged. An empty batch is a
-        no-op and does not bump the revision.
+        Raises Invalid for a malformed batch, then Fenced if a Require fails, otherwise the
+        first failing op's AlreadyExists, NotFound or Conflict; on any error the store is left
+        unchanged. An empty batch, or one of requirements only, does not bump the revision.
         """
 
     @abstractmethod

@@ -9,10 +9,15 @@ created in a CAS transaction under a lease of `ttl` seconds that it refreshes ev
   until it is deleted (resign, or the holder's lease expired) and try again;
 * a leader that cannot refresh its lease for a whole TTL, or finds it expired, sets `lost` and
   must stop acting as leader: by then another candidate may already hold the key;
-* resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease.
+* resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease;
+* `fence()` is the condition the leader's writes carry: `Require(leader/<name>, revision of our
+  key)`. Once the key is gone or someone else's, a write with it fails as a whole (`Fenced`),
+  even from a leader that has not yet noticed (paused, partitioned) that its lease ran out;
+  `fenced()` then ends its leadership at once, as a lost lease does.
 
 Stores without leases (SQLite, memory) are single-node: there is nobody to compete with, so
-`election_for` gives them a LocalElection that always wins.
+`election_for` gives them a LocalElection that always wins and has no fence (SQLite's writer
+lock keeps a second process off the file instead).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import structlog
 
 from orka.errors import AlreadyExists, Conflict, NotFound, OrkaError
-from orka.store.base import Create, Delete, Store
+from orka.store.base import Create, Delete, Require, Store
 
 log = structlog.get_logger("orka.store.election")
 
@@ -67,6 +72,18 @@ class Election(ABC):
 
     def record(self) -> dict[str, Any]:
         return {**self.info, "id": self.identity}
+
+    def fence(self) -> Require | None:
+        """The condition every write of this leader's term carries (None: nothing to fence
+        against). Taken once when the term starts, so it keeps naming that term's key."""
+        return None
+
+    def fenced(self) -> None:
+        """A write carrying our fence failed: someone else leads. Stop acting as leader now."""
+        if self.is_leader:
+            log.warning("fenced: our election key is gone or another's", election=self.name)
+        self.is_leader = False
+        self.lost.set()
 
 
 class LocalElection(Election):
@@ -132,6 +149,13 @@ class LeaseElection(Election):
         except BaseException:
             await self._release(delete=False)
             raise
+
+    def fence(self) -> Require | None:
+        # Not checked against is_leader: a lease lost before the term started still fences
+        # (its writes fail), where None would let them through unconditioned.
+        if self._revision is None:
+            return None
+        return Require(KIND, self.name, self._revision)
 
     async def _wait_until_deleted(self, revision: int) -> None:
         """Until the leader key written at `revision` is gone; fails if our own lease is lost

@@ -6,7 +6,8 @@ Layout: one key per item, `<prefix>/<kind>/<name>` (e.g. `/orka/workloads/web`,
 Store contract (every key written by one commit carries that commit's revision).
 
 `commit()` is ONE etcd Txn: a compare per op (Create: create_revision == 0; Update/Delete:
-create_revision > 0, or mod_revision == expected when given), then the puts/deletes. Its failure
+create_revision > 0, or mod_revision == expected when given; Require: mod_revision ==
+required, with no write), then the puts/deletes. Its failure
 branch reads every compared key, so when a compare fails we learn which op failed from the very
 snapshot the compares saw, without a second round trip that could see later writes.
 
@@ -36,12 +37,14 @@ from orka.store.base import (
     Op,
     PreparedOp,
     Put,
+    Require,
     Store,
     Update,
     WatchEvent,
     check_precondition,
     decode_value,
     prepare_batch,
+    requirements_first,
     validate_key,
     validate_kind,
 )
@@ -288,6 +291,8 @@ class EtcdStore(Store):
             if compare is not None:
                 compares.append(compare)
                 checked.append((op, key))
+            if isinstance(op, Require):
+                continue  # a compare only: fencing costs no extra round trip
             if isinstance(op, Delete):
                 success.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)))
             else:
@@ -307,21 +312,26 @@ class EtcdStore(Store):
         failed: list[str] = []
         with metrics.store_commit("etcd"):
             response = await self._call("kv.Txn", request, idempotent=True, failed=failed)
+        writes = sum(not isinstance(p.op, Require) for p in prepared)
         if response.succeeded:
-            self.keys_written += len(prepared)
+            self.keys_written += writes
             revision = int(response.header.revision)
-            return [0 if isinstance(p.op, Delete) else revision for p in prepared]
-        if failed:
+            return [0 if isinstance(p.op, Delete | Require) else revision for p in prepared]
+        if failed and writes:
             landed = await self._landed(prepared)
             if landed is not None:
                 log.info("etcd commit landed before a fail-over", attempts=failed)
-                self.keys_written += len(prepared)
-                return [0 if isinstance(p.op, Delete) else landed for p in prepared]
+                self.keys_written += writes
+                return [0 if isinstance(p.op, Delete | Require) else landed for p in prepared]
         self.txn_failed += 1
-        # Replay the preconditions in op order against the state the compares saw, so the
-        # error is the first failing op's, exactly as the other backends report it.
-        for (op, _), result in zip(checked, response.responses, strict=True):
-            kvs = result.response_range.kvs
+        # Replay the preconditions (requirements first, then in op order) against the state
+        # the compares saw, so the error is the one the other backends report.
+        seen = {
+            id(op): result.response_range.kvs
+            for (op, _), result in zip(checked, response.responses, strict=True)
+        }
+        for op in requirements_first([op for op, _ in checked]):
+            kvs = seen[id(op)]
             check_precondition(op, kvs[0].mod_revision if kvs else None)
         # Unreachable unless etcd and we disagree on a compare; never pretend it succeeded.
         raise Conflict(f"etcd transaction of {len(prepared)} ops was rejected")
@@ -330,6 +340,8 @@ class EtcdStore(Store):
         """The revision at which this exact batch was applied, if the store shows it: every
         written key holds our value at one common revision and every deleted key is gone.
         None if not (or if it cannot be told: a delete-only batch has no revision to show)."""
+        # Requirements are left out: they held when the batch landed, whatever they are now.
+        prepared = [p for p in prepared if not isinstance(p.op, Require)]
         reads = [
             rpc.RequestOp(request_range=rpc.RangeRequest(key=self._key(p.op.kind, p.op.name)))
             for p in prepared
@@ -457,6 +469,11 @@ def _compare_for(op: Op, key: bytes) -> Any:
     """The etcd compare that holds exactly when `op`'s precondition does (None: no check)."""
     if isinstance(op, Put):
         return None
+    if isinstance(op, Require):
+        # A missing key has mod_revision 0, and a required revision is positive.
+        return rpc.Compare(
+            key=key, target=rpc.Compare.MOD, result=rpc.Compare.EQUAL, mod_revision=op.revision
+        )
     if isinstance(op, Create):
         return rpc.Compare(
             key=key,

@@ -10,12 +10,15 @@ from orka.store.base import (
     Delete,
     Item,
     Op,
+    Require,
     Store,
     check_precondition,
     decode_value,
     prepare_batch,
+    requirements_first,
     validate_key,
     validate_kind,
+    writes_nothing,
 )
 
 
@@ -65,15 +68,19 @@ class MemoryStore(Store):
         # No await below, so the check-then-apply cannot interleave with another commit: the
         # event loop itself is the lock. Every check runs before any write, which is equivalent to
         # sequential application because a batch never names a key twice.
-        for p in prepared:
-            current = self._data.get(p.op.kind, {}).get(p.op.name)
-            check_precondition(p.op, None if current is None else current[0])
+        for op in requirements_first([p.op for p in prepared]):
+            current = self._data.get(op.kind, {}).get(op.name)
+            check_precondition(op, None if current is None else current[0])
+        if writes_nothing(prepared):
+            return [0] * len(prepared)
         start = time.perf_counter()
         self._revision += 1
         revisions: list[int] = []
         for p in prepared:
             op = p.op
-            if isinstance(op, Delete):
+            if isinstance(op, Require):
+                revisions.append(0)
+            elif isinstance(op, Delete):
                 bucket = self._data[op.kind]
                 del bucket[op.name]
                 if not bucket:

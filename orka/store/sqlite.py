@@ -5,6 +5,9 @@ separate reader. With a single connection, a get() issued while a commit is betw
 would see that commit's uncommitted (and possibly rolled back) rows; WAL gives the reader the
 last committed snapshot instead, without waiting for the writer.
 
+One process at a time: open() takes the store's writer lock (writer_lock.py) and close()
+gives it back, so a second controller on the same file is refused at start, naming the holder.
+
 Reads go through aiosqlite. The writer is a plain sqlite3 connection owned by one thread of
 our own, and a whole commit (BEGIN to COMMIT) runs there as one call: aiosqlite hands every
 statement to its thread and back, which made a commit several round trips, and it has no
@@ -31,14 +34,18 @@ from orka.store.base import (
     Op,
     PreparedOp,
     Put,
+    Require,
     Store,
     Update,
     check_precondition,
     decode_value,
     prepare_batch,
+    requirements_first,
     validate_key,
     validate_kind,
+    writes_nothing,
 )
+from orka.store.writer_lock import WriterLock
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS items (
@@ -84,6 +91,7 @@ class SqliteStore(Store):
         self._writer_thread: ThreadPoolExecutor | None = None
         self._reader: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
+        self._writer_lock = WriterLock(self.path)
 
     async def _on_writer(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run `fn` with the writer connection on the writer's thread.
@@ -112,6 +120,15 @@ class SqliteStore(Store):
             return
         # A folder made here is private; an existing one may be shared (/var/lib) and is left be.
         await asyncio.to_thread(self.path.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
+        # Before SQLite touches the file: a refused second controller changes nothing in it.
+        await asyncio.to_thread(self._writer_lock.acquire)
+        try:
+            await self._connect()
+        except BaseException:
+            self._writer_lock.release()
+            raise
+
+    async def _connect(self) -> None:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orka-sqlite-writer")
         loop = asyncio.get_running_loop()
         try:
@@ -147,6 +164,8 @@ class SqliteStore(Store):
                 await asyncio.get_running_loop().run_in_executor(pool, writer.close)
             if pool is not None:
                 pool.shutdown(wait=False)
+            # Last, once the writer is closed: the next holder finds the file at rest.
+            self._writer_lock.release()
 
     def _read_conn(self) -> aiosqlite.Connection:
         if self._reader is None:
@@ -229,13 +248,18 @@ def _commit(conn: sqlite3.Connection, prepared: list[PreparedOp]) -> list[int]:
     try:
         row = conn.execute("SELECT value FROM meta WHERE key = 'revision'").fetchone()
         revision = int(row[0]) + 1
-        checked = [p.op for p in prepared if not isinstance(p.op, Put)]
+        checked = requirements_first([p.op for p in prepared if not isinstance(p.op, Put)])
         current = _revisions(conn, [(op.kind, op.name) for op in checked])
         for op in checked:
             check_precondition(op, current.get((op.kind, op.name)))
+        if writes_nothing(prepared):
+            conn.execute("COMMIT")
+            return [0] * len(prepared)
         rows: dict[type, list[tuple[Any, ...]]] = {Delete: [], Create: [], Update: [], Put: []}
         for p in prepared:
             op = p.op
+            if isinstance(op, Require):
+                continue
             if isinstance(op, Delete):
                 rows[Delete].append((op.kind, op.name))
             elif isinstance(op, Update):
@@ -252,7 +276,7 @@ def _commit(conn: sqlite3.Connection, prepared: list[PreparedOp]) -> list[int]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    return [0 if isinstance(p.op, Delete) else revision for p in prepared]
+    return [0 if isinstance(p.op, Delete | Require) else revision for p in prepared]
 
 
 _WRITES: tuple[tuple[type, str], ...] = (

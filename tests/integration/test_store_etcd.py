@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, Unavailable
-from orka.store import Create, Delete, EtcdStore, Item, Put, Store, Update, WatchEvent
+from orka.store import (
+    Create,
+    Delete,
+    EtcdStore,
+    Item,
+    Put,
+    Require,
+    Store,
+    Update,
+    WatchEvent,
+)
 from orka.store.election import Election, LocalElection, election_for
 from tests.etcd import EtcdCluster, needs_etcd
 from tests.unit.store import test_conformance as suite
@@ -111,6 +121,11 @@ async def test_txn_counter_counts_one_txn_per_commit(store: Store) -> None:
     await store.get("workloads", "a")
     await store.list("workloads")
     assert (store.txn_count, store.txn_failed) == (before[0] + 2, before[1] + 1)
+    # A fenced commit is still one Txn: the requirement is one more compare in it.
+    held = await store.create("leader", "controller", {})
+    before = (store.txn_count, store.keys_written)
+    await store.commit([Require("leader", "controller", held), Create("workloads", "b", {})])
+    assert (store.txn_count, store.keys_written) == (before[0] + 1, before[1] + 1)
 
 
 async def test_unreachable_endpoints_raise_unavailable() -> None:

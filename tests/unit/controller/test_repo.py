@@ -9,7 +9,7 @@ import pytest
 from orka.controller.repo import MAX_TXN_OPS, Change, Repo
 from orka.errors import Conflict, Unavailable
 from orka.models import Instance
-from orka.store.base import Update
+from orka.store.base import Fenced, Put, Require, Update
 from orka.store.memory import MemoryStore
 
 
@@ -99,3 +99,36 @@ async def test_each_chunk_has_its_revision_and_the_index_follows_writes(store: M
     assert list(fresh.order["instances"]) == list(repo.order["instances"])
     fresh.reset()
     assert fresh.revision == 0 and not fresh.order["instances"]
+
+
+async def test_a_fenced_commit_stops_the_repo_at_once(store: MemoryStore) -> None:
+    repo = Repo(store)
+    held = await store.create("leader", "controller", {"id": "ctl-a"})
+    repo.fence = Require("leader", "controller", held)
+    fenced: list[Fenced] = []
+    repo.on_fenced.append(fenced.append)
+    # Fenced writes still fit etcd's limit: the fence is one op of each transaction.
+    commits: list[int] = []
+    commit = store.commit
+
+    async def counting(ops):  # type: ignore[no-untyped-def]
+        commits.append(len(ops))
+        assert ops[0] == repo.fence
+        return await commit(ops)
+
+    store.commit = counting  # type: ignore[method-assign]
+    await repo.mutate(
+        lambda: [Change("instances", f"w-{i:04d}", inst(i)) for i in range(MAX_TXN_OPS)]
+    )
+    assert commits == [MAX_TXN_OPS, 2] and repo.writes == 2
+    # A successor takes the key (our lease ran out while we were paused).
+    await commit([Put("leader", "controller", {"id": "ctl-b"})])
+    at = await store.revision()
+    with pytest.raises(Fenced):
+        await repo.mutate(lambda: [Change("instances", "w-9999", inst(9999))])
+    assert len(fenced) == 1 and not repo.writable
+    # No reload and retry as after a lost compare, and nothing more lands.
+    assert repo.reloads == 0 and await store.revision() == at
+    with pytest.raises(Unavailable):
+        await repo.mutate(lambda: [Change("instances", "w-9998", inst(9998))])
+    assert len(await store.list("instances")) == MAX_TXN_OPS

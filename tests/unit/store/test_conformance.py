@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from orka.errors import AlreadyExists, Conflict, Invalid, NotFound
+from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, NotLeader
 from orka.store import Create, Delete, Item, MemoryStore, Put, SqliteStore, Store, Update
-from orka.store.base import JsonText, Unsupported
+from orka.store.base import Fenced, JsonText, Require, Unsupported
 
 BACKENDS: dict[str, Callable[[Path], Store]] = {
     "memory": lambda _tmp: MemoryStore(),
@@ -417,3 +417,72 @@ async def test_close_is_idempotent_and_reopen_works(make_store: Callable[[], Sto
         await s.commit([Put("workload", "x", {})])
     async with s:
         assert await s.get("workload", "x") is None
+
+
+# --- Require: a condition on another key, the fence of a leader's writes -----------------------
+
+
+async def test_a_held_requirement_lets_the_batch_land_and_writes_nothing_itself(
+    store: Store,
+) -> None:
+    r0 = await store.revision()
+    held = await store.create("leader", "controller", doc(id="ctl-a"))
+    revisions = await store.commit(
+        [Require("leader", "controller", held), Create("workload", "a", doc())]
+    )
+    assert revisions == [0, r0 + 2]
+    assert await store.get("leader", "controller") == Item(
+        "leader", "controller", held, {"id": "ctl-a"}
+    )
+    assert (await store.get("workload", "a")) is not None
+    # A batch of requirements only is a read: it leaves the revision where it is.
+    assert await store.commit([Require("leader", "controller", held)]) == [0]
+    assert await store.revision() == r0 + 2
+
+
+@pytest.mark.parametrize("successor", ["rewritten", "deleted", "recreated"])
+async def test_a_failed_requirement_fences_the_whole_batch(store: Store, successor: str) -> None:
+    held = await store.create("leader", "controller", doc(id="ctl-a"))
+    await store.create("workload", "exists", doc(v=1))
+    if successor == "rewritten":
+        await store.put("leader", "controller", doc(id="ctl-b"))
+    else:
+        await store.delete("leader", "controller")
+        if successor == "recreated":
+            # The same holder's name on a new key: only the revision tells the terms apart.
+            await store.create("leader", "controller", doc(id="ctl-a"))
+    before = await snapshot(store, "leader", "workload")
+    batch = [
+        Update("workload", "exists", doc(v=2), expected_revision=None),
+        Create("workload", "new", doc()),
+        Require("leader", "controller", held),
+    ]
+    with pytest.raises(Fenced, match=f"'controller'.*not at revision {held}") as caught:
+        await store.commit(batch)
+    # A fenced writer is told it is no leader (UNAVAILABLE, NOT_LEADER), never a Conflict.
+    assert isinstance(caught.value, NotLeader) and not isinstance(caught.value, Conflict)
+    assert await snapshot(store, "leader", "workload") == before
+    with pytest.raises(Fenced):
+        await store.commit([Require("leader", "controller", held)])
+
+
+async def test_a_failed_requirement_is_reported_before_other_failures(store: Store) -> None:
+    held = await store.create("leader", "controller", doc())
+    await store.create("workload", "a", doc())
+    await store.put("leader", "controller", doc())
+    # The Create alone would be AlreadyExists: a fenced writer must learn it is fenced instead
+    # of reloading and retrying as it does after a lost compare.
+    with pytest.raises(Fenced):
+        await store.commit([Create("workload", "a", doc()), Require("leader", "controller", held)])
+
+
+@pytest.mark.parametrize("revision", [0, -1, True, "3", None])
+async def test_a_requirement_needs_a_positive_revision(store: Store, revision: object) -> None:
+    r0 = await store.revision()
+    with pytest.raises(Invalid, match="required revision"):
+        await store.commit(
+            [Create("workload", "a", doc()), Require("leader", "x", revision)]  # type: ignore[arg-type]
+        )
+    with pytest.raises(Invalid, match="more than once"):
+        await store.commit([Put("leader", "x", doc()), Require("leader", "x", 1)])
+    assert await store.revision() == r0

@@ -1,9 +1,11 @@
-"""What only the SQLite backend promises: durability, WAL, no partial commits."""
+"""What only the SQLite backend promises: durability, WAL, no partial commits, one writer."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
+import stat
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from orka.errors import Conflict
 from orka.store import Create, Item, Put, SqliteStore, Update
 from orka.store import sqlite as sqlite_store
 from orka.store.sqlite import _prefix_end
+from orka.store.writer_lock import StoreLocked, lock_path
 
 
 async def test_data_and_revision_survive_close_and_reopen(tmp_path: Path) -> None:
@@ -195,3 +198,22 @@ async def test_files_left_open_by_an_older_version_are_tightened_at_open(tmp_pat
     async with SqliteStore(left / "orka.db") as s:
         assert await s.get("workload", "web") is not None
         assert [_mode(f) for f in files] == [0o600, 0o600, 0o600]
+
+
+async def test_a_second_store_on_the_file_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    path = tmp_path / "orka.db"
+    async with SqliteStore(path) as first:
+        await first.create("workload", "web", {})
+        second = SqliteStore(path)
+        with pytest.raises(StoreLocked, match=rf"{path}.*in use by .*pid {os.getpid()}\b"):
+            await second.open()
+        # Refused before touching anything: the holder goes on, the refused one is not open.
+        assert await first.create("workload", "db", {}) == 2
+        with pytest.raises(RuntimeError, match="not open"):
+            await second.get("workload", "web")
+        await second.close()
+        assert (await first.get("workload", "web")) is not None
+    # Released on close: the next process (a restarted controller) opens it.
+    async with SqliteStore(path) as again:
+        assert [i.name for i in await again.list("workload")] == ["db", "web"]
+    assert stat.S_IMODE(lock_path(path).stat().st_mode) == 0o600
