@@ -181,9 +181,7 @@ class Stream:
             attempt += 1
             # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
             # a pause ends early when a scheduler that refused connections starts listening.
-            delay = self.targets.failed(
-                failure, backoff.delay(attempt, 0.2, self.reconnect_max)
-            )
+            delay = self.targets.failed(failure, backoff.delay(attempt, 0.2, self.reconnect_max))
             if delay > 0:
                 await backoff.pause(delay, self.targets.current)
 
