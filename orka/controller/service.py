@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from orka import metrics
 from orka.api import controller_pb2_grpc as pb_grpc
@@ -33,7 +33,7 @@ from orka.controller.repo import Repo
 from orka.controller.volumes import VolumeKeeper
 from orka.errors import Invalid, Unavailable
 from orka.filemodes import private_dir
-from orka.rpc.server import start_server
+from orka.rpc.server import set_serving, start_server
 from orka.security.tls import TlsFiles
 from orka.store.base import Fenced
 from orka.store.election import Election, election_for
@@ -205,13 +205,7 @@ class Controller:
         return self.port
 
     async def _set_serving(self, serving: bool) -> None:
-        if self._health is not None:
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            await self._health.set(SERVICE_NAME, status)
+        await set_serving(self._health, SERVICE_NAME, serving)
 
     async def _lead(self) -> None:
         """A term begins: resume from the store, then start the leader-only parts."""

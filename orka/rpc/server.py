@@ -110,6 +110,20 @@ async def start_server(
     return server, bound, health_servicer
 
 
+async def set_serving(
+    servicer: health.aio.HealthServicer | None, service: str, serving: bool
+) -> None:
+    """What the health service says of `service`: SERVING for a leader or an active scheduler,
+    NOT_SERVING for a follower or a standby (load balancers then find the one that serves)."""
+    if servicer is not None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await servicer.set(service, status)
+
+
 # ---- RPC metrics ----
 
 

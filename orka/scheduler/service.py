@@ -34,14 +34,14 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health
 
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
 from orka.controller.leadership import Leadership, default_advertise
 from orka.errors import Invalid, NotLeader, OrkaError
-from orka.rpc.server import boundaries, start_server, stream, unary
+from orka.rpc.server import boundaries, set_serving, start_server, stream, unary
 from orka.scheduler.feed import Feed
 from orka.scheduler.gateway import Gateway
 from orka.scheduler.liveness import Liveness
@@ -217,13 +217,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         return self.port
 
     async def _set_serving(self, serving: bool) -> None:
-        if self._health is not None:
-            status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            await self._health.set(SERVICE_NAME, status)
+        await set_serving(self._health, SERVICE_NAME, serving)
 
     async def _lead(self) -> None:
         """A term begins: from an empty registry, which the agents fill as they register."""

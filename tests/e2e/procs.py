@@ -240,6 +240,13 @@ def kill_host_copies(workload: str) -> None:
             pass
 
 
+def sleep_spec(name: str, replicas: int) -> pb.WorkloadSpec:
+    """A process workload that runs until stopped."""
+    return pb.WorkloadSpec(
+        name=name, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=replicas
+    )
+
+
 def monotonic() -> float:
     return time.monotonic()
 

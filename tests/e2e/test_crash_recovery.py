@@ -16,7 +16,6 @@ import json
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -25,31 +24,13 @@ import pytest
 from orka.api import controller_pb2 as pb
 from orka.rpc.pages import list_all
 from orka.security.issue import issue_cert, pair_dir
-from tests.e2e.procs import ProcessCluster, free_port, nodes_ready, run_orka
-from tests.etcd import EtcdCluster
+from tests.e2e.procs import ProcessCluster, free_port, nodes_ready, run_orka, sleep_spec
 from tests.integration.cluster import eventually
 
 pytestmark = pytest.mark.e2e
 
 
-def spec(name: str, replicas: int) -> pb.WorkloadSpec:
-    return pb.WorkloadSpec(
-        name=name, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=replicas
-    )
-
-
-@pytest.fixture
-async def fake_cluster(
-    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
-) -> AsyncIterator[ProcessCluster]:
-    c = ProcessCluster(certs_dir, tmp_path, store_url=etcd.url + etcd_prefix, runtime="fake")
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        await c.close()
+spec = sleep_spec
 
 
 def agent_certs(certs: Path, names: list[str]) -> None:

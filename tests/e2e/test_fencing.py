@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,7 +19,7 @@ import pytest
 from orka.api import controller_pb2 as pb
 from orka.errors import NotLeader, from_rpc_error
 from orka.store import EtcdStore, WatchEvent
-from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
+from tests.e2e.procs import ProcessCluster, free_port, nodes_ready, sleep_spec
 from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
 
@@ -31,27 +30,7 @@ pytestmark = pytest.mark.e2e
 QUEUED = 12
 
 
-def spec(name: str, replicas: int) -> pb.WorkloadSpec:
-    return pb.WorkloadSpec(
-        name=name, kind=pb.WorkloadSpec.PROCESS, command=["sleep", "1000"], replicas=replicas
-    )
-
-
-@pytest.fixture
-async def cluster(
-    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
-) -> AsyncIterator[ProcessCluster]:
-    c = ProcessCluster(certs_dir, tmp_path, store_url=etcd.url + etcd_prefix, runtime="fake")
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        for svc in c.services.values():
-            if svc.proc is not None and svc.proc.poll() is None:
-                svc.signal(signal.SIGCONT)  # a stopped process cannot be killed cleanly
-        await c.close()
+spec = sleep_spec
 
 
 async def leads(c: ProcessCluster) -> bool:
@@ -84,9 +63,9 @@ async def history(store: EtcdStore, kind: str, since: int, until: int) -> list[W
 
 
 async def test_a_resumed_sigstopped_leader_lands_nothing_and_steps_down(
-    cluster: ProcessCluster, etcd: EtcdCluster, etcd_prefix: str
+    fake_cluster: ProcessCluster, etcd: EtcdCluster, etcd_prefix: str
 ) -> None:
-    c = cluster
+    c = fake_cluster
     nodes = ["node-1", "node-2"]
     port_a, port_b = c.controller_port, free_port()
     c.start_scheduler()

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -32,26 +31,11 @@ from orka.rpc.client import secure_channel
 from orka.security.tls import TlsFiles
 from tests.e2e.procs import ProcessCluster, free_port, nodes_ready
 from tests.e2e.test_crash_recovery import files_agree, settled, spec
-from tests.etcd import EtcdCluster
 from tests.integration.cluster import eventually
 
 pytestmark = pytest.mark.e2e
 
 SCHEDULER = "orka.v1.Scheduler"
-
-
-@pytest.fixture
-async def cluster(
-    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
-) -> AsyncIterator[ProcessCluster]:
-    c = ProcessCluster(certs_dir, tmp_path, store_url=etcd.url + etcd_prefix, runtime="fake")
-    try:
-        yield c
-    except BaseException:
-        print(c.logs())
-        raise
-    finally:
-        await c.close()
 
 
 def controller_tls(certs: Path) -> TlsFiles:
@@ -135,9 +119,9 @@ class EventLog:
 
 
 async def test_active_scheduler_sigkill_under_load_fails_over_to_the_standby(
-    cluster: ProcessCluster,
+    fake_cluster: ProcessCluster,
 ) -> None:
-    c = cluster
+    c = fake_cluster
     nodes = ["node-1", "node-2", "node-3"]
     a, b = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     c.scheduler_addrs = [a, b]
