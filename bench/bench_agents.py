@@ -220,7 +220,7 @@ def run(
 
             async def go() -> dict[str, object]:
                 channel = admin_channel(certs, services.controller)
-                await wait_nodes_ready(pb_grpc.ControllerStub(channel), agents, timeout=180)
+                await wait_nodes_ready(pb_grpc.ControllerStub(channel), agents, timeout=300)
                 await channel.close()
                 started = time.perf_counter() - t0
                 ps = [psutil.Process(p.pid) for p in procs]
