@@ -54,7 +54,7 @@ async def main(args: argparse.Namespace) -> None:
         name = node_name(i)
         config = AgentConfig(
             name=name,
-            schedulers=[args.scheduler],
+            schedulers=args.scheduler.split(","),
             data_dir=Path(args.data_dir) / name,
             runtimes=["fake"],
             cpu_millis=args.cpu_millis,

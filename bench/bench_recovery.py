@@ -12,7 +12,13 @@ processes (`agent_host.py`). Per size N:
 * controller failover: SIGKILL the leading controller; time until the standby answers
   ListInstances (bounded below by the election lease, 5 s).
 
-    .venv/bin/python bench/bench_recovery.py [--sizes 100,1000]
+With `--standby`, each size is also run on a second cluster with two schedulers sharing the
+etcd store (`orka scheduler --store`, agents and controller given both addresses): SIGKILL the
+active one, no restart; time until every agent has registered at the standby, and until a new
+workload runs. Reported beside the restart figures, with how many nodes the controller ever
+saw leave READY meanwhile (its WatchEvents stream; 0 is the goal).
+
+    .venv/bin/python bench/bench_recovery.py [--sizes 100,1000] [--standby]
     .venv/bin/python bench/bench_recovery.py --smoke
 """
 
@@ -147,6 +153,95 @@ async def measure(
     }
 
 
+async def agents_back(stub: Any, nodes: int, since_wall: float) -> bool:
+    """Every node READY with a heartbeat after `since_wall`, as the controller sees it."""
+    listed, _ = await list_all(
+        functools.partial(stub.ListNodes, timeout=10), pb.ListNodesRequest(), "nodes"
+    )
+    fresh = [
+        n
+        for n in listed
+        if n.state == pb.Node.READY and n.last_heartbeat_time.ToNanoseconds() >= since_wall * 1e9
+    ]
+    return len(fresh) >= nodes
+
+
+async def measure_standby(services: Services, certs: Path, nodes: int) -> dict[str, Any]:
+    channel = admin_channel(certs, services.controller)
+    stub = pb_grpc.ControllerStub(channel)
+    await wait_nodes_ready(stub, nodes, timeout=600)
+    replicas = max(1, nodes // 2)
+    await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("base", replicas)))
+    await poll(lambda: running(stub, "base", replicas), 600, 0.2)
+
+    # Node state changes the controller writes, watched from before the kill.
+    left_ready: set[str] = set()
+
+    async def watch() -> None:
+        async for event in stub.WatchEvents(pb.WatchEventsRequest()):
+            if event.WhichOneof("object") == "node" and event.node.state != pb.Node.READY:
+                left_ready.add(event.node.name)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.5)
+    active = services.procs["scheduler"]
+    active.send_signal(signal.SIGKILL)
+    killed_wall, killed = time.time(), time.monotonic()
+    active.wait(10)
+    await poll(lambda: agents_back(stub, nodes, killed_wall), 600, 0.1)
+    back = time.monotonic() - killed
+    await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))
+    await poll(lambda: running(stub, "probe", 1), 120)
+    resumed = time.monotonic() - killed
+    await asyncio.sleep(1.0)  # the last node events reach the watcher
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    await channel.close()
+    return {
+        "standby_failover_to_agents_back_s": round(back, 2),
+        "standby_failover_to_placement_resumed_s": round(resumed, 2),
+        "standby_failover_nodes_left_ready": len(left_ready),
+    }
+
+
+def run_standby(nodes: int) -> dict[str, Any]:
+    """The failover figures: two schedulers on the etcd store, the active one SIGKILLed."""
+    certs = certs_dir(nodes)
+    with workdir(f"standby-{nodes}") as work, etcd_server(work) as store_url:
+        standby = f"127.0.0.1:{free_port()}"
+        elect = ["--store", store_url]
+        services = Services(
+            certs, work, scheduler_args=elect, store=store_url, more_schedulers=[standby]
+        ).start()
+        hosts = []
+        try:
+            port = int(standby.rsplit(":", 1)[1])
+            services._spawn(
+                "scheduler-standby",
+                [
+                    "scheduler",
+                    "--listen",
+                    standby,
+                    "--data-dir",
+                    str(work / "scheduler-standby"),
+                    "--certs",
+                    str(certs),
+                    "--log-level",
+                    "warning",
+                    *elect,
+                ],
+            )
+            wait_port(port, services.procs["scheduler-standby"])
+            processes = max(1, -(-nodes // AGENTS_PER_PROCESS))
+            both = f"{services.scheduler},{standby}"
+            hosts = start_agents(certs, both, nodes, work, processes)
+            return asyncio.run(measure_standby(services, certs, nodes))
+        finally:
+            for h in hosts:
+                h.stop()
+            services.stop()
+
+
 def run(nodes: int) -> dict[str, Any]:
     certs = certs_dir(nodes)
     with workdir(f"recovery-{nodes}") as work, etcd_server(work) as store_url:
@@ -186,9 +281,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="100,1000", help="agent counts, comma-separated")
     p.add_argument("--smoke", action="store_true", help="10 agents only")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="also measure failover to a standby scheduler (a second cluster per size)",
+    )
     args = p.parse_args(argv)
     sizes = [10] if args.smoke else [int(s) for s in args.sizes.split(",") if s.strip()]
-    results = [run(n) for n in sizes]
+    results = []
+    for n in sizes:
+        result = run(n)
+        if args.standby:
+            result.update(run_standby(n))
+        results.append(result)
     for r in results:
         table(f"recovery with {r['agents']} agents", list(r.items()))
     emit({"bench": "recovery", "runs": results})

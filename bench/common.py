@@ -108,6 +108,8 @@ class Services:
     store: str = ""
     scheduler_port: int = 0
     controller_port: int = 0
+    # Standby schedulers' addresses, given to the controller after the first one.
+    more_schedulers: Sequence[str] = ()
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self) -> Services:
@@ -142,7 +144,7 @@ class Services:
                 "--listen",
                 f"127.0.0.1:{self.controller_port}",
                 "--scheduler",
-                f"127.0.0.1:{self.scheduler_port}",
+                ",".join([self.scheduler, *self.more_schedulers]),
                 "--data-dir",
                 str(self.work / "controller"),
                 *store,
@@ -174,7 +176,7 @@ class Services:
         return self.procs[name].pid
 
     def stop(self) -> None:
-        for name in ("controller", "scheduler"):
+        for name in ("controller", "scheduler", *self.procs):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.terminate()

@@ -44,8 +44,10 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "volumes": ("volumes", ()),
     # Agents as their own OS processes (`orka agent --runtime fake`), not simulated.
     "agents": ("agents", ()),
+    # Invariants under faults, not a speed: a short soak here, the 30-minute one on its own.
+    "chaos": ("chaos", ("--minutes", "3")),
 }
-FULL_ONLY = {"placement_5000_nodes"}
+FULL_ONLY = {"placement_5000_nodes", "chaos"}
 
 
 def machine() -> dict[str, Any]:

@@ -26,6 +26,8 @@ from orka.validation import MAX_NAME_LENGTH, quote
 
 MAX_REPLICAS = 1000
 MAX_STOP_GRACE_SECONDS = 3600
+# The longest a lost node's instances may be waited for (WorkloadSpec.max_disconnect).
+MAX_DISCONNECT_SECONDS = 7 * 24 * 3600
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # A user or group a process workload runs as: a name (POSIX portable user names, as useradd
 # takes them) or a numeric id. Nothing else, so no NUL, control character or path reaches
@@ -84,6 +86,18 @@ class InstancePhase(StrEnum):
     STOPPING = "STOPPING"
     STOPPED = "STOPPED"
     LOST = "LOST"
+    # Its node is LOST and its workload waits for the node (on_node_lost: wait): it may still
+    # run there; not replaced until max_disconnect has passed. Set by the controller only.
+    DISCONNECTED = "DISCONNECTED"
+
+
+class OnNodeLost(StrEnum):
+    """What the controller does with the instances of a LOST node (WorkloadSpec.on_node_lost)."""
+
+    # Lose them and place replacements at once (the default).
+    REPLACE = "REPLACE"
+    # Keep them DISCONNECTED for max_disconnect, then replace them.
+    WAIT = "WAIT"
 
 
 class HealthState(StrEnum):
@@ -104,6 +118,15 @@ TERMINAL_PHASES = frozenset(
 _UNBOUND = frozenset({InstancePhase.PENDING})
 _JUST_BOUND = frozenset({InstancePhase.SCHEDULED})
 _LIVE = frozenset(InstancePhase) - TERMINAL_PHASES
+# What a lost node may still run: bound and live, not yet disconnected.
+_WAITABLE = frozenset(
+    {
+        InstancePhase.SCHEDULED,
+        InstancePhase.STARTING,
+        InstancePhase.RUNNING,
+        InstancePhase.STOPPING,
+    }
+)
 # Phases in which an instance holds (or is about to hold) a node's resources.
 BOUND_PHASES = frozenset(
     {
@@ -128,10 +151,14 @@ class InstanceReason(StrEnum):
     # Loss: the node is gone, or came back without the instance.
     NODE_LOST = "NodeLost"
     NOT_ON_NODE = "NotOnNode"
+    # Its node is lost and the workload waits for it (on_node_lost: wait).
+    NODE_DISCONNECTED = "NodeDisconnected"
     # Stops the controller asks for.
     SCALED_DOWN = "ScaledDown"
     REPLACED = "Replaced"
     WORKLOAD_DELETED = "WorkloadDeleted"
+    # A replacement never placed, dropped because the instance it replaced came back.
+    ORIGINAL_BACK = "OriginalBack"
 
 
 # What a stop tells the node and the user (the stored message, the stop command's reason).
@@ -139,6 +166,7 @@ STOP_MESSAGES: dict[InstanceReason, str] = {
     InstanceReason.SCALED_DOWN: "scaled down",
     InstanceReason.REPLACED: "replaced by {successor}",
     InstanceReason.WORKLOAD_DELETED: "workload deleted",
+    InstanceReason.ORIGINAL_BACK: "not needed: {successor} is back on its node",
 }
 LOSS_REASONS = frozenset({InstanceReason.NODE_LOST, InstanceReason.NOT_ON_NODE})
 
@@ -542,6 +570,10 @@ class WorkloadSpec(BaseModel):
     pool: str = ""
     volumes: list[VolumeMount] = Field(default_factory=list, max_length=MAX_VOLUMES)
     volume_template: VolumeTemplate | None = None
+    # What a LOST node's instances become (see OnNodeLost), and with WAIT how many seconds
+    # they are waited for (required with WAIT, 0 otherwise).
+    on_node_lost: OnNodeLost = OnNodeLost.REPLACE
+    max_disconnect: float = Field(default=0.0, ge=0, le=MAX_DISCONNECT_SECONDS)
 
     @field_validator("class_name", "pool")
     @classmethod
@@ -622,6 +654,20 @@ class WorkloadSpec(BaseModel):
                     raise ValueError(f"[{i}].host_port: {p.host_port}/{p.protocol} is given twice")
                 fixed.add((p.host_port, p.protocol))
         return v
+
+    @model_validator(mode="after")
+    def _node_lost_policy(self) -> WorkloadSpec:
+        if self.on_node_lost is OnNodeLost.WAIT and self.max_disconnect <= 0:
+            raise ValueError(
+                "max_disconnect: required with on_node_lost WAIT: how long a lost node's"
+                f" instances are waited for (more than 0s, at most {MAX_DISCONNECT_SECONDS}s)"
+            )
+        if self.on_node_lost is not OnNodeLost.WAIT and self.max_disconnect:
+            raise ValueError(
+                "max_disconnect: only with on_node_lost WAIT (REPLACE replaces a lost node's"
+                " instances at once)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kind_needs(self) -> WorkloadSpec:
@@ -883,6 +929,9 @@ class Instance(BaseModel):
     health_changed_at: float | None = None
     # Which replica it is: a replacement takes its predecessor's (and its template volume).
     ordinal: int = 0
+    # When it became DISCONNECTED (its node lost, its workload waiting): the wait counts from
+    # here. None when it is not DISCONNECTED.
+    disconnected_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -960,6 +1009,36 @@ class Instance(BaseModel):
             }
         )
 
+    def disconnected(self, message: str, now: float) -> Instance:
+        """A bound live instance whose node is lost -> DISCONNECTED: kept, not replaced, while
+        its workload waits for the node (on_node_lost: wait)."""
+        self._require("be disconnected", _WAITABLE)
+        return self.model_copy(
+            update={
+                "phase": InstancePhase.DISCONNECTED,
+                "reason": InstanceReason.NODE_DISCONNECTED.value,
+                "message": message,
+                "disconnected_at": now,
+                "updated_at": now,
+            }
+        )
+
+    def reconnected(self, r: InstanceReport, now: float) -> Instance:
+        """Its node came back and reports it still live: it takes the reported state again,
+        as if never lost. From DISCONNECTED (waited for), or LOST by node loss (the controller
+        then drops the replacement that was never placed)."""
+        if self.phase is not InstancePhase.DISCONNECTED and not (
+            self.phase is InstancePhase.LOST and self.reason == InstanceReason.NODE_LOST
+        ):
+            raise InvalidTransition(f"instance {self.name}: cannot reconnect from {self.phase}")
+        if r.phase in TERMINAL_PHASES or r.phase in _UNBOUND:
+            raise InvalidTransition(f"instance {self.name}: a {r.phase} report is not live")
+        update: dict[str, object] = {f: getattr(r, f) for f in _REPORTED}
+        update.update(message=r.message, disconnected_at=None, updated_at=now)
+        if self.phase is InstancePhase.LOST:
+            update["finished_at"] = r.finished_at
+        return self.model_copy(update=update)
+
     def stop(self, reason: InstanceReason, now: float, successor: str = "") -> Instance:
         """Ask a live instance to stop. A wish, not a phase: phase and reason stay what the node
         reports until it has stopped; the message says why (and is what the node is told)."""
@@ -1010,6 +1089,8 @@ class Instance(BaseModel):
             update["message"] = r.message
         if not update:
             return None
+        if self.phase is InstancePhase.DISCONNECTED:
+            update["disconnected_at"] = None  # its node is back: the wait is over
         update["updated_at"] = now
         return self.model_copy(update=update)
 

@@ -20,6 +20,7 @@ from orka.models import TERMINAL_PHASES, Resources
 from orka.rpc import convert
 from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
+from orka.rpc.targets import Targets
 from orka.runtime.base import Driver
 from orka.security.tls import TlsFiles
 
@@ -69,6 +70,7 @@ class Stream:
         volumes: VolumeManager | None = None,
     ) -> None:
         self.schedulers = schedulers
+        self.targets = Targets(schedulers)
         self.pool = pool
         self.volumes = volumes
         self.tls = tls
@@ -152,13 +154,15 @@ class Stream:
     async def run(self) -> None:
         attempt = 0
         while True:
-            target = self.schedulers[attempt % len(self.schedulers)]
+            target = self.targets.current
+            failure: BaseException | None = None
             try:
                 await self.session(target)
                 attempt = 0
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
+                failure = err
                 refused = refused_role(err.details() or "", "scheduler")
                 if refused is not None:
                     # Registering with such a peer would let it command this node.
@@ -177,6 +181,8 @@ class Stream:
             self.outbox = None
             attempt += 1
             delay = min(0.2 * 2 ** min(attempt, 6), self.reconnect_max)
+            # Which scheduler next, and whether to wait (a NOT_LEADER naming one: at once).
+            delay = self.targets.failed(failure, delay)
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     async def session(self, target: str) -> None:
@@ -195,6 +201,7 @@ class Stream:
             self.interval = first.registered.heartbeat_interval or self.interval
             self.outbox = outbox
             self.connected.set()
+            self.targets.connected()
             log.info("registered", scheduler=target, node=first.registered.node)
             if self.leaving():
                 self.leave()

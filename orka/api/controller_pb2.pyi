@@ -128,7 +128,7 @@ class VolumeTemplate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., class_name: _Optional[str] = ..., mount_path: _Optional[str] = ..., read_only: _Optional[bool] = ...) -> None: ...
 
 class WorkloadSpec(_message.Message):
-    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check", "class_name", "pool", "volumes", "volume_template")
+    __slots__ = ("name", "kind", "image", "command", "env", "replicas", "resources", "node_selector", "restart_policy", "vm", "working_dir", "max_per_node", "stop_grace_period", "user", "group", "secret_env", "secret_env_files", "ports", "network", "update", "health_check", "class_name", "pool", "volumes", "volume_template", "on_node_lost", "max_disconnect")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WorkloadSpec.Kind]
@@ -157,6 +157,14 @@ class WorkloadSpec(_message.Message):
     NETWORK_MODE_UNSPECIFIED: WorkloadSpec.NetworkMode
     HOST: WorkloadSpec.NetworkMode
     BRIDGE: WorkloadSpec.NetworkMode
+    class OnNodeLost(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ON_NODE_LOST_UNSPECIFIED: _ClassVar[WorkloadSpec.OnNodeLost]
+        ON_NODE_LOST_REPLACE: _ClassVar[WorkloadSpec.OnNodeLost]
+        ON_NODE_LOST_WAIT: _ClassVar[WorkloadSpec.OnNodeLost]
+    ON_NODE_LOST_UNSPECIFIED: WorkloadSpec.OnNodeLost
+    ON_NODE_LOST_REPLACE: WorkloadSpec.OnNodeLost
+    ON_NODE_LOST_WAIT: WorkloadSpec.OnNodeLost
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +218,8 @@ class WorkloadSpec(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     VOLUME_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ON_NODE_LOST_FIELD_NUMBER: _ClassVar[int]
+    MAX_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: WorkloadSpec.Kind
     image: str
@@ -235,7 +245,9 @@ class WorkloadSpec(_message.Message):
     pool: str
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
     volume_template: VolumeTemplate
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., volume_template: _Optional[_Union[VolumeTemplate, _Mapping]] = ...) -> None: ...
+    on_node_lost: WorkloadSpec.OnNodeLost
+    max_disconnect: _duration_pb2.Duration
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[WorkloadSpec.Kind, str]] = ..., image: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., replicas: _Optional[int] = ..., resources: _Optional[_Union[Resources, _Mapping]] = ..., node_selector: _Optional[_Mapping[str, str]] = ..., restart_policy: _Optional[_Union[WorkloadSpec.RestartPolicy, str]] = ..., vm: _Optional[_Union[VmSpec, _Mapping]] = ..., working_dir: _Optional[str] = ..., max_per_node: _Optional[int] = ..., stop_grace_period: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., user: _Optional[str] = ..., group: _Optional[str] = ..., secret_env: _Optional[_Mapping[str, str]] = ..., secret_env_files: _Optional[_Mapping[str, str]] = ..., ports: _Optional[_Iterable[_Union[PortSpec, _Mapping]]] = ..., network: _Optional[_Union[WorkloadSpec.NetworkMode, str]] = ..., update: _Optional[_Union[UpdateStrategy, _Mapping]] = ..., health_check: _Optional[_Union[HealthCheck, _Mapping]] = ..., class_name: _Optional[str] = ..., pool: _Optional[str] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., volume_template: _Optional[_Union[VolumeTemplate, _Mapping]] = ..., on_node_lost: _Optional[_Union[WorkloadSpec.OnNodeLost, str]] = ..., max_disconnect: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class UpdateStrategy(_message.Message):
     __slots__ = ("max_unavailable", "max_surge", "min_ready_seconds", "progress_deadline_seconds", "auto_rollback", "canary")
@@ -336,7 +348,7 @@ class Workload(_message.Message):
     def __init__(self, spec: _Optional[_Union[WorkloadSpec, _Mapping]] = ..., status: _Optional[_Union[WorkloadStatus, _Mapping]] = ..., generation: _Optional[int] = ..., deleting: _Optional[bool] = ..., created_by: _Optional[str] = ..., updated_by: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "ordinal", "revision")
+    __slots__ = ("name", "workload", "node", "phase", "reason", "message", "exit_code", "restarts", "generation", "create_time", "update_time", "schedule_time", "start_time", "end_time", "address", "host_ip", "ports", "health", "health_message", "health_time", "ordinal", "revision", "disconnect_time")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[Instance.Phase]
@@ -349,6 +361,7 @@ class Instance(_message.Message):
         STOPPING: _ClassVar[Instance.Phase]
         STOPPED: _ClassVar[Instance.Phase]
         LOST: _ClassVar[Instance.Phase]
+        DISCONNECTED: _ClassVar[Instance.Phase]
     PHASE_UNSPECIFIED: Instance.Phase
     PENDING: Instance.Phase
     SCHEDULED: Instance.Phase
@@ -359,6 +372,7 @@ class Instance(_message.Message):
     STOPPING: Instance.Phase
     STOPPED: Instance.Phase
     LOST: Instance.Phase
+    DISCONNECTED: Instance.Phase
     class Health(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         HEALTH_UNSPECIFIED: _ClassVar[Instance.Health]
@@ -391,6 +405,7 @@ class Instance(_message.Message):
     HEALTH_TIME_FIELD_NUMBER: _ClassVar[int]
     ORDINAL_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    DISCONNECT_TIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     workload: str
     node: str
@@ -413,7 +428,8 @@ class Instance(_message.Message):
     health_time: _timestamp_pb2.Timestamp
     ordinal: int
     revision: int
-    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ordinal: _Optional[int] = ..., revision: _Optional[int] = ...) -> None: ...
+    disconnect_time: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., workload: _Optional[str] = ..., node: _Optional[str] = ..., phase: _Optional[_Union[Instance.Phase, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., restarts: _Optional[int] = ..., generation: _Optional[int] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., schedule_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., address: _Optional[str] = ..., host_ip: _Optional[str] = ..., ports: _Optional[_Iterable[_Union[PortBinding, _Mapping]]] = ..., health: _Optional[_Union[Instance.Health, str]] = ..., health_message: _Optional[str] = ..., health_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., ordinal: _Optional[int] = ..., revision: _Optional[int] = ..., disconnect_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Node(_message.Message):
     __slots__ = ("name", "state", "schedulable", "draining", "capacity", "allocatable", "allocated", "usage", "labels", "drivers", "instance_count", "message", "leaving", "pool", "volume_backends", "volume_capacity_bytes", "last_heartbeat_time", "etag", "revision")

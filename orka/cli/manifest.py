@@ -215,6 +215,10 @@ def spec_from_mapping(doc: dict[Any, Any], where: str) -> WorkloadSpec:
         if grace > MAX_STOP_GRACE_SECONDS:
             raise Invalid(f"{where}: stop_grace_period: must be at most {MAX_STOP_GRACE_SECONDS}s")
         data["stop_grace_seconds"] = grace
+    if isinstance(data.get("on_node_lost"), str):
+        data["on_node_lost"] = _enum_name(data["on_node_lost"])
+    if "max_disconnect" in data:
+        data["max_disconnect"] = parse_duration(data["max_disconnect"], f"{where}: max_disconnect")
     if isinstance(data.get("vm"), dict):
         data["vm"] = _normalise_keys(data["vm"], set(VmSpec.model_fields), f"{where}: vm")
     if isinstance(data.get("network"), str):

@@ -19,11 +19,13 @@ from orka.models import (
     HealthCheck,
     Instance,
     Node,
+    OnNodeLost,
     PortBinding,
     PortProtocol,
     Resources,
     RolloutState,
     Workload,
+    WorkloadSpec,
 )
 
 FORMATS = ("table", "json", "yaml")
@@ -82,6 +84,7 @@ _TIME_FIELDS = {
     "last_heartbeat": "last_heartbeat_time",
     "joined_at": "join_time",
     "health_changed_at": "health_time",
+    "disconnected_at": "disconnect_time",
     "first_at": "first_time",
     "progress_at": "progress_time",
     "deadline": "deadline_time",
@@ -108,6 +111,9 @@ def _api_shape(plain: object) -> object:
             out[_TIME_FIELDS[key]] = rfc3339(value)
         elif key == "stop_grace_seconds":
             out["stop_grace_period"] = format_duration(value)
+        elif key == "max_disconnect":
+            if value:
+                out[key] = format_duration(value)
         elif key == "health_check" and isinstance(value, dict):
             check = {k: v for k, v in value.items() if v is not None}
             out[key] = {k: format_duration(v) if k in _CHECK_SPANS else v for k, v in check.items()}
@@ -326,6 +332,7 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         ("Max per node", s.max_per_node or "no limit"),
         ("Stop grace", format_duration(s.stop_grace_seconds)),
         ("Health check", health_check_text(s.health_check)),
+        ("On node lost", _on_node_lost_text(s)),
     ]
     if s.working_dir:
         pairs.append(("Working dir", s.working_dir))
@@ -363,6 +370,12 @@ def describe_workload(w: Workload, instances: Sequence[Instance], now: float | N
         out.append(f"Unschedulable:  {NONE}")
     out.append(_section("Instances", instances_table(instances, now) if instances else ""))
     return "\n".join(out)
+
+
+def _on_node_lost_text(s: WorkloadSpec) -> str:
+    if s.on_node_lost is OnNodeLost.WAIT:
+        return f"wait up to {format_duration(s.max_disconnect)}, then replace"
+    return "replace"
 
 
 def health_check_text(check: HealthCheck | None) -> str:
@@ -406,6 +419,8 @@ def describe_instance(i: Instance, now: float | None = None) -> str:
         ("Address", i.address or NONE),
         ("Host IP", i.host_ip or NONE),
     ]
+    if i.disconnected_at is not None:
+        pairs.insert(4, ("Disconnected", timestamp(i.disconnected_at, now)))
     out = fields(pairs)
     if not i.ports:
         return out + f"\nPorts:  {NONE}"

@@ -232,25 +232,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     tls = check_tls(certs, "controller", "controller", args.tls_reload_interval)
     log.configure(level=args.log_level, service="controller")
     warn_if_expiring(tls)
-    if args.advertise:
-        try:
-            _, port = split_hostport(args.advertise, "--advertise")
-        except Invalid as e:
-            raise UsageError(e.message) from None
-        if port == 0:
-            raise UsageError(f"--advertise: {args.advertise!r} needs a real port, not 0")
-    etcd_tls = {
-        name: Path(value).expanduser() if value else None
-        for name, value in (
-            ("etcd_ca", args.etcd_ca),
-            ("etcd_cert", args.etcd_cert),
-            ("etcd_key", args.etcd_key),
-        )
-    }
-    for name, path in etcd_tls.items():
-        if path is not None and not path.is_file():
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag}: {path} is not a file")
+    _check_advertise(args.advertise)
+    etcd_tls = _etcd_tls(args)
     _positive("--max-workloads", args.max_workloads)
     _positive("--max-instances", args.max_instances)
     _positive("--max-spec-bytes", args.max_spec_bytes)
@@ -297,6 +280,37 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
+# etcd grants no lease shorter than about 1.5 s (its election timeout): 2 s is the least.
+MIN_ELECTION_TTL = 2
+
+
+def _check_advertise(value: str | None) -> None:
+    if value:
+        try:
+            _, port = split_hostport(value, "--advertise")
+        except Invalid as e:
+            raise UsageError(e.message) from None
+        if port == 0:
+            raise UsageError(f"--advertise: {value!r} needs a real port, not 0")
+
+
+def _etcd_tls(args: argparse.Namespace) -> dict[str, Path | None]:
+    """The --etcd-ca/--etcd-cert/--etcd-key files, each checked to exist."""
+    etcd_tls = {
+        name: Path(value).expanduser() if value else None
+        for name, value in (
+            ("etcd_ca", args.etcd_ca),
+            ("etcd_cert", args.etcd_cert),
+            ("etcd_key", args.etcd_key),
+        )
+    }
+    for name, path in etcd_tls.items():
+        if path is not None and not path.is_file():
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag}: {path} is not a file")
+    return etcd_tls
+
+
 def _audit_log(value: str | None) -> Path | None:
     """Fail at start-up, naming the flag, when the audit log cannot be written."""
     if not value:
@@ -335,6 +349,19 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise UsageError(f"--policy: {args.policy!r} is not one of {', '.join(POLICIES)}")
     data_dir = resolve_data_dir(args.data_dir)
+    _check_advertise(args.advertise)
+    etcd_tls = _etcd_tls(args)
+    if args.election_ttl < MIN_ELECTION_TTL:
+        raise UsageError(
+            f"--election-ttl: must be at least {MIN_ELECTION_TTL} (etcd's shortest lease),"
+            f" got {args.election_ttl}"
+        )
+    if args.store and args.store.strip().lower().partition(":")[0] != "etcd":
+        # SQLite and memory have no leases: every scheduler would win its own election.
+        raise UsageError(
+            f"--store: {args.store!r} cannot elect an active scheduler (only etcd has leases);"
+            " use etcd://HOST:PORT[,...], or leave --store out to run one scheduler alone"
+        )
     tls = check_tls(
         resolve_certs(args.certs, data_dir), "scheduler", "scheduler", args.tls_reload_interval
     )
@@ -346,6 +373,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         node_lost_after=args.node_lost_after,
         offer_timeout=args.offer_timeout,
         pipeline=PipelineConfig(policy=args.policy),
+        store_url=args.store or "",
+        data_dir=data_dir,
+        advertise=args.advertise or "",
+        election_ttl=args.election_ttl,
+        **etcd_tls,
     )
 
     notifier = Notifier()
@@ -355,7 +387,9 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
         async def ready() -> str:
             await scheduler.listening.wait()
-            return f"serving agents on port {scheduler.port}"
+            if scheduler.leadership is None:
+                return f"serving agents on port {scheduler.port}"
+            return f"listening on port {scheduler.port}, in the election for the active scheduler"
 
         from orka.metrics import scheduler_view
 
@@ -732,6 +766,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(p, "--node-lost-after", type=_float_arg, default=5.0, metavar="S")
     add_flag(p, "--offer-timeout", type=_float_arg, default=2.0, metavar="S")
     add_flag(p, "--policy", default="spread", metavar="spread|binpack", help="scoring policy")
+    add_flag(
+        p,
+        "--store",
+        metavar="URL",
+        help="etcd://host:port[,...]: join the election for the active scheduler on this store"
+        " (standby mode: run two or more, each agent and controller given every address);"
+        " without it this scheduler runs alone and is always active",
+    )
+    add_flag(
+        p,
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the address agents and controllers dial for this scheduler, named to them by a"
+        " standby while this one is active; must be spelled as in their --scheduler lists"
+        " (default --listen, 0.0.0.0 -> 127.0.0.1)",
+    )
+    add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
+    add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
+    add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    add_flag(
+        p,
+        "--election-ttl",
+        type=_int_arg,
+        default=5,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
+        metavar="S",
+        help="with --store: the active scheduler's lease; a standby takes over within about"
+        " this long after the active one dies; too short, and a busy active scheduler loses"
+        " its lease (5)",
+    )
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("agent", help="run a node agent")

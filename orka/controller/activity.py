@@ -189,6 +189,8 @@ class ActivityLog:
         elif phase is InstancePhase.LOST:
             reason = new.reason or "Lost"
             self.record("instance", name, WARNING, reason, new.message or "lost")
+        elif phase is InstancePhase.DISCONNECTED:
+            self.record("instance", name, WARNING, new.reason, new.message)
         elif phase is InstancePhase.STOPPING:
             self.record("instance", name, NORMAL, "Stopping", new.message or "stopping")
         elif phase is InstancePhase.STOPPED:

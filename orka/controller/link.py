@@ -40,6 +40,7 @@ from orka.models import Node, WorkloadSpec
 from orka.rpc import convert, convert_volumes
 from orka.rpc.client import call, refused_role, secure_channel
 from orka.rpc.place_reasons import reasons_from_pb
+from orka.rpc.targets import Targets
 from orka.security.tls import TlsFiles
 
 log = structlog.get_logger("orka.controller.link")
@@ -82,13 +83,12 @@ class SchedulerLink:
         on_updates: UpdatesHandler,
         on_connect: Callable[[], None] | None = None,
     ) -> None:
-        self.targets = targets
         self.tls = tls
         self.on_updates = on_updates
         # Called each time the feed (re)connects: placement waiting out a backoff because the
         # scheduler was away should resume now, not when its backoff happens to end.
         self.on_connect = on_connect
-        self._index = 0
+        self.targets = Targets(targets)
         self._channel: grpc.aio.Channel | None = None
         self._stub: apb_grpc.SchedulerStub | None = None
         self.connected = asyncio.Event()
@@ -96,17 +96,16 @@ class SchedulerLink:
 
     def _ensure(self) -> apb_grpc.SchedulerStub:
         if self._stub is None:
-            target = self.targets[self._index % len(self.targets)]
+            target = self.targets.current
             self._channel = secure_channel(target, self.tls, "scheduler")
             self._stub = apb_grpc.SchedulerStub(self._channel)
         return self._stub
 
-    async def _rotate(self) -> None:
+    async def _drop(self) -> None:
         if self._channel is not None:
             await self._channel.close()
         self._channel = None
         self._stub = None
-        self._index += 1
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch_loop(), name="scheduler-watch")
@@ -120,6 +119,7 @@ class SchedulerLink:
     async def _watch_loop(self) -> None:
         attempt = 0
         while True:
+            failure: BaseException | None = None
             try:
                 stub = self._ensure()
                 first = True
@@ -127,6 +127,7 @@ class SchedulerLink:
                     if first:
                         log.info("scheduler feed connected", target=self.current)
                         self.connected.set()
+                        self.targets.connected()
                         first = False
                         attempt = 0
                         if self.on_connect is not None:
@@ -135,6 +136,7 @@ class SchedulerLink:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as err:
+                failure = err
                 refused = refused_role(err.details() or "", "scheduler")
                 if refused is not None:
                     log.error("refusing the scheduler", target=self.current, reason=refused)
@@ -149,9 +151,12 @@ class SchedulerLink:
             except Exception:
                 log.exception("scheduler feed failed")
             self.connected.clear()
-            await self._rotate()
+            await self._drop()
             attempt += 1
-            await asyncio.sleep(min(0.1 * 2 ** min(attempt, 6), 3.0) * random.uniform(0.5, 1.0))
+            delay = min(0.1 * 2 ** min(attempt, 6), 3.0)
+            # Which scheduler next, and whether to wait (a NOT_LEADER naming one: at once).
+            delay = self.targets.failed(failure, delay)
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
     def stub(self) -> apb_grpc.SchedulerStub:
         """The connected scheduler's stub, for calls of its own (orka/controller/streams.py)."""
@@ -161,7 +166,7 @@ class SchedulerLink:
 
     @property
     def current(self) -> str:
-        return self.targets[self._index % len(self.targets)]
+        return self.targets.current
 
     async def _call(self, name: str, request: object, timeout: float) -> object:
         if not self.connected.is_set():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,9 +43,11 @@ from orka.models import (
     InstanceReport,
     Node,
     NodeState,
+    OnNodeLost,
     RestartPolicy,
     RolloutState,
     Workload,
+    WorkloadSpec,
     WorkloadStatus,
 )
 
@@ -62,6 +65,9 @@ FINISHED_RETENTION = 3600.0
 FULL_PASS_EVERY = 2.0
 # Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
+# Phases that keep a workload from being settled (`_settled`): finished, or waited for (the
+# wait's end is a step-1 decision).
+_UNSETTLED_PHASES = TERMINAL_PHASES | {InstancePhase.DISCONNECTED}
 # A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
 # the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
 # counted from when the failed instance finished. A replacement that then runs for
@@ -383,14 +389,36 @@ class Reconciler:
 
     def _lose_on_gone_nodes(self, step: WorkloadStep) -> None:
         """Step 1. An instance on a lost or departed node runs nowhere the controller can see:
-        it is LOST, so that the later steps count it out and place a replacement."""
+        it is LOST, so that the later steps count it out and place a replacement. Unless its
+        workload waits for lost nodes (on_node_lost: wait): then it is DISCONNECTED, still
+        counted as its replica, until max_disconnect has passed (see `node_lost_policy`)."""
+        spec = step.workload.spec
         for inst in step.insts.values():
             if inst.terminal or not inst.node:
                 continue
             node = self._node(inst.node)
-            if node is not None and node.state in _NODE_GONE:
-                message = f"node {node.name} is {node.state.value}"
-                step.put(inst.lost(InstanceReason.NODE_LOST, message, step.now))
+            decision = node_lost_policy(spec, inst, node, step.now)
+            if decision is LossDecision.KEEP:
+                continue
+            if decision is LossDecision.WAIT:
+                assert node is not None
+                message = (
+                    f"node {node.name} is {node.state.value}; waiting up to"
+                    f" {spec.max_disconnect:g}s for it (on_node_lost: wait)"
+                )
+                step.put(inst.disconnected(message, step.now))
+                continue
+            if decision is LossDecision.WAITING:
+                # The wait's end is seen by a full pass (FULL_PASS_EVERY): the workload is
+                # not settled while any instance is DISCONNECTED.
+                continue
+            if node is None or node.state in _NODE_GONE:
+                message = f"node {inst.node} is {node.state.value if node else 'gone'}"
+            else:
+                message = f"node {node.name} did not report it within max_disconnect"
+            if decision is LossDecision.EXPIRED:
+                message += f" ({spec.max_disconnect:g}s waited)"
+            step.put(inst.lost(InstanceReason.NODE_LOST, message, step.now))
 
     def _drain_replacements(self, step: WorkloadStep, crash: CrashBackoff | None) -> None:
         """Step 3. An instance on a draining node gets a successor before it stops (surge, so
@@ -414,7 +442,7 @@ class Reconciler:
         for inst in current.values():
             if inst.terminal or inst.desired_stop or inst.replaced_by:
                 continue
-            if inst.phase is not InstancePhase.PENDING:
+            if inst.phase not in (InstancePhase.PENDING, InstancePhase.DISCONNECTED):
                 node = self._node(inst.node)
                 if node is not None and (node.draining or node.leaving):
                     todo.append(inst)
@@ -519,10 +547,10 @@ class Reconciler:
 
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do but move the rollout's
-        state: as many instances as replicas, none finished, stopping, replaced or of an old
-        generation, none on a node that is lost, departed or draining. Most workloads are so
-        on most passes (a full pass looks at every one), and one loop tells, where the steps
-        take one or more each."""
+        state: as many instances as replicas, none finished, DISCONNECTED, stopping, replaced or
+        of an old generation, none on a node that is lost, departed or draining. Most workloads
+        are so on most passes (a full pass looks at every one), and one loop tells, where the
+        steps take one or more each."""
         if len(insts) != w.spec.replicas:
             return False
         if w.rollout.revision != w.generation:
@@ -530,7 +558,7 @@ class Reconciler:
         generation = w.generation
         for i in insts.values():
             if (
-                i.phase in TERMINAL_PHASES
+                i.phase in _UNSETTLED_PHASES
                 or i.desired_stop
                 or i.replaced_by
                 or i.generation != generation
@@ -674,6 +702,36 @@ class Reconciler:
 
     # ---- what the scheduler tells us ----
 
+    def _original_back(
+        self, inst: Instance, r: InstanceReport, changed: dict[str, Instance], now: float
+    ) -> list[Instance]:
+        """A LOST instance (its node was lost; REPLACE, or WAIT past max_disconnect) that its
+        node reports still live, while the replacement made for it was never placed: keep the
+        running original and drop the replacement, rather than kill what runs and wait for a
+        start elsewhere (or on the same node). The writes, or [] when the original was
+        replaced for real (its copy is then stopped, as before)."""
+        if (
+            inst.phase is not InstancePhase.LOST
+            or inst.reason != InstanceReason.NODE_LOST
+            or inst.desired_stop
+            or r.phase in TERMINAL_PHASES
+            or r.phase is InstancePhase.PENDING
+        ):
+            return []
+        w = self.repo.workloads.get(inst.workload)
+        if w is None or w.deleting:
+            return []
+        succ = _unplaced_successor(inst, self.repo.instances_of(w.name), changed)
+        if succ is None:
+            return []
+        log.info(
+            "lost instance back before its replacement was placed; keeping it",
+            instance=inst.name,
+            node=r.node,
+            dropped=succ.name,
+        )
+        return [inst.reconnected(r, now), _stop(succ, InstanceReason.ORIGINAL_BACK, inst.name)]
+
     async def on_updates(self, updates: Sequence[ClusterUpdate]) -> None:
         nodes: list[Node] = []
         reports: list[InstanceReport] = []
@@ -713,6 +771,13 @@ class Reconciler:
             changed_instances: dict[str, Instance] = {}
             for r in reports:
                 inst = changed_instances.get(r.name) or self.repo.instances.get(r.name)
+                if inst is not None and inst.node == r.node:
+                    back = self._original_back(inst, r, changed_instances, now)
+                    if back:
+                        changed_instances.update((i.name, i) for i in back)
+                        self._gone_from_node.discard(inst.name)
+                        freed = True
+                        continue
                 if inst is None or inst.node != r.node or inst.phase is InstancePhase.LOST:
                     why = (
                         "not bound to this node"
@@ -772,6 +837,59 @@ class Reconciler:
             self.kick()
 
 
+class LossDecision(enum.Enum):
+    """What step 1 does with one live instance (node_lost_policy)."""
+
+    KEEP = "keep"  # its node is there (or only NOT_READY): nothing to do
+    WAIT = "wait"  # its node is lost: DISCONNECTED from now, not replaced yet
+    WAITING = "waiting"  # DISCONNECTED, max_disconnect not over yet
+    EXPIRED = "expired"  # DISCONNECTED past max_disconnect: LOST, replaced
+    LOSE = "lose"  # its node is lost (REPLACE) or left: LOST, replaced
+
+
+def node_lost_policy(
+    spec: WorkloadSpec, inst: Instance, node: Node | None, now: float
+) -> LossDecision:
+    """Step 1's decision for a live, bound instance. A node that left (drain, SIGTERM) never
+    comes back with it, so only a LOST node is waited for. A DISCONNECTED instance is lost once
+    max_disconnect has passed even if its node is READY again without reporting it (the node's
+    re-registration normally settles it first), or when the policy changed to REPLACE. An
+    instance whose node has no record is left alone, as before this policy existed."""
+    if inst.phase is InstancePhase.DISCONNECTED:
+        if spec.on_node_lost is not OnNodeLost.WAIT or (
+            node is not None and node.state is NodeState.LEFT
+        ):
+            return LossDecision.LOSE
+        since = inst.disconnected_at if inst.disconnected_at is not None else now
+        if now - since >= spec.max_disconnect:
+            return LossDecision.EXPIRED
+        return LossDecision.WAITING
+    if node is None:
+        return LossDecision.KEEP  # no record of its node (yet): nothing says it is gone
+    if node.state is NodeState.LOST and spec.on_node_lost is OnNodeLost.WAIT:
+        return LossDecision.WAIT
+    if node.state in _NODE_GONE:
+        return LossDecision.LOSE
+    return LossDecision.KEEP
+
+
+def _unplaced_successor(
+    inst: Instance, candidates: Iterable[Instance], claimed: dict[str, Instance]
+) -> Instance | None:
+    """The replacement of `inst` that was never placed, if any: a PENDING instance of its
+    workload not yet asked to stop, preferably of the same replica (ordinal), else the
+    newest. None when every replacement is placed: then `inst` was really replaced."""
+    best: Instance | None = None
+    for c in candidates:
+        c = claimed.get(c.name, c)
+        if c.phase is not InstancePhase.PENDING or c.desired_stop or c.name == inst.name:
+            continue
+        key = (c.ordinal == inst.ordinal, c.created_at)
+        if best is None or key > (best.ordinal == inst.ordinal, best.created_at):
+            best = c
+    return best
+
+
 def _release_replaced(step: WorkloadStep) -> None:
     """Step 2. An instance being replaced (drain, rolling update) stops once its successor
     runs, not before, so the workload never has fewer running than it had. A successor that
@@ -804,9 +922,10 @@ def _completed(w: Workload, current: dict[str, Instance]) -> list[Instance]:
 # one costs nothing to drop; a running one serves), the newest first among equals.
 _SCALE_DOWN_ORDER = {
     InstancePhase.PENDING: 0,
-    InstancePhase.SCHEDULED: 1,
-    InstancePhase.STARTING: 2,
-    InstancePhase.RUNNING: 3,
+    InstancePhase.DISCONNECTED: 1,
+    InstancePhase.SCHEDULED: 2,
+    InstancePhase.STARTING: 3,
+    InstancePhase.RUNNING: 4,
 }
 
 
@@ -837,7 +956,7 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
             extras = sorted(active, key=lambda i: (-i.ordinal, -i.created_at))[:-missing]
         else:
             extras = sorted(
-                active, key=lambda i: (_SCALE_DOWN_ORDER.get(i.phase, 1), -i.created_at)
+                active, key=lambda i: (_SCALE_DOWN_ORDER.get(i.phase, 2), -i.created_at)
             )[:-missing]
         for inst in extras:
             step.put(_stop(inst, InstanceReason.SCALED_DOWN))

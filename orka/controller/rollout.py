@@ -45,9 +45,15 @@ log = structlog.get_logger("orka.controller.rollout")
 
 
 def runs_same(a: WorkloadSpec, b: WorkloadSpec) -> bool:
-    """Whether instances of spec `a` are instances of spec `b`: only replicas and the update
-    strategy may differ (scaling or retuning a rollout restarts nothing)."""
-    keep = {"replicas": b.replicas, "update": b.update}
+    """Whether instances of spec `a` are instances of spec `b`: only replicas, the update
+    strategy and the node-loss policy may differ (scaling, retuning a rollout or choosing how
+    long to wait for a lost node restarts nothing)."""
+    keep = {
+        "replicas": b.replicas,
+        "update": b.update,
+        "on_node_lost": b.on_node_lost,
+        "max_disconnect": b.max_disconnect,
+    }
     return a.model_copy(update=keep) == b
 
 

@@ -21,6 +21,7 @@ from orka.errors import MORE_VIOLATIONS, FieldViolation, Invalid
 from orka.etags import node_etag
 from orka.models import (
     DEFAULT_POOL,
+    MAX_DISCONNECT_SECONDS,
     MAX_PORT_NAME,
     MAX_PORTS,
     MAX_STOP_GRACE_SECONDS,
@@ -34,6 +35,7 @@ from orka.models import (
     NetworkMode,
     Node,
     NodeState,
+    OnNodeLost,
     PortBinding,
     PortProtocol,
     PortSpec,
@@ -271,6 +273,21 @@ def _parse_spec(msg: pb.WorkloadSpec) -> WorkloadSpec:
         data["stop_grace_seconds"] = grace
     if msg.HasField("health_check"):
         data["health_check"] = _health_check(msg.health_check)
+    if msg.on_node_lost:
+        if msg.on_node_lost not in _ON_NODE_LOST_FROM_PB:
+            raise Invalid.at(
+                "spec.on_node_lost",
+                f"unknown policy {msg.on_node_lost}; use ON_NODE_LOST_REPLACE or ON_NODE_LOST_WAIT",
+            )
+        data["on_node_lost"] = _ON_NODE_LOST_FROM_PB[msg.on_node_lost]
+    if msg.HasField("max_disconnect"):
+        wait = duration_from_pb(msg.max_disconnect, "spec.max_disconnect")
+        if not 0 < wait <= MAX_DISCONNECT_SECONDS:
+            raise Invalid.at(
+                "spec.max_disconnect",
+                f"must be more than 0s and at most {MAX_DISCONNECT_SECONDS}s, got {wait:g}s",
+            )
+        data["max_disconnect"] = wait
     if msg.class_name:
         data["class_name"] = msg.class_name
     if msg.pool:
@@ -491,6 +508,13 @@ def binding_from_pb(msg: pb.PortBinding) -> PortBinding:
     )
 
 
+_ON_NODE_LOST_FROM_PB = {
+    pb.WorkloadSpec.ON_NODE_LOST_REPLACE: OnNodeLost.REPLACE,
+    pb.WorkloadSpec.ON_NODE_LOST_WAIT: OnNodeLost.WAIT,
+}
+_ON_NODE_LOST_TO_PB = {policy: number for number, policy in _ON_NODE_LOST_FROM_PB.items()}
+
+
 def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
     """`redact` for anything a user reads (Get, List, Watch): secret values become REDACTED.
     Only the spec sent towards the agents that start instances carries them in clear."""
@@ -535,6 +559,11 @@ def spec_to_pb(spec: WorkloadSpec, redact: bool = False) -> pb.WorkloadSpec:
         )
     if spec.health_check is not None:
         msg.health_check.CopyFrom(health_check_to_pb(spec.health_check))
+    if spec.on_node_lost is not OnNodeLost.REPLACE:
+        # REPLACE, the default, stays unset: a spec as written before the field reads the same.
+        msg.on_node_lost = _ON_NODE_LOST_TO_PB[spec.on_node_lost]
+    if spec.max_disconnect:
+        msg.max_disconnect.CopyFrom(Duration(**duration_fields(spec.max_disconnect)))
     if spec.vm is not None:
         msg.vm.CopyFrom(
             pb.VmSpec(kernel=spec.vm.kernel, initrd=spec.vm.initrd, cmdline=spec.vm.cmdline)
@@ -603,6 +632,12 @@ def phase_to_pb(phase: InstancePhase) -> int:
 
 
 _PHASE_FROM_PB = {number: phase for phase, number in _PHASE_TO_PB.items()}
+# What an agent may report: DISCONNECTED is the controller's word for an instance it cannot see.
+_REPORTED_PHASE_FROM_PB = {
+    number: phase
+    for number, phase in _PHASE_FROM_PB.items()
+    if phase is not InstancePhase.DISCONNECTED
+}
 
 
 _HEALTH_TO_PB = {health: pb.Instance.Health.Value(health.value) for health in HealthState}
@@ -624,6 +659,12 @@ def phase_from_pb(value: int, field: str = "phase") -> InstancePhase:
     if value == pb.Instance.PHASE_UNSPECIFIED:
         raise Invalid.at(field, "is required")
     raise Invalid.at(field, f"unknown phase {value}")
+
+
+def _reported_phase(value: int, field: str) -> InstancePhase:
+    if value == pb.Instance.DISCONNECTED:
+        raise Invalid.at(field, "DISCONNECTED is set by the controller, never reported")
+    return phase_from_pb(value, field)
 
 
 def instance_fields(i: Instance) -> dict[str, object]:
@@ -659,6 +700,8 @@ def instance_fields(i: Instance) -> dict[str, object]:
         fields["health_message"] = i.health_message
     if i.health_changed_at is not None:
         fields["health_time"] = timestamp_fields(i.health_changed_at)
+    if i.disconnected_at is not None:
+        fields["disconnect_time"] = timestamp_fields(i.disconnected_at)
     return fields
 
 
@@ -689,6 +732,7 @@ def instance_from_pb(msg: pb.Instance) -> Instance:
         health_message=msg.health_message,
         health_changed_at=seconds_from_pb(msg.health_time),
         ordinal=msg.ordinal,
+        disconnected_at=seconds_from_pb(msg.disconnect_time),
     )
 
 
@@ -902,8 +946,8 @@ def report_from_pb(msg: apb.InstanceStatus, node: str) -> InstanceReport:
         workload=msg.workload,
         node=node,
         # The field's name is only formatted for an error (reports arrive by the thousand).
-        phase=_PHASE_FROM_PB.get(msg.phase)
-        or phase_from_pb(msg.phase, f"instance status {name}: phase"),
+        phase=_REPORTED_PHASE_FROM_PB.get(msg.phase)
+        or _reported_phase(msg.phase, f"instance status {name}: phase"),
         # What a runtime said can be long (a stack, a log line): kept, but cut.
         reason=msg.reason[:MAX_REASON],
         message=msg.message[:MAX_STATUS_MESSAGE],

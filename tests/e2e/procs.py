@@ -77,6 +77,8 @@ class ProcessCluster:
         self.store_url = store_url
         self.runtime = runtime
         self.scheduler_port = free_port()
+        # Every scheduler agents and controllers are given (several: standby schedulers).
+        self.scheduler_addrs: list[str] = []
         self.controller_port = free_port()
         self.services: dict[str, Service] = {}
         self.cgroup_parent = unique_parent()
@@ -88,23 +90,29 @@ class ProcessCluster:
     def scheduler_addr(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
+    @property
+    def scheduler_flag(self) -> str:
+        return ",".join(self.scheduler_addrs) or self.scheduler_addr
+
     def _service(self, name: str, args: list[str]) -> Service:
         svc = Service(name, args, self.data / f"{name}.log")
         self.services[name] = svc
         svc.start()
         return svc
 
-    def start_scheduler(self, *extra: str) -> Service:
+    def start_scheduler(
+        self, *extra: str, name: str = "scheduler", address: str | None = None
+    ) -> Service:
         return self._service(
-            "scheduler",
+            name,
             [
                 "scheduler",
                 "--listen",
-                self.scheduler_addr,
+                address or self.scheduler_addr,
                 "--certs",
                 str(self.certs),
                 "--data-dir",
-                str(self.data / "scheduler"),
+                str(self.data / name),
                 *extra,
             ],
         )
@@ -121,7 +129,7 @@ class ProcessCluster:
                 "--listen",
                 f"127.0.0.1:{port}",
                 "--scheduler",
-                self.scheduler_addr,
+                self.scheduler_flag,
                 "--certs",
                 str(self.certs),
                 "--data-dir",
@@ -140,7 +148,7 @@ class ProcessCluster:
                 "--name",
                 name,
                 "--scheduler",
-                self.scheduler_addr,
+                self.scheduler_flag,
                 "--certs",
                 str(self.certs),
                 "--data-dir",

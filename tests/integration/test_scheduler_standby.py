@@ -1,0 +1,191 @@
+"""Two schedulers on one etcd (in process, real grpc.aio servers): a lost lease hands over.
+
+The active scheduler whose lease is lost closes the agent's stream and the controller's feed
+with NOT_LEADER at once, and stands by (refusing Place, health NOT_SERVING); the other takes
+over. When the first is elected again, its term starts from an empty registry: nothing of the
+nodes it knew in its last term is judged (or reported LOST) by the new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orka.api import agent_pb2 as apb
+from orka.api import agent_pb2_grpc as apb_grpc
+from orka.errors import NotLeader, from_rpc_error
+from orka.rpc.client import secure_channel
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
+from tests.etcd import EtcdCluster, needs_etcd
+from tests.integration.cluster import eventually
+
+pytestmark = needs_etcd
+
+
+def scheduler(certs: Path, tmp: Path, store_url: str, name: str) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            heartbeat_interval=0.2,
+            node_lost_after=1.0,
+            store_url=store_url,
+            data_dir=tmp / name,
+            election_ttl=2,
+        ),
+        TlsFiles.for_service(certs, "scheduler", "scheduler"),
+    )
+
+
+@pytest.fixture
+async def pair(
+    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
+) -> AsyncIterator[tuple[Scheduler, Scheduler]]:
+    url = etcd.url + etcd_prefix
+    a = scheduler(certs_dir, tmp_path, url, "a")
+    await a.start()
+    await eventually(lambda: _active(a), timeout=10)
+    b = scheduler(certs_dir, tmp_path, url, "b")
+    await b.start()
+    try:
+        yield a, b
+    finally:
+        await b.stop()
+        await a.stop()
+
+
+async def _active(s: Scheduler) -> bool:
+    return s.leadership is not None and s.leadership.is_leader
+
+
+def addr(s: Scheduler) -> str:
+    return f"127.0.0.1:{s.port}"
+
+
+def channel(certs: Path, s: Scheduler, role: str, name: str) -> grpc.aio.Channel:
+    return secure_channel(addr(s), TlsFiles.for_service(certs, role, name), "scheduler")
+
+
+async def health(certs: Path, s: Scheduler) -> int:
+    async with channel(certs, s, "controller", "controller") as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="orka.v1.Scheduler"), timeout=5
+        )
+        return int(reply.status)
+
+
+async def refused(call: object) -> NotLeader:
+    """The NOT_LEADER an awaited call or a stream read ends with."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    err = from_rpc_error(caught.value)
+    assert isinstance(err, NotLeader), f"{caught.value.code()}: {caught.value.details()}"
+    return err
+
+
+async def test_a_lost_lease_closes_streams_with_not_leader_and_hands_over(
+    pair: tuple[Scheduler, Scheduler], certs_dir: Path
+) -> None:
+    a, b = pair
+    SERVING, NOT_SERVING = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    assert await health(certs_dir, a) == SERVING
+    assert await health(certs_dir, b) == NOT_SERVING
+
+    async with (
+        channel(certs_dir, a, "agent", "node-1") as agent_ch,
+        channel(certs_dir, a, "controller", "controller") as ctl_ch,
+        channel(certs_dir, b, "controller", "controller") as ctl_b,
+    ):
+        # The standby refuses the controller's calls, naming the active one.
+        assert (await refused(apb_grpc.SchedulerStub(ctl_b).Place(apb.PlaceRequest()))).leader == (
+            addr(a)
+        )
+        feed_b = apb_grpc.SchedulerStub(ctl_b).Watch(apb.WatchClusterRequest())
+        assert (await refused(feed_b.read())).leader == addr(a)
+
+        # An agent's registration is refused with NOT_LEADER, never with a transport error
+        # (which would not say where to go), even many at once.
+        async with channel(certs_dir, b, "agent", "node-2") as agent_b:
+            refusals = await asyncio.gather(
+                *(register_refused(agent_b) for _ in range(30)), return_exceptions=True
+            )
+        assert [r for r in refusals if not isinstance(r, NotLeader)] == []
+        assert {r.leader for r in refusals if isinstance(r, NotLeader)} == {addr(a)}
+
+        agent = apb_grpc.SchedulerStub(agent_ch).Connect()
+        await agent.write(apb.AgentMessage(register=apb.Register(node=apb.NodeInfo())))
+        first = await agent.read()
+        assert first.WhichOneof("body") == "registered"
+        feed = apb_grpc.SchedulerStub(ctl_ch).Watch(apb.WatchClusterRequest())
+        snapshot = await feed.read()
+        assert [u.node.name for u in snapshot.updates if u.WhichOneof("body") == "node"] == [
+            "node-1"
+        ]
+
+        # A's lease goes (as when it cannot reach etcd): both streams end with NOT_LEADER.
+        assert a.store is not None and a.election is not None
+        await a.store.revoke_lease(a.election.lease_id)
+
+        async def agent_refused() -> NotLeader:
+            while True:
+                msg = await agent.read()
+                assert msg is not grpc.aio.EOF, "the agent stream ended without NOT_LEADER"
+
+        await refused(asyncio.wait_for(agent_refused(), 5))
+
+        async def feed_refused() -> None:
+            while True:
+                msg = await feed.read()
+                assert msg is not grpc.aio.EOF, "the feed ended without NOT_LEADER"
+
+        await refused(asyncio.wait_for(feed_refused(), 5))
+
+        await eventually(lambda: _active(b), timeout=15)
+        assert await health(certs_dir, b) == SERVING
+        assert await health(certs_dir, a) == NOT_SERVING
+        # A stands by, and names B once B's term is recorded.
+        refusal = await eventually(
+            lambda: _refusal_naming(ctl_ch, addr(b)), timeout=10, interval=0.2
+        )
+        assert refusal.leader == addr(b)
+
+    # B gives up; A leads again, from nothing: node-1 from its last term is not in its picture,
+    # so its liveness never declares it NOT_READY or LOST.
+    await b.stop()
+    await eventually(lambda: _active(a), timeout=15)
+    assert [n.name for n in a.registry] == []
+
+
+async def register_refused(ch: grpc.aio.Channel) -> NotLeader:
+    """An agent's Connect as the agent makes it (register, then read): the error it ends with."""
+    call = apb_grpc.SchedulerStub(ch).Connect(timeout=10)
+    try:
+        # A busy agent writes late: by then a standby that refused at once has ended the
+        # stream, and the write fails with INTERNAL instead of the NOT_LEADER.
+        await asyncio.sleep(0.2)
+        await call.write(apb.AgentMessage(register=apb.Register(node=apb.NodeInfo())))
+        await call.read()
+    except grpc.aio.AioRpcError as err:
+        found = from_rpc_error(err)
+        if isinstance(found, NotLeader):
+            return found
+        raise AssertionError(f"{err.code()}: {err.details()}") from None
+    raise AssertionError("the standby accepted a registration")
+
+
+async def _refusal_naming(ch: grpc.aio.Channel, leader: str) -> NotLeader | None:
+    try:
+        await apb_grpc.SchedulerStub(ch).Place(apb.PlaceRequest(), timeout=5)
+    except grpc.aio.AioRpcError as err:
+        found = from_rpc_error(err)
+        if isinstance(found, NotLeader) and found.leader == leader:
+            return found
+    return None
