@@ -45,6 +45,8 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "health": ("health", ()),
     "logs": ("logs", ()),
     "volumes": ("volumes", ()),
+    # Agents as their own OS processes (`orka agent --runtime fake`), not simulated.
+    "agents": ("agents", ()),
     # Invariants under faults, not a speed: a short soak here, the 30-minute one on its own.
     "chaos": ("chaos", ("--minutes", "3")),
 }
@@ -103,6 +105,7 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     big = results.get("placement_5000_nodes", {}).get("sqlite") or {}
     hb = results.get("heartbeat", {})
     heal = results.get("healing", {})
+    real = results.get("agents", {})
 
     def ratio(key: str, value: float | None) -> None:
         if echo and value is not None:
@@ -142,6 +145,9 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         targets[f"scheduler_restart_{agents}_agents_0_not_ready"] = (
             run["scheduler_restart_nodes_not_ready_seen"] == 0
         )
+    if "running_per_s" in real:
+        ratio("real_agents_running_per_echo_msg", real["running_per_s"])
+        targets["real_agents>=2000/s"] = real["running_per_s"] >= 2000
     if "heartbeats_per_s" in hb:
         ratio("heartbeats_per_echo_msg", hb["heartbeats_per_s"])
         targets["heartbeat_cpu<60%"] = hb["scheduler_cpu_share"] < 0.6

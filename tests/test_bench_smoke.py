@@ -43,6 +43,7 @@ def test_run_all_smoke() -> None:
         "health",
         "logs",
         "volumes",
+        "agents",
     }
     # 100 instances checked each second: every check probed about once a second and passing
     # (none restarted); without checks, no probes.
@@ -116,6 +117,14 @@ def test_run_all_smoke() -> None:
     assert lost_after - 1.5 <= healing["kill_to_lost_s"] <= lost_after + 5.0
     assert healing["kill_to_lost_s"] <= healing["kill_to_all_running_elsewhere_s"]
     assert healing["kill_to_all_running_elsewhere_s"] <= lost_after + 10.0
+    # Real agents: 4 `orka agent` processes run 4 x 25 instances, all RUNNING, every node
+    # READY throughout, and the agents' CPU for it measured.
+    agents = results["agents"]
+    assert (agents["agents"], agents["instances"]) == (4, 100)
+    assert (agents["running_reached"], agents["complete"]) == (100, True)
+    assert agents["nodes_not_ready_seen"] == 0
+    assert 0 < agents["p50_create_to_running_s"] <= agents["p99_create_to_running_s"]
+    assert agents["agents_cpu_s"] > 0
     # Volumes: each backend this host can use provisioned, deleted and re-adopted every one.
     volumes = results["volumes"]
     assert volumes["repeat"] == 2

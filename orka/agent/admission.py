@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from google.rpc import code_pb2
 
@@ -55,6 +56,55 @@ class Reservation:
     host_ports: frozenset[fit.HostPort] = fit.NO_HOST_PORTS
 
 
+class Reservations(dict[str, Reservation]):
+    """Accepted offers by instance, with the room they hold summed as they come and go: an
+    offer is checked against what the node holds, and during a burst hundreds are reserved
+    at once, so the sum is not recounted per offer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu_millis = 0
+        self.memory_bytes = 0
+
+    def _add(self, r: Reservation, sign: int) -> None:
+        self.cpu_millis += sign * r.resources.cpu_millis
+        self.memory_bytes += sign * r.resources.memory_bytes
+
+    def __setitem__(self, name: str, r: Reservation) -> None:
+        old = self.get(name)
+        if old is not None:
+            self._add(old, -1)
+        super().__setitem__(name, r)
+        self._add(r, 1)
+
+    def __delitem__(self, name: str) -> None:
+        self._add(self[name], -1)
+        super().__delitem__(name)
+
+    def pop(self, name: str, *default: Reservation | None) -> Reservation | None:  # type: ignore[override]
+        if name in self:
+            r = super().pop(name)
+            self._add(r, -1)
+            return r
+        if default:
+            return default[0]
+        raise KeyError(name)
+
+    def clear(self) -> None:
+        super().clear()
+        self.cpu_millis = self.memory_bytes = 0
+
+
+class Held(Protocol):
+    """What admission reads of an instance on this node."""
+
+    @property
+    def resources(self) -> Resources: ...
+
+    @property
+    def holds_resources(self) -> bool: ...
+
+
 def driver_name(healthy: Mapping[str, Driver], kind: WorkloadKind) -> str | None:
     """The healthy driver that runs `kind` here (the fake one runs every kind)."""
     wanted = KIND_DRIVER[kind]
@@ -89,18 +139,45 @@ class Admission:
         self.shutting_down = shutting_down
         self.send = send
         # Accepted offers not yet started, by instance.
-        self.reservations: dict[str, Reservation] = {}
+        self.reservations = Reservations()
+        # What the instances here hold (those that hold any), kept as they change (`track`)
+        # rather than summed per offer: an agent running hundreds of instances admits each
+        # new one against them, which summed every time made a burst quadratic.
+        self._held: dict[str, Resources] = {}
+        self._held_cpu = 0
+        self._held_mem = 0
+        for name, inst in instances.items():
+            self.track(name, inst)
+
+    def track(self, name: str, inst: Held) -> None:
+        """`name` is now `inst` (added, or its state changed): count what it holds. The
+        runner calls this on every change of an instance it keeps; a change of an instance
+        no longer kept under that name (stopped and replaced) is ignored."""
+        if self.instances.get(name) is not inst:
+            return
+        self._drop(name)
+        if inst.holds_resources:
+            r = inst.resources
+            self._held[name] = r
+            self._held_cpu += r.cpu_millis
+            self._held_mem += r.memory_bytes
+
+    def forget(self, name: str) -> None:
+        """`name` is no longer kept here (the runner removed it)."""
+        self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        r = self._held.pop(name, None)
+        if r is not None:
+            self._held_cpu -= r.cpu_millis
+            self._held_mem -= r.memory_bytes
 
     def allocated(self) -> Resources:
-        cpu = mem = 0
-        for inst in self.instances.values():
-            if inst.holds_resources:
-                cpu += inst.resources.cpu_millis
-                mem += inst.resources.memory_bytes
-        for r in self.reservations.values():
-            cpu += r.resources.cpu_millis
-            mem += r.resources.memory_bytes
-        return Resources(cpu_millis=cpu, memory_bytes=mem)
+        res = self.reservations
+        return Resources(
+            cpu_millis=self._held_cpu + res.cpu_millis,
+            memory_bytes=self._held_mem + res.memory_bytes,
+        )
 
     def host_ports(self, besides: str) -> set[fit.HostPort]:
         """The host ports held here by instances that run or start (those they fix, and those

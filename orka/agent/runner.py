@@ -12,7 +12,7 @@ from google.rpc import code_pb2, status_pb2
 
 from orka.agent.admission import Admission, driver_name
 from orka.agent.secret_files import SecretFiles
-from orka.agent.state import StateFile, encode_state
+from orka.agent.state import StateEncoder, StateFile
 from orka.agent.supervisor import Supervised
 from orka.agent.volumes import VolumeManager
 from orka.api import agent_pb2 as apb
@@ -53,6 +53,7 @@ class Runner:
         self.drivers = drivers
         self.healthy = healthy
         self.state_file = state_file
+        self._encoder = StateEncoder(node)
         self.secret_files = secret_files
         self.admission = admission
         self.ack = ack
@@ -82,6 +83,7 @@ class Runner:
                 inst.exit_code = rec.exit_code
                 inst.reason, inst.message = rec.reason, rec.message
                 inst.finished_at = rec.finished_at
+                self.admission.track(rec.name, inst)  # ended: it holds nothing
                 continue
             info = found[1] if found else None
             if info is not None and info.state is TaskState.RUNNING:
@@ -115,9 +117,18 @@ class Runner:
             attachments=volumes,
         )
         self.instances[name] = inst
+        self.admission.track(name, inst)
         return inst
 
+    def _remove(self, inst: Supervised) -> None:
+        """Forget `inst` if it is still the one kept under its name."""
+        if self.instances.get(inst.name) is inst:
+            del self.instances[inst.name]
+            self.admission.forget(inst.name)
+            self.save()
+
     def changed(self, inst: Supervised) -> None:
+        self.admission.track(inst.name, inst)
         self.save()
         self.on_change(inst)
 
@@ -129,7 +140,7 @@ class Runner:
 
     def state(self) -> str:
         """The state file's content (orka.agent.state's one layout)."""
-        return encode_state(self.node, self.instances.values())
+        return self._encoder.encode(self.instances.values())
 
     # ---- commands ----
 
@@ -173,9 +184,7 @@ class Runner:
             await self.state_file.persist()
         except OSError as err:
             # Unrecorded, it must not run: refused, the controller places it again.
-            if self.instances.get(inst.name) is inst:
-                del self.instances[inst.name]
-                self.save()
+            self._remove(inst)
             why = f"cannot record the instance in the state file: {err}"
             self.ack(command_id, convert.error_status(code_pb2.UNAVAILABLE, why))
             return
@@ -192,9 +201,8 @@ class Runner:
         if inst is None:
             return
         await inst.stop(remove=stop.remove, reason=stop.reason)
-        if stop.remove and self.instances.get(stop.instance) is inst:
-            del self.instances[stop.instance]
-            self.save()
+        if stop.remove:
+            self._remove(inst)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
@@ -224,6 +232,8 @@ class Runner:
             *(i.stop(remove=True, reason=reason) for i in list(self.instances.values())),
             return_exceptions=True,
         )
+        for name in list(self.instances):
+            self.admission.forget(name)
         self.instances.clear()
         self.save()
         await self.state_file.flush()

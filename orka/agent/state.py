@@ -66,21 +66,53 @@ class RecordSource(Protocol):
     spec: WorkloadSpec
 
 
+def _entry(inst: RecordSource, values: tuple[object, ...]) -> str:
+    """One instance's `"name":{record}` text; `values` are its status fields'."""
+    status = json.dumps(dict(zip(_STATUS_FIELDS, values, strict=True)), separators=(",", ":"))
+    # Its volumes (few, usually none) are encoded each time too.
+    volumes = ",".join(v.model_dump_json() for v in getattr(inst, "volumes", ()))
+    status = f'{status[:-1]},"volumes":[{volumes}]}}'
+    return f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}'
+
+
+def _document(node: str, entries: Iterable[str]) -> str:
+    return f'{{"node":{json.dumps(node)},"instances":{{{",".join(entries)}}}}}'
+
+
 def encode_state(node: str, instances: Iterable[RecordSource]) -> str:
     """AgentState's JSON text, the same as `AgentState(...).model_dump_json()` gives, without
     building the models: the agent writes it on every (coalesced) change. The layout is the
     model's: each record's fields are InstanceRecord's, read from the instance; only the few
     status fields are encoded each time, the spec (most of the text) is spliced in."""
-    entries = []
-    for inst in instances:
-        status = json.dumps(
-            dict(zip(_STATUS_FIELDS, _status_values(inst), strict=True)), separators=(",", ":")
-        )
-        # Its volumes (few, usually none) are encoded each time too.
-        volumes = ",".join(v.model_dump_json() for v in getattr(inst, "volumes", ()))
-        status = f'{status[:-1]},"volumes":[{volumes}]}}'
-        entries.append(f'{json.dumps(inst.name)}:{status[:-1]},"spec":{_spec_json(inst.spec)}}}')
-    return f'{{"node":{json.dumps(node)},"instances":{{{",".join(entries)}}}}}'
+    return _document(node, (_entry(inst, _status_values(inst)) for inst in instances))
+
+
+class StateEncoder:
+    """`encode_state` for one node whose instances change a few at a time: each record's text
+    is kept from the last write and made again only when one of its status fields differs
+    (compared by value, so nothing has to say what changed). A write while many instances
+    start then encodes the few that changed, not every record the node holds; what is left
+    per write is joining the texts. An instance's spec and volumes are fixed for its life,
+    so a record is only reused for the same instance object."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        # name -> (the instance, its status values, its record's text), as last written.
+        self._entries: dict[str, tuple[RecordSource, tuple[object, ...], str]] = {}
+
+    def encode(self, instances: Iterable[RecordSource]) -> str:
+        entries: dict[str, tuple[RecordSource, tuple[object, ...], str]] = {}
+        last = self._entries
+        for inst in instances:
+            values = _status_values(inst)
+            kept = last.get(inst.name)
+            if kept is not None and kept[0] is inst and kept[1] == values:
+                entries[inst.name] = kept
+            else:
+                entries[inst.name] = (inst, values, _entry(inst, values))
+        # Rebuilt each time: instances gone since the last write are dropped with it.
+        self._entries = entries
+        return _document(self.node, (text for _, _, text in entries.values()))
 
 
 # What `StateFile.save` takes: the state (a model, or its JSON text already encoded, as the

@@ -207,3 +207,88 @@ def test_an_offer_with_a_volume_bound_elsewhere_is_refused_and_reserves_nothing(
     assert (status.message or None, "web-0" in a.reservations) == (refusal, refusal is None)
     if refusal:
         assert status.code == code_pb2.FAILED_PRECONDITION
+
+
+def _recount(a: Admission) -> tuple[int, int]:
+    """What the node holds, summed afresh from the instances and reservations."""
+    held = [i.resources for i in a.instances.values() if i.holds_resources]
+    held += [r.resources for r in a.reservations.values()]
+    return sum(r.cpu_millis for r in held), sum(r.memory_bytes for r in held)
+
+
+async def test_the_held_room_follows_the_runner_through_an_instances_life(
+    tmp_path: Path,
+) -> None:
+    """Admission keeps what the node holds as instances come, change and go (not summed per
+    offer): after every step of the real runner on the fake driver it equals a recount."""
+    import asyncio
+
+    from orka.agent.runner import Runner
+    from orka.agent.secret_files import SecretFiles
+    from orka.agent.state import StateFile
+    from orka.models import RestartPolicy
+    from orka.runtime.fake import FakeDriver
+
+    fake = FakeDriver()
+    instances: dict[str, Any] = {}
+    sent: list[apb.AgentMessage] = []
+    a = Admission(
+        capacity=Resources(cpu_millis=4000, memory_bytes=4096 * MI),
+        allowed_paths=[tmp_path],
+        healthy={"fake": fake},
+        instances=instances,
+        shutting_down=lambda: False,
+        send=sent.append,
+    )
+    state = StateFile(tmp_path / "state.json", delay=0.0)
+    acks: list[tuple[str, int]] = []
+    runner = Runner(
+        node="n1",
+        drivers={"fake": fake},
+        healthy={"fake": fake},
+        state_file=state,
+        secret_files=SecretFiles([]),
+        admission=a,
+        ack=lambda cid, status: acks.append((cid, status.code)),
+        on_change=lambda inst: None,
+        instances=instances,
+    )
+
+    def used() -> tuple[int, int]:
+        got = a.allocated()
+        return got.cpu_millis, got.memory_bytes
+
+    def assignment(name: str, s: WorkloadSpec) -> apb.Assignment:
+        return apb.Assignment(instance=name, generation=1, spec=convert.spec_to_pb(s))
+
+    async def until(cond: Any) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition never held")
+
+    short = spec(name="job").model_copy(
+        update={"env": {"FAKE_EXIT_AFTER": "0.05"}, "restart_policy": RestartPolicy.NEVER}
+    )
+    specs = {"web-a": spec(), "web-b": spec(), "job-c": short, "web-d": spec()}
+    for i, (name, s) in enumerate(specs.items()):
+        a.on_offer(apb.Offer(offer_id=f"o{i}", assignment=assignment(name, s), hold_seconds=30))
+    assert used() == _recount(a) == (400, 64 * MI)
+    for name in ("web-a", "web-b", "job-c"):
+        start = apb.StartInstance(command_id=name, assignment=assignment(name, specs[name]))
+        runner.on_start(start)
+        assert used() == _recount(a) == (400, 64 * MI)  # the reservation became the instance
+    await until(lambda: len(acks) == 3)
+    # The job ends on its own and holds nothing any more.
+    await until(lambda: instances["job-c"].phase is InstancePhase.SUCCEEDED)
+    assert used() == _recount(a) == (300, 48 * MI)
+    runner.on_stop(apb.StopInstance(command_id="s1", instance="web-b", remove=True))
+    await until(lambda: "web-b" not in instances)
+    assert used() == _recount(a) == (200, 32 * MI)
+    # A reservation that runs out frees its room.
+    a.reservations["web-d"] = Reservation(Resources(cpu_millis=100, memory_bytes=16 * MI), -1.0)
+    a.expire()
+    assert used() == _recount(a) == (100, 16 * MI)
+    await runner.stop_all("test")
+    assert used() == _recount(a) == (0, 0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orka.agent.state import AgentState, InstanceRecord, StateFile, encode_state
+from orka.agent.state import AgentState, InstanceRecord, StateEncoder, StateFile, encode_state
 from orka.models import InstancePhase, WorkloadKind, WorkloadSpec
 
 
@@ -206,3 +206,30 @@ def test_encode_state_writes_the_models_layout(changes: dict[str, object]) -> No
     model = AgentState(node="n1", instances={r.name: r for r in records})
     assert fast == json.loads(model.model_dump_json())
     assert AgentState.model_validate(fast) == model
+
+
+def test_state_encoder_writes_what_encode_state_writes_as_instances_change() -> None:
+    """The agent's encoder keeps each record's text between writes: after changes made in
+    place (as the supervisor makes them), an instance gone and one new, every write is
+    exactly what encoding the whole state afresh gives."""
+    records = [record("web-1"), record("web-2"), record("web-3")]
+    encoder = StateEncoder("n1")
+    assert encoder.encode(records) == encode_state("n1", records)
+    records[1].phase = InstancePhase.FAILED
+    records[1].exit_code = 3
+    records[2].restarts = 1
+    assert encoder.encode(records) == encode_state("n1", records)
+    # A field back to an earlier value is still a change against the last write.
+    records[1].phase = InstancePhase.RUNNING
+    records[1].exit_code = None
+    records = [records[0], records[1], record("web-4")]
+    text = encoder.encode(records)
+    assert text == encode_state("n1", records)
+    assert set(json.loads(text)["instances"]) == {"web-1", "web-2", "web-4"}
+    # A new instance object under a known name with the same status (stopped, then started
+    # again with a new spec) is encoded anew: its spec is not the old one's.
+    new_spec = WorkloadSpec(name="web", kind=WorkloadKind.PROCESS, command=["sleep", "7"])
+    records[0] = record("web-1").model_copy(update={"spec": new_spec})
+    text = encoder.encode(records)
+    assert text == encode_state("n1", records)
+    assert json.loads(text)["instances"]["web-1"]["spec"]["command"] == ["sleep", "7"]
