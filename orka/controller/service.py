@@ -25,7 +25,6 @@ from orka.controller.api import ControllerApi, Quotas
 from orka.controller.audit import AuditLog
 from orka.controller.commands import ClusterUpdate, NodeSynced
 from orka.controller.events import EventHub
-from orka.controller.leadership import ELECTION, Leadership, default_advertise
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementConfig, PlacementQueue
 from orka.controller.reconciler import History, Reconciler
@@ -33,6 +32,7 @@ from orka.controller.repo import Repo
 from orka.controller.volumes import VolumeKeeper
 from orka.errors import Invalid, Unavailable
 from orka.filemodes import private_dir
+from orka.leadership import Leadership, default_advertise
 from orka.rpc.server import set_serving, start_server
 from orka.security.tls import TlsFiles
 from orka.store.base import Fenced
@@ -42,6 +42,7 @@ from orka.store.factory import open_store
 log = structlog.get_logger("orka.controller")
 
 SERVICE_NAME = "orka.v1.Controller"
+ELECTION = "controller"
 # The largest request the public API takes: a spec is at most 1 MiB (orka.validation), so
 # anything past a few MiB is no request of ours and is refused before it is parsed.
 API_MAX_RECEIVE = 4 << 20

@@ -12,7 +12,7 @@ the whole scheduler (orka.supervision), and `run()` raises why.
 
 Standby (`store_url` set): several schedulers share one store and elect the active one on it
 (orka.store.election, election "scheduler", identity = the address agents dial, `advertise`),
-as controllers do (orka.controller.leadership). Every scheduler listens; only the active one
+as controllers do (orka.leadership). Every scheduler listens; only the active one
 serves. A standby answers every RPC (the agent stream, the controller feed, Place, Command,
 SetNode, Session) with NotLeader naming the active one, and its health reports NOT_SERVING
 for orka.v1.Scheduler. Each term starts from nothing (`_build`): the registry is rebuilt from
@@ -39,8 +39,8 @@ from grpc_health.v1 import health
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.api import controller_pb2 as pb
-from orka.controller.leadership import Leadership, default_advertise
 from orka.errors import Invalid, NotLeader, OrkaError
+from orka.leadership import Leadership, default_advertise
 from orka.rpc.server import boundaries, set_serving, start_server, stream, unary
 from orka.scheduler.feed import Feed
 from orka.scheduler.gateway import Gateway

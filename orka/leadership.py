@@ -1,4 +1,6 @@
-"""Which of several controllers on one store leads, and what the others tell callers.
+"""Which of several controllers (or schedulers) on one store leads, and what the others tell
+callers. Written for the controller, whose terms are described here; the scheduler's standby
+mode (orka/scheduler/service.py) runs its terms the same way.
 
 Only the leader runs the reconciler, the placement queue and the scheduler feed, and only it
 writes. A follower keeps no cache at all: it answers every `orka.v1.Controller` RPC with
@@ -28,9 +30,8 @@ import structlog
 from orka.errors import NotLeader, OrkaError
 from orka.store.election import Election
 
-log = structlog.get_logger("orka.controller.leadership")
+log = structlog.get_logger("orka.leadership")
 
-ELECTION = "controller"
 # How long a follower trusts the leader address it last read before reading it again.
 LEADER_CACHE_SECONDS = 1.0
 
