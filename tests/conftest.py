@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from orka.security.issue import init_certs
+from orka.taskdump import dump_tasks
 from tests.containerd_env import Containerd, ContainerdDaemon
 from tests.etcd import ETCD, EtcdCluster
 from tests.libvirt_env import MISSING as LIBVIRT_MISSING
@@ -31,19 +30,8 @@ def certs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _dump_tasks(signum: int, frame: object) -> None:
-    """SIGUSR1 prints every asyncio task's stack: how a hung async test is diagnosed."""
-    loop = asyncio._get_running_loop()
-    if loop is None:
-        return
-    for task in asyncio.all_tasks(loop):
-        try:
-            task.print_stack(file=sys.stderr)
-        except Exception as err:  # frames of compiled code have no line numbers
-            print(f"{task!r}: {err!r}", file=sys.stderr)
-
-
-signal.signal(signal.SIGUSR1, _dump_tasks)
+# SIGUSR1 prints every asyncio task's stack: how a hung async test is diagnosed.
+signal.signal(signal.SIGUSR1, lambda signum, frame: dump_tasks())
 
 
 @pytest.fixture(scope="session")

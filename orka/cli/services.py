@@ -33,6 +33,7 @@ from orka.security.ca import validate_name
 from orka.security.identity import check_serves_as
 from orka.security.tls import TlsFiles, load_and_check
 from orka.supervision import PartFailed
+from orka.taskdump import dump_tasks
 from orka.validation import RESERVED_LABEL_PREFIX, check_label_key, check_label_value
 
 POLICIES = ("spread", "binpack")
@@ -205,7 +206,13 @@ class GracefulStop:
 
     @property
     def handlers(self) -> dict[signal.Signals, Callable[[], None]]:
-        return {signal.SIGINT: self.handler, signal.SIGTERM: self.handler}
+        # SIGUSR1: every task's stack on stderr, to see what a service that seems stuck
+        # waits on (it goes on running).
+        return {
+            signal.SIGINT: self.handler,
+            signal.SIGTERM: self.handler,
+            signal.SIGUSR1: dump_tasks,
+        }
 
     async def run(self, ready: Callable[[], Awaitable[str]]) -> None:
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,13 @@ async def soak(certs: Path, data: Path, config: SoakConfig) -> Report:
             load.stopping.set()
             await jobs[0]
             report.converged_after = await checker.converge(client, config.converge)
+            if report.converged_after is None:
+                # What the services wait on, in their logs (kept with bench_chaos --keep).
+                for m in cluster.members.values():
+                    if m.role in ("controller", "scheduler") and m.alive:
+                        assert m.proc is not None
+                        m.proc.send_signal(signal.SIGUSR1)
+                await asyncio.sleep(1.0)
         finally:
             checking.set()
             load.stopping.set()
@@ -162,7 +170,7 @@ async def soak(certs: Path, data: Path, config: SoakConfig) -> Report:
         ]
         for v in checker.violations:
             for name in names:
-                if v.detail.startswith(name + ":") or f"{name}-" in v.detail:
+                if f"{name}:" in v.detail or f"{name}-" in v.detail:
                     report.histories[name] = [
                         f"{op.started - start:7.1f} {op.ended - start:7.1f} {op.kind} "
                         f"{op.replicas} {op.outcome} {op.error}"
