@@ -60,10 +60,23 @@ class Parts:
         task.add_done_callback(functools.partial(self._ended, part))
         self.tasks[part] = task
 
+    def stopping(self) -> None:
+        """The service has begun to stop (it may end some parts' tasks itself on the way):
+        from now on no part's end is a failure."""
+        self._stopping = True
+
     def _ended(self, part: str, task: asyncio.Task[None]) -> None:
-        if self._stopping or task.cancelled():
+        if self._stopping:
             return
-        error = task.exception()
+        # The first end stops the service; what ends while it stops is no news.
+        self._stopping = True
+        # Cancelled by anything but stop() (a library cancelling what the part awaited, as
+        # grpc.aio does to the calls of a closed channel): the part is gone all the same.
+        error = (
+            asyncio.CancelledError("cancelled while the service ran")
+            if task.cancelled()
+            else task.exception()
+        )
         failure = PartFailed(self.service, part, error)
         log.error(
             "service part failed; stopping the service",

@@ -303,6 +303,9 @@ class Agent:
         if self._stopped:
             return
         self._stopped = True
+        # Stopping ends some parts' tasks before parts.stop() (the state file's writer is
+        # flushed): no failures.
+        self.parts.stopping()
         try:
             if self._leaving:
                 await self._leave()

@@ -283,7 +283,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
             await GracefulStop(controller, notifier).run(ready)
 
     gctune.tune()
-    eventloop.run(main())
+    try:
+        eventloop.run(main())
+    except PartFailed as e:
+        return _failed(e)
     return 0
 
 

@@ -38,6 +38,7 @@ from orka.security.tls import TlsFiles
 from orka.store.base import Fenced
 from orka.store.election import Election, election_for
 from orka.store.factory import open_store
+from orka.supervision import PartFailed, describe
 
 log = structlog.get_logger("orka.controller")
 
@@ -271,14 +272,19 @@ class Controller:
         self._stopped.set()
 
     def _child_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self._stopped.is_set():
-            return
-        exc = task.exception()
-        if exc is not None:
-            # The first failure of a child starts a graceful shutdown of the whole service.
-            log.error("controller task failed", task=task.get_name(), error=repr(exc))
-            self._failed = exc
-            self._stopped.set()
+        if self._stopped.is_set() or task not in self._tasks:
+            return  # stopping, or the term ended: its parts end by design
+        # A leader part that ends while the term runs (fails, returns, or is cancelled by
+        # anything but step-down) would leave a leader that answers but no longer acts: the
+        # first such end starts a graceful shutdown of the whole service.
+        error = (
+            asyncio.CancelledError("cancelled while leading")
+            if task.cancelled()
+            else task.exception()
+        )
+        log.error("controller task failed", task=task.get_name(), error=describe(error))
+        self._failed = PartFailed("controller", task.get_name(), error)
+        self._stopped.set()
 
     async def run(self) -> None:
         await self.start()

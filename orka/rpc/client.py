@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 
-from orka.errors import Invalid, from_rpc_error
+from orka.errors import Invalid, Unavailable, from_rpc_error
 from orka.rpc.server import MAX_MESSAGE_BYTES, grpc_options
 from orka.security.ca import role_dns_name
 from orka.security.tls import TlsFiles, channel_credentials
@@ -78,3 +79,12 @@ async def call(
         return await method(request, timeout=timeout)
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err) from None
+    except asyncio.CancelledError:
+        # grpc.aio cancels the calls in flight on a channel that is closed under them (a
+        # client dropping a connection it found broken). For the caller that is the server
+        # gone, not a request to stop: as CancelledError it would end the calling task as if
+        # cancelled, silently (a controller's reconciler did just that in the chaos soak).
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise Unavailable("the connection closed during the call; retry") from None

@@ -106,3 +106,25 @@ async def test_a_state_file_writer_that_dies_stops_the_agent(
             "RuntimeError: cannot encode the state",
         )
     ]
+
+
+async def test_a_part_cancelled_from_outside_stops_the_agent(
+    tmp_path: Path, certs_dir: Path
+) -> None:
+    """A part's task ended by a cancellation nobody asked the service for (grpc.aio cancels
+    the calls of a closed channel) is a part gone: the service stops, it does not go on half
+    alive."""
+    agent = Agent(config(tmp_path), TlsFiles.for_service(certs_dir, "agent", "node-1"))
+    with structlog.testing.capture_logs() as logs:
+        runner = asyncio.create_task(agent.run())
+        await started(agent)
+        agent.parts.tasks["logs"].cancel()
+        with pytest.raises(PartFailed) as failed:
+            await asyncio.wait_for(runner, 10)
+    assert str(failed.value) == (
+        "agent: its logs failed (CancelledError: cancelled while the service ran); stopped"
+    )
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert [(e["event"], e["part"]) for e in errors] == [
+        ("service part failed; stopping the service", "logs")
+    ]
