@@ -76,9 +76,19 @@ class Faults:
             kinds.append("partition")
         return kinds
 
+    async def _restart_exited(self) -> None:
+        """A process that exited on its own (a service that stopped on a failure) is started
+        again, as its systemd unit's Restart= would; the report counts it ("exited <role>")."""
+        held = {f.target for f in self.active()}
+        for m in self.cluster.members.values():
+            if m.name not in held and m.starts and not m.alive:
+                self.log.append(Fault("exited", m.name, m.role, time.monotonic(), time.monotonic()))
+                await asyncio.to_thread(m.start)
+
     async def run(self) -> None:
         while not self.stopping.is_set():
             await asyncio.sleep(self.random.uniform(*self.every))
+            await self._restart_exited()
             if self.stopping.is_set() or len(self.active()) >= self.concurrent:
                 continue
             eligible = self._eligible()
