@@ -37,7 +37,7 @@ from orka.rpc.server import set_serving, start_server
 from orka.security.tls import TlsFiles
 from orka.store.base import Fenced
 from orka.store.election import Election, election_for
-from orka.store.factory import open_store
+from orka.store.factory import open_configured
 from orka.supervision import PartFailed, describe
 
 log = structlog.get_logger("orka.controller")
@@ -81,13 +81,7 @@ class Controller:
     def __init__(self, config: ControllerConfig, tls: TlsFiles) -> None:
         self.config = config
         self.tls = tls
-        self.store = open_store(
-            config.store_url,
-            config.data_dir,
-            etcd_ca=config.etcd_ca,
-            etcd_cert=config.etcd_cert,
-            etcd_key=config.etcd_key,
-        )
+        self.store = open_configured(config)
         self.repo = Repo(self.store)
         self.repo.writable = False  # until elected
         self.events = EventHub(lambda: self.repo.revision)

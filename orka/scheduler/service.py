@@ -54,7 +54,7 @@ from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
 from orka.store.base import Store
 from orka.store.election import Election, election_for
-from orka.store.factory import open_store
+from orka.store.factory import open_configured
 from orka.supervision import Parts
 
 log = structlog.get_logger("orka.scheduler")
@@ -189,13 +189,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         config = self.config
         advertise = config.advertise or default_advertise(config.listen, self.port)
         try:
-            self.store = open_store(
-                config.store_url,
-                config.data_dir,
-                etcd_ca=config.etcd_ca,
-                etcd_cert=config.etcd_cert,
-                etcd_key=config.etcd_key,
-            )
+            self.store = open_configured(config)
             if not (self.store.supports_leases and self.store.supports_watch):
                 # Without leases every scheduler would win its own election: two active ones.
                 raise Invalid(

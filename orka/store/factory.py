@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from orka.errors import Invalid
@@ -19,6 +20,28 @@ ACCEPTED = (
 )
 
 _ETCD_OPTIONS = ("ca", "cert", "key", "timeout")
+
+
+class StoreSettings(Protocol):
+    """What a service's configuration says about its store (ControllerConfig, and
+    SchedulerConfig for a standby scheduler)."""
+
+    store_url: str
+    data_dir: Path
+    etcd_ca: Path | None
+    etcd_cert: Path | None
+    etcd_key: Path | None
+
+
+def open_configured(config: StoreSettings) -> Store:
+    """open_store() with a service configuration's settings."""
+    return open_store(
+        config.store_url,
+        config.data_dir,
+        etcd_ca=config.etcd_ca,
+        etcd_cert=config.etcd_cert,
+        etcd_key=config.etcd_key,
+    )
 
 
 def open_store(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.cgroups import remove_cgroup_parent, unique_parent
-from tests.e2e.procs import free_port
+from tests.e2e.procs import free_port, spawn
 from tests.etcd import EtcdCluster, EtcdMember
 from tests.subprocs import reap
 
@@ -74,15 +74,7 @@ class Member:
             # the cgroup's (a socket keeps the cgroup of the task that made it).
             joined = f"echo $$ > {shlex.quote(str(self.cgroup / 'cgroup.procs'))} && exec "
             command = ["sh", "-c", joined + shlex.join(command)]
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "ORKA_LOG_LEVEL": "info"},
-            start_new_session=True,
-        )
-        out.close()
+        self.proc = spawn(command, self.log)
 
     @property
     def alive(self) -> bool:

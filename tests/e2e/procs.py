@@ -28,6 +28,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start an orka service (or a wrapper that execs one) in a session of its own, its output
+    appended to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "ORKA_LOG_LEVEL": "info"},
+            start_new_session=True,
+        )
+
+
 class Service:
     def __init__(self, name: str, args: list[str], log: Path) -> None:
         self.name = name
@@ -36,15 +49,7 @@ class Service:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "orka.cli.main", *self.args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "ORKA_LOG_LEVEL": "info"},
-            start_new_session=True,
-        )
-        out.close()
+        self.proc = spawn([sys.executable, "-m", "orka.cli.main", *self.args], self.log)
 
     @property
     def pid(self) -> int:
