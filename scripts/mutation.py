@@ -269,20 +269,38 @@ def run_mutmut(
     # mutmut's own report goes to a file: on a failure its end says why (a test that failed in
     # the run without mutants, say), which a bare exit code does not.
     output = module.work / "mutmut-run.log"
-    with open(output, "wb") as out:
-        done = subprocess.run(
-            cmd, cwd=module.work, env=env(), check=False, stdout=out, stderr=errors
-        )
+    for attempt in (1, 2):
+        with open(output, "wb") as out:
+            done = subprocess.run(
+                cmd, cwd=module.work, env=env(), check=False, stdout=out, stderr=errors
+            )
+        text = output.read_text(errors="replace")
+        # mutmut's first step runs the module's tests once without mutants ("stats"); a test
+        # that fails there failed on its own, not because of a mutant (the pytest stage ran it
+        # too): say which, and run once more, so one timing flake under the mutation stage's
+        # slower tracing does not decide a score.
+        if done.returncode != 0 and "failed to collect stats" in text and attempt == 1:
+            print(f"==> {module.short}: the run without mutants failed; again", flush=True)
+            print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
+            continue
+        break
     lacking = functions is not None and not any(
         function_of(k) in functions for k in results(module)
     )
     if done.returncode != 0 and not lacking:
-        tail = output.read_text(errors="replace").splitlines()[-30:]
-        print("\n".join(f"  | {line}" for line in tail), flush=True)
+        print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
         sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
     print(f"==> {module.short}: {took:.0f} s", flush=True)
     return took
+
+
+def _report(text: str) -> list[str]:
+    """The end of mutmut's output without its progress spinner: the failing tests' lines and
+    mutmut's own words."""
+    lines = [line for line in text.splitlines() if "Running" not in line and line.strip()]
+    failing = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return failing[-10:] + lines[-20:]
 
 
 def globs(module: Module, functions: list[str] | None) -> list[str]:
