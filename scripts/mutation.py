@@ -298,7 +298,11 @@ def run_mutmut(
 def _report(text: str) -> list[str]:
     """The end of mutmut's output without its progress spinner: the failing tests' lines and
     mutmut's own words."""
-    lines = [line for line in text.splitlines() if "Running" not in line and line.strip()]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.strip() and not any("\u2800" <= ch <= "\u28ff" for ch in line)  # spinner
+    ]
     failing = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
     return failing[-10:] + lines[-20:]
 
