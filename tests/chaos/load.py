@@ -139,10 +139,15 @@ class Load:
         self.timeout = timeout
         self.history = History()
         self.stopping = asyncio.Event()
+        # What the user last learnt of each workload (an answer, a NotFound, an AlreadyExists;
+        # an unknown outcome counts as landed): what the next request is chosen by. Not the
+        # checker's `candidates`, which must keep every state that may still land: choosing by
+        # those, a user whose create timed out would scale a missing workload forever.
+        self.exists: dict[str, bool] = {}
 
     def _next(self) -> Op:
         name = self.random.choice(self.names)
-        exists = max(self.history.candidates(name)) != ABSENT
+        exists = self.exists.get(name, False)
         now = time.monotonic()
         if not exists:
             return Op(name, "create", self.random.randint(1, 3), now)
@@ -172,6 +177,7 @@ class Load:
         try:
             await self._send(op)
             op.outcome = "ok"
+            self.exists[op.name] = op.kind != "delete"
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err)
             op.error = f"{err.code().name}: {error.message}"[:200]
@@ -179,6 +185,11 @@ class Load:
                 op.outcome = "failed"
             else:
                 op.outcome = "unknown"
+                self.exists[op.name] = op.kind != "delete"
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                self.exists[op.name] = False
+            elif err.code() == grpc.StatusCode.ALREADY_EXISTS:
+                self.exists[op.name] = True
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.client.follow(err)
         op.ended = time.monotonic()
