@@ -304,6 +304,13 @@ def _check_advertise(value: str | None) -> None:
             raise UsageError(f"--advertise: {value!r} needs a real port, not 0")
 
 
+def _etcd_tls_flags(p: argparse.ArgumentParser) -> None:
+    """The client TLS flags of a service that can keep its state in (or elect on) etcd."""
+    add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
+    add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
+    add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+
+
 def _etcd_tls(args: argparse.Namespace) -> dict[str, Path | None]:
     """The --etcd-ca/--etcd-cert/--etcd-key files, each checked to exist."""
     etcd_tls = {
@@ -709,9 +716,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="API address followers name to clients when this controller leads "
         "(default --listen, 0.0.0.0 -> 127.0.0.1)",
     )
-    add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
-    add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
-    add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    _etcd_tls_flags(p)
     add_flag(
         p,
         "--audit-log",
@@ -792,9 +797,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " standby while this one is active; must be spelled as in their --scheduler lists"
         " (default --listen, 0.0.0.0 -> 127.0.0.1)",
     )
-    add_flag(p, "--etcd-ca", metavar="FILE", help="CA bundle that signed etcd's certificate")
-    add_flag(p, "--etcd-cert", metavar="FILE", help="client certificate for etcd")
-    add_flag(p, "--etcd-key", metavar="FILE", help="client key for etcd")
+    _etcd_tls_flags(p)
     add_flag(
         p,
         "--election-ttl",

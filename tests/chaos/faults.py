@@ -132,7 +132,7 @@ class Faults:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         for m in self.cluster.members.values():
-            m.heal()
+            await asyncio.to_thread(m.heal)  # iptables: not on the loop
             m.resume()
             if not m.alive:
                 await asyncio.to_thread(m.start)
