@@ -34,6 +34,11 @@ CHUNK = 32 << 10
 # not, up to follow's `poll`).
 POLL_MIN = 0.01
 DEFAULT_MAX_BYTES = 10 << 20
+# How long a file found shorter than the reader's offset may wait for its `<file>.1` to be
+# replaced before the reader takes it as truncated by someone else: `rotate` truncates first
+# and replaces `<file>.1` just after, and a reader that started over at 0 in between would
+# then read the rotated lines a second time from `<file>.1`.
+TRUNCATE_GRACE = 1.0
 # Samples of a file's size kept for `since` (one per check in which the file grew).
 INDEX_SAMPLES = 4096
 
@@ -240,6 +245,8 @@ async def follow(
     # (a tail of 3 lines is 3 lines, however fast the instance writes).
     end = None if follow else (start.end if start.end is not None else _size(path))
     wait = POLL_MIN
+    loop = asyncio.get_running_loop()
+    shorter_since: float | None = None
     while True:
         # Checked before each read: the file may have grown past our offset again since the
         # rotation, and reading on there would skip what was written between.
@@ -249,6 +256,7 @@ async def follow(
         elif inode != seen:
             # Rotated since: the rest of what was not read is in `<file>.1`.
             seen = inode
+            shorter_since = None
             while data := await asyncio.to_thread(_read_at, old, offset, chunk):
                 offset += len(data)
                 yield data
@@ -266,8 +274,12 @@ async def follow(
             continue
         if not follow:
             return
-        if _size(path) < offset:
-            offset = 0  # truncated by someone else
+        if _size(path) >= offset:
+            shorter_since = None
+        elif shorter_since is None:
+            shorter_since = loop.time()  # a rotation half done, or a truncation
+        elif loop.time() - shorter_since >= TRUNCATE_GRACE:
+            offset, shorter_since = 0, None  # truncated by someone else
         # A file being written is looked at again soon, an idle one less and less often
         # (up to `poll`): a follow costs little when nothing happens, and lags little when
         # something does.

@@ -130,6 +130,49 @@ async def test_follow_reads_on_across_a_rotation(tmp_path: Path) -> None:
     await reader.aclose()
 
 
+async def test_follow_waits_out_a_rotation_caught_between_truncate_and_replace(
+    tmp_path: Path,
+) -> None:
+    # `rotate` truncates, then replaces `.1`: a reader polling in between sees a file shorter
+    # than its offset and must not start over at 0, or it reads the copied lines twice from
+    # the new `.1` (CI saw lines 1-173 twice).
+    path = tmp_path / "stdout.log"
+    path.write_bytes(b"one\n")
+    reader = follow(path, Position(0), follow=True, poll=0.01)
+    async with asyncio.timeout(5):
+        assert await anext(reader) == b"one\n"
+        pending = asyncio.ensure_future(anext(reader))
+        write(path, b"two\n")
+        copied = path.read_bytes()
+        os.truncate(path, 0)
+        await asyncio.sleep(0.2)  # the reader polls the short file some 10 times
+        assert not pending.done()
+        (tmp_path / "stdout.log.1").write_bytes(copied)
+        write(path, b"three\n")
+        got = await pending
+        while got != b"two\nthree\n":
+            assert len(got) < len(b"two\nthree\n"), got
+            got += await anext(reader)
+    await reader.aclose()
+
+
+async def test_follow_starts_over_after_a_truncation_by_someone_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("orka.runtime.logs.TRUNCATE_GRACE", 0.05)
+    path = tmp_path / "stdout.log"
+    path.write_bytes(b"one\ntwo\n")
+    reader = follow(path, Position(0), follow=True, poll=0.01)
+    async with asyncio.timeout(5):
+        assert await anext(reader) == b"one\ntwo\n"
+        os.truncate(path, 0)
+        pending = asyncio.ensure_future(anext(reader))
+        await asyncio.sleep(0.2)  # past the grace: the reader is at 0 now
+        write(path, b"new\n")
+        assert await pending == b"new\n"
+    await reader.aclose()
+
+
 async def test_follow_without_follow_ends_at_the_end(tmp_path: Path) -> None:
     path = tmp_path / "stdout.log"
     (tmp_path / "stdout.log.1").write_bytes(b"a\n")
