@@ -490,14 +490,16 @@ class ClusterUpdates(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[ClusterUpdate, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("node", "open", "input")
+    __slots__ = ("node", "open", "input", "leader_term")
     NODE_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
     node: str
     open: SessionOpen
     input: SessionInput
-    def __init__(self, node: _Optional[str] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
+    leader_term: int
+    def __init__(self, node: _Optional[str] = ..., open: _Optional[_Union[SessionOpen, _Mapping]] = ..., input: _Optional[_Union[SessionInput, _Mapping]] = ..., leader_term: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("output",)

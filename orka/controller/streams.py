@@ -56,7 +56,7 @@ async def relay(
     """One session: its outputs until the agent's end (OK returns, otherwise raises it)."""
     stub = api.link.stub()
     queue: asyncio.Queue[apb.SessionRequest | None] = asyncio.Queue(4)
-    await queue.put(apb.SessionRequest(node=node, open=opening))
+    await queue.put(apb.SessionRequest(node=node, open=opening, leader_term=api.link.term))
 
     async def feed() -> None:
         async for inp in inputs:

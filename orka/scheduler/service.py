@@ -349,5 +349,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[apb.SessionRequest], who: Identity
     ) -> AsyncIterator[apb.SessionResponse]:
         await self._require_active()
-        async for msg in self.gateway.sessions.session(request_iterator):
+        async for msg in self.gateway.sessions.session(
+            request_iterator, self.controller_terms.admit
+        ):
             yield msg

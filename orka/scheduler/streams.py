@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -87,8 +87,12 @@ class SessionRelay:
     # ---- the controller's call ----
 
     async def session(
-        self, requests: AsyncIterator[apb.SessionRequest]
+        self,
+        requests: AsyncIterator[apb.SessionRequest],
+        admit: Callable[[int], None] = lambda term: None,
     ) -> AsyncIterator[apb.SessionResponse]:
+        """Relay one session; `admit` sees the opening request's controller term first (and
+        raises to refuse it: a stale controller opens nothing on a node)."""
         iterator = aiter(requests)
         try:
             async with asyncio.timeout(OPEN_TIMEOUT):
@@ -97,6 +101,7 @@ class SessionRelay:
             raise Invalid("a session starts with a request naming node and open") from None
         if not first.HasField("open") or not first.node:
             raise Invalid("the first session request must name node and open")
+        admit(first.leader_term)
         record = self.registry.get(first.node)
         agent = record.session if record is not None else None
         if agent is None or agent.closed:

@@ -3,6 +3,7 @@ lease while a successor took over is refused before any node hears of its orders
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import Conflict, from_rpc_error
 from orka.scheduler.service import Scheduler
+from tests.integration.cluster import eventually
 from tests.integration.test_scheduler_nodes import (
     QUIET,
     HandAgent,
@@ -54,6 +56,23 @@ async def test_orders_of_an_older_controller_term_are_refused(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await watch.read()
             assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # A session (logs, exec, console) of the old term opens nothing on the node; the
+            # successor's does.
+            for term in (5, 9):
+                session = api.Session()
+                await session.write(
+                    apb.SessionRequest(
+                        node="node-1", open=apb.SessionOpen(console="vm-0"), leader_term=term
+                    )
+                )
+                if term == 5:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await session.read()
+                    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "term 5 is stale" in (caught.value.details() or "")
+            opened = await eventually(lambda: asyncio.sleep(0, agent.messages("session_open")))
+            assert [m.session_open.console for m in opened] == ["vm-0"]
+            session.cancel()
             # Nothing of it reached the node's record; the successor still gives orders.
             node = scheduler.registry.get("node-1")
             assert node is not None and not node.draining and "w-0" not in node.holds
