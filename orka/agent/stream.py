@@ -19,7 +19,7 @@ from orka.models import TERMINAL_PHASES, Resources
 from orka.rpc import backoff, convert
 from orka.rpc.client import refused_role, secure_channel
 from orka.rpc.frames import drain
-from orka.rpc.targets import Targets
+from orka.rpc.targets import Targets, hint_of
 from orka.runtime.base import Driver
 from orka.security.tls import TlsFiles
 
@@ -43,13 +43,13 @@ _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
 
 
 class Stream:
-    # Called when a registered stream ends (the sessions on it end too: orka/agent/sessions.py).
-    on_disconnect: Callable[[], None] = staticmethod(lambda: None)
-
     """Keeps one stream to a scheduler open (`run()`: connect, register, serve, and on any
     end reconnect with backoff, trying each scheduler in turn). While connected it sends a
     heartbeat per interval and each instance change as an event at once; messages queued
     together leave in one frame. What the scheduler sends goes to `on_message`."""
+
+    # Called when a registered stream ends (the sessions on it end too: orka/agent/sessions.py).
+    on_disconnect: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(
         self,
@@ -91,6 +91,13 @@ class Stream:
         self.outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
         # instance -> its event message still in the outbox, so a newer state replaces it.
         self._unsent_events: dict[str, apb.AgentMessage] = {}
+        # One channel per scheduler address, kept while that scheduler answers: during a
+        # failover every agent asks the standby again and again until it is elected, and a
+        # new channel per attempt made each ask a TLS handshake on the standby (a thousand
+        # agents: a thousand handshakes a second while it campaigns and takes over). A
+        # channel is dropped after any failure other than a NOT_LEADER answer, so a dead or
+        # restarted scheduler is dialled afresh.
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
     # ---- what is sent ----
 
@@ -151,6 +158,25 @@ class Stream:
     # ---- the connection ----
 
     async def run(self) -> None:
+        try:
+            await self._connect_loop()
+        finally:
+            channels, self._channels = list(self._channels.values()), {}
+            for channel in channels:
+                await channel.close()
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = secure_channel(target, self.tls, "scheduler")
+        return channel
+
+    async def _drop_channel(self, target: str) -> None:
+        channel = self._channels.pop(target, None)
+        if channel is not None:
+            await channel.close()
+
+    async def _connect_loop(self) -> None:
         attempt = 0
         while True:
             target = self.targets.current
@@ -178,49 +204,58 @@ class Stream:
                 log.exception("scheduler stream failed", target=target)
             self.connected.clear()
             self.outbox = None
+            if not hint_of(failure).not_leader:
+                await self._drop_channel(target)
             attempt += 1
             # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
             # a pause ends early when a scheduler that refused connections starts listening.
             delay = self.targets.failed(failure, backoff.delay(attempt, 0.2, self.reconnect_max))
-            if delay > 0:
+            if delay > 0 and self.targets.current in self._channels:
+                await asyncio.sleep(delay)  # it answered just now: no port to watch
+            elif delay > 0:
                 await backoff.pause(delay, self.targets.current)
 
     async def session(self, target: str) -> None:
         """One stream, from registering until it ends. Its reader, writer and heartbeats end
         together: the first of them to end (or fail) ends the session, so a stream never
         goes on without heartbeats."""
-        async with secure_channel(target, self.tls, "scheduler") as channel:
-            stub = apb_grpc.SchedulerStub(channel)
-            call = stub.Connect()
-            outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
-            self._unsent_events.clear()
-            await call.write(self.register_message())
-            first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
-                raise Invalid("scheduler did not acknowledge the registration")
-            self.interval = first.registered.heartbeat_interval or self.interval
-            self.outbox = outbox
-            self.connected.set()
-            self.targets.connected()
-            log.info("registered", scheduler=target, node=first.registered.node)
-            if self.leaving():
-                self.leave()
-            jobs = [
-                asyncio.create_task(self._reader(call)),
-                asyncio.create_task(self.writer(call, outbox)),
-                asyncio.create_task(self._heartbeats()),
-            ]
-            try:
-                done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for job in jobs:
-                    job.cancel()
-                await asyncio.gather(*jobs, return_exceptions=True)
-                self.outbox = None
-                self.on_disconnect()
-            for job in done:
-                if not job.cancelled() and job.exception() is not None:
-                    raise job.exception()  # type: ignore[misc]
+        call = apb_grpc.SchedulerStub(self._channel(target)).Connect()
+        try:
+            await self._serve(target, call)
+        finally:
+            # The channel may outlive the call (kept for the next attempt): end it here.
+            call.cancel()
+
+    async def _serve(self, target: str, call: grpc.aio.StreamStreamCall) -> None:
+        outbox: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
+        self._unsent_events.clear()
+        await call.write(self.register_message())
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
+            raise Invalid("scheduler did not acknowledge the registration")
+        self.interval = first.registered.heartbeat_interval or self.interval
+        self.outbox = outbox
+        self.connected.set()
+        self.targets.connected()
+        log.info("registered", scheduler=target, node=first.registered.node)
+        if self.leaving():
+            self.leave()
+        jobs = [
+            asyncio.create_task(self._reader(call)),
+            asyncio.create_task(self.writer(call, outbox)),
+            asyncio.create_task(self._heartbeats()),
+        ]
+        try:
+            done, _ = await asyncio.wait(jobs, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            self.outbox = None
+            self.on_disconnect()
+        for job in done:
+            if not job.cancelled() and job.exception() is not None:
+                raise job.exception()  # type: ignore[misc]
 
     async def _reader(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:

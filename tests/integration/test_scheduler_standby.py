@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
 from orka.errors import NotLeader, from_rpc_error
@@ -189,3 +192,51 @@ async def _refusal_naming(ch: grpc.aio.Channel, leader: str) -> NotLeader | None
         if isinstance(found, NotLeader) and found.leader == leader:
             return found
     return None
+
+
+def _connections_to(port: int) -> set[int]:
+    """Local ports of this host's TCP connections to `port` on loopback, in any state (a
+    closed one lingers in TIME_WAIT on the side that closed it: the agent's). gRPC dials
+    over IPv6 sockets, IPv4 addresses mapped."""
+    return {
+        c.laddr.port
+        for c in psutil.net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.raddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")
+    }
+
+
+async def test_an_agent_asks_a_standby_again_on_one_connection(
+    pair: tuple[Scheduler, Scheduler], certs_dir: Path, tmp_path: Path
+) -> None:
+    # An agent that knows only the standby: each ask is refused with NOT_LEADER (the active
+    # one it names is not in the agent's list), and it asks again after a short pause; every
+    # ask goes over the same connection, so a standby asked by many agents during a failover
+    # does not pay a TLS handshake per ask.
+    _, b = pair
+    before = _connections_to(b.port)
+    agent = Agent(
+        AgentConfig(
+            name="node-2",
+            schedulers=[addr(b)],
+            data_dir=tmp_path / "node-2",
+            runtimes=["fake"],
+        ),
+        TlsFiles.for_service(certs_dir, "agent", "node-2"),
+    )
+    with structlog.testing.capture_logs() as logs:
+        try:
+            await agent.start()
+
+            def refusals() -> list[str]:
+                return [
+                    e["target"]
+                    for e in logs
+                    if e["event"] == "scheduler stream ended"
+                    and e.get("error_reason") == "NOT_LEADER"
+                ]
+
+            await eventually(lambda: asyncio.sleep(0, len(refusals()) >= 4), timeout=15)
+            assert set(refusals()) == {addr(b)}
+            assert len(_connections_to(b.port) - before) == 1
+        finally:
+            await agent.stop()
