@@ -260,12 +260,14 @@ async def measure_standby(services: Services, certs: Path, nodes: int) -> dict[s
     }
 
 
-def run_standby(nodes: int) -> dict[str, Any]:
+def run_standby(nodes: int, election_ttl: int | None = None) -> dict[str, Any]:
     """The failover figures: two schedulers on the etcd store, the active one SIGKILLed."""
     certs = certs_dir(nodes)
     with workdir(f"standby-{nodes}") as work, etcd_server(work) as store_url:
         standby = f"127.0.0.1:{free_port()}"
         elect = ["--store", store_url]
+        if election_ttl is not None:
+            elect += ["--election-ttl", str(election_ttl)]
         services = Services(
             certs, work, scheduler_args=elect, store=store_url, more_schedulers=[standby]
         ).start()
@@ -342,13 +344,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also measure failover to a standby scheduler (a second cluster per size)",
     )
+    p.add_argument(
+        "--standby-only", action="store_true", help="only the standby failover (no restart run)"
+    )
+    p.add_argument(
+        "--election-ttl", type=int, default=None, help="the schedulers' --election-ttl (standby)"
+    )
     args = p.parse_args(argv)
     sizes = [10] if args.smoke else [int(s) for s in args.sizes.split(",") if s.strip()]
     results = []
     for n in sizes:
-        result = run(n)
-        if args.standby:
-            result.update(run_standby(n))
+        result = {"agents": n} if args.standby_only else run(n)
+        if args.standby or args.standby_only:
+            result.update(run_standby(n, args.election_ttl))
         results.append(result)
     for r in results:
         table(f"recovery with {r['agents']} agents", list(r.items()))
