@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import os
 import signal
 import sys
 import time
@@ -59,6 +60,7 @@ from orka.rpc.pages import list_all
 from orka.store.etcd import EtcdStore
 
 AGENTS_PER_PROCESS = 250
+MAX_REPLICAS = 1000  # the API's bound on one workload's replicas
 
 
 def spec(name: str, replicas: int) -> pb.WorkloadSpec:
@@ -84,7 +86,15 @@ async def poll(check: Any, timeout: float, interval: float = 0.05) -> float:
     raise RuntimeError(f"not within {timeout}s")
 
 
+async def create_base(stub: Any, instances: int) -> None:
+    """`instances` running instances to begin with, in workloads of at most MAX_REPLICAS."""
+    for i, start in enumerate(range(0, instances, MAX_REPLICAS)):
+        replicas = min(MAX_REPLICAS, instances - start)
+        await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec(f"base-{i}", replicas)))
+
+
 async def running(stub: Any, workload: str, count: int) -> bool:
+    """Whether `count` instances of `workload` (of every workload: "") are RUNNING."""
     items, _ = await list_all(
         functools.partial(stub.ListInstances, timeout=10),
         pb.ListInstancesRequest(workload=workload),
@@ -130,8 +140,8 @@ async def measure(
     replicas = max(1, nodes // 2)
     async with EtcdStore(endpoints, "/orka") as etcd:
         rev0 = await etcd.revision()
-        await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("base", replicas)))
-        place_s = await poll(lambda: running(stub, "base", replicas), 600, 0.2)
+        await create_base(stub, replicas)
+        place_s = await poll(lambda: running(stub, "", replicas), 600, 0.2)
         writes = await etcd.revision() - rev0
 
     # Scheduler SIGKILL and restart, with every node event watched from before the kill.
@@ -222,13 +232,15 @@ async def agents_back(stub: Any, nodes: int, since_wall: float) -> bool:
     return len(fresh) >= nodes
 
 
-async def measure_standby(services: Services, certs: Path, nodes: int) -> dict[str, Any]:
+async def measure_standby(
+    services: Services, certs: Path, nodes: int, hosts: list[AgentHost]
+) -> dict[str, Any]:
     channel = admin_channel(certs, services.controller)
     stub = pb_grpc.ControllerStub(channel)
     await wait_nodes_ready(stub, nodes, timeout=600)
     replicas = max(1, nodes // 2)
-    await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("base", replicas)))
-    await poll(lambda: running(stub, "base", replicas), 600, 0.2)
+    await create_base(stub, replicas)
+    await poll(lambda: running(stub, "", replicas), 600, 0.2)
 
     # Node state changes the controller writes, watched from before the kill.
     left_ready: set[str] = set()
@@ -244,8 +256,18 @@ async def measure_standby(services: Services, certs: Path, nodes: int) -> dict[s
     active.send_signal(signal.SIGKILL)
     killed_wall, killed = time.time(), time.monotonic()
     active.wait(10)
+
+    async def registered_again() -> float:
+        # As the agents see it: the schedulers' share, before the controller's.
+        with contextlib.suppress(RuntimeError):
+            await poll(lambda: _none_connected(hosts), 5, 0.02)
+        await poll(lambda: _all_connected(hosts, nodes), 600, 0.05)
+        return time.monotonic() - killed
+
+    registered = asyncio.create_task(registered_again())
     await poll(lambda: agents_back(stub, nodes, killed_wall), 600, 0.1)
     back = time.monotonic() - killed
+    agents_registered = await registered
     await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))
     await poll(lambda: running(stub, "probe", 1), 120)
     resumed = time.monotonic() - killed
@@ -254,6 +276,7 @@ async def measure_standby(services: Services, certs: Path, nodes: int) -> dict[s
     await asyncio.gather(watcher, return_exceptions=True)
     await channel.close()
     return {
+        "standby_failover_to_agents_registered_s": round(agents_registered, 2),
         "standby_failover_to_agents_back_s": round(back, 2),
         "standby_failover_to_placement_resumed_s": round(resumed, 2),
         "standby_failover_nodes_left_ready": len(left_ready),
@@ -285,7 +308,7 @@ def run_standby(nodes: int, election_ttl: int | None = None) -> dict[str, Any]:
                     "--certs",
                     str(certs),
                     "--log-level",
-                    "warning",
+                    os.environ.get("ORKA_BENCH_LOG_LEVEL", "warning"),
                     *elect,
                 ],
             )
@@ -293,7 +316,7 @@ def run_standby(nodes: int, election_ttl: int | None = None) -> dict[str, Any]:
             processes = max(1, -(-nodes // AGENTS_PER_PROCESS))
             both = f"{services.scheduler},{standby}"
             hosts = start_agents(certs, both, nodes, work, processes)
-            return asyncio.run(measure_standby(services, certs, nodes))
+            return asyncio.run(measure_standby(services, certs, nodes, hosts))
         finally:
             for h in hosts:
                 h.stop()

@@ -133,7 +133,12 @@ class Services:
     def _start(self) -> Services:
         self.scheduler_port = free_port()
         self.controller_port = free_port()
-        common = ["--certs", str(self.certs), "--log-level", "warning"]
+        common = [
+            "--certs",
+            str(self.certs),
+            "--log-level",
+            os.environ.get("ORKA_BENCH_LOG_LEVEL", "warning"),
+        ]
         self._spawn(
             "scheduler",
             [

@@ -142,6 +142,7 @@ class Stream:
             reg.node.volume_capacity_bytes = self.volumes.capacity_bytes()
             reg.volumes.extend(self.volumes.statuses())
         reg.instances.extend(_status_of(inst) for inst in self.instances.values())
+        reg.unreachable.extend(self.targets.unreachable())
         return apb.AgentMessage(register=reg)
 
     def heartbeat_message(self) -> apb.AgentMessage:

@@ -185,14 +185,16 @@ class NodeInfo(_message.Message):
     def __init__(self, capacity: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., allocatable: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., pool: _Optional[str] = ..., volume_backends: _Optional[_Iterable[str]] = ..., volume_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node", "instances", "volumes")
+    __slots__ = ("node", "instances", "volumes", "unreachable")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeStatus]
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ...) -> None: ...
+    unreachable: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("usage", "allocated", "instances", "sent_at")

@@ -9,6 +9,9 @@ every client:
   there next, at once. Once only: what that one answers is handled by the rules below, never
   by another jump at once, so two servers that each name the other (a moment of disagreement)
   cannot make a client spin;
+* a NOT_LEADER naming the address just asked: that server has just become the leader (a
+  standby holds a client whose leader could not be reached until it takes over, then says
+  so): ask it again at once, once;
 * a NOT_LEADER naming an address outside the list is treated as naming none: a standby, or
   anyone holding a scheduler certificate, must not be able to send a node elsewhere;
 * a NOT_LEADER without a usable address: the next address of the list after a short pause (the
@@ -103,6 +106,10 @@ class Targets:
         now = self.clock()
         if not hint.not_leader:
             self._down[self.current] = now
+        if hint.leader is not None and hint.leader == self.current and not followed:
+            # It names itself: a standby that held this client until it took over.
+            self._followed = True
+            return 0.0
         if (
             hint.leader is not None
             and hint.leader != self.current
@@ -118,6 +125,12 @@ class Targets:
         if hint.not_leader:
             return self.pause
         return min(backoff, FAILOVER_PAUSE) if followed else backoff
+
+    def unreachable(self) -> list[str]:
+        """The addresses that could not be reached within the last DOWN_FOR seconds (told to
+        a standby, which then holds the client rather than send it back to them)."""
+        now = self.clock()
+        return [a for a, at in self._down.items() if now - at < DOWN_FOR]
 
     def _next(self, now: float) -> int:
         """The next address down the list (wrapping) not down lately; the current one if it

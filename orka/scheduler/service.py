@@ -61,6 +61,9 @@ log = structlog.get_logger("orka.scheduler")
 
 SERVICE_NAME = "orka.v1.Scheduler"
 ELECTION = "scheduler"
+# A standby holds a refused agent (`_parked`) for the election TTL plus this: by then a dead
+# active scheduler's lease has run out and this one has either taken over or seen who did.
+PARK_SLACK = 1.0
 
 
 @dataclass
@@ -126,6 +129,10 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self.store: Store | None = None
         self.election: Election | None = None
         self.leadership: Leadership | None = None
+        # The address agents and controllers dial for this scheduler (standby mode).
+        self.advertise = ""
+        # Agents a standby holds until it takes over (`_parked`).
+        self.held = 0
         # Counts the terms begun; a call that began in one term and ends in another (the
         # lease was lost meanwhile) must not hand back what the old term's parts answered.
         self.term = 0
@@ -187,7 +194,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         # Standby until elected: the gate answers NOT_LEADER meanwhile.
         await self._set_serving(False)
         config = self.config
-        advertise = config.advertise or default_advertise(config.listen, self.port)
+        advertise = self.advertise = config.advertise or default_advertise(config.listen, self.port)
         try:
             self.store = open_configured(config)
             if not (self.store.supports_leases and self.store.supports_watch):
@@ -247,6 +254,35 @@ class Scheduler(apb_grpc.SchedulerServicer):
         else:
             raise NotLeader("the scheduler is starting; no active scheduler known yet")
 
+    def _parks(self, refusal: NotLeader, first: apb.AgentMessage) -> bool:
+        """Whether a standby holds this agent's stream instead of refusing it at once: when
+        the active one it would name is one the agent could not reach (or none is known).
+        During a failover that is every agent, each asking again and again until the dead
+        one's lease runs out; held, they are answered the moment this one takes over."""
+        if self.leadership is None or first.WhichOneof("body") != "register":
+            return False
+        return refusal.leader is None or refusal.leader in first.register.unreachable
+
+    async def _parked(self) -> NotLeader:
+        """Hold a refused agent until this scheduler leads (then tell it to register again,
+        here, at once: what it registered with may be stale by now) or until the active one's
+        lease would have run out (then the refusal of that moment)."""
+        assert self.leadership is not None
+        self.held += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.election_ttl + PARK_SLACK):
+                    await self.leadership.leading.wait()
+        finally:
+            self.held -= 1
+        try:
+            await self._require_active()
+        except NotLeader as refusal:
+            return refusal
+        return NotLeader(
+            "this scheduler has just become the active one; register again", leader=self.advertise
+        )
+
     async def _require_term(self, term: int) -> None:
         """After a call that began in `term`: NotLeader if that term has ended meanwhile."""
         if self.term != term or (self.leadership is not None and not self.leadership.is_leader):
@@ -300,15 +336,18 @@ class Scheduler(apb_grpc.SchedulerServicer):
     ) -> AsyncIterator[apb.SchedulerMessage]:
         try:
             await self._require_active()
-        except NotLeader:
+        except NotLeader as refusal:
             # Refused only once the agent's registration has arrived: an agent that writes it
             # after the stream has ended (a busy agent, a standby answering at once) sees the
             # write fail ("RPC already finished", INTERNAL) instead of this NOT_LEADER, and
             # would not know where to go.
+            first: apb.AgentMessage | None = None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.config.register_timeout):
-                    await anext(aiter(request_iterator))
-            raise
+                    first = await anext(aiter(request_iterator))
+            if first is None or not self._parks(refusal, first):
+                raise
+            raise await self._parked() from None
         async for msg in self.gateway.connect(request_iterator, who.name):
             yield msg
 

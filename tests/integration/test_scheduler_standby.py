@@ -240,3 +240,49 @@ async def test_an_agent_asks_a_standby_again_on_one_connection(
             assert len(_connections_to(b.port) - before) == 1
         finally:
             await agent.stop()
+
+
+async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_over(
+    pair: tuple[Scheduler, Scheduler], certs_dir: Path, tmp_path: Path
+) -> None:
+    # The active one stops answering but keeps its lease (as when SIGKILLed: nothing revokes
+    # it). The agent finds it gone and tells the standby so when it registers there; the
+    # standby holds the stream instead of naming the dead one again and again, and the moment
+    # it takes over it tells the agent to register again, which it does at once.
+    a, b = pair
+    agent = Agent(
+        AgentConfig(
+            name="node-2",
+            schedulers=[addr(a), addr(b)],
+            data_dir=tmp_path / "node-2",
+            runtimes=["fake"],
+        ),
+        TlsFiles.for_service(certs_dir, "agent", "node-2"),
+    )
+    with structlog.testing.capture_logs() as logs:
+        try:
+            await agent.start()
+            await asyncio.wait_for(agent.connected.wait(), 10)
+            assert a._server is not None
+            await a._server.stop(None)  # gone, its lease still held
+            await eventually(lambda: asyncio.sleep(0, b.held == 1), timeout=10)
+            assert not agent.connected.is_set()
+
+            assert a.store is not None and a.election is not None
+            await a.store.revoke_lease(a.election.lease_id)
+            await eventually(lambda: _active(b), timeout=15)
+            await asyncio.wait_for(agent.connected.wait(), 10)
+            assert b.held == 0
+            assert [n.name for n in b.registry] == ["node-2"]
+            refusals = [
+                e
+                for e in logs
+                if e["event"] == "scheduler stream ended" and e.get("error_reason") == "NOT_LEADER"
+            ]
+            # One refusal: the standby's "register again" once it led, never the dead one's
+            # address over and over while it waited.
+            assert [(e["target"], "register again" in e["details"]) for e in refusals] == [
+                (addr(b), True)
+            ]
+        finally:
+            await agent.stop()

@@ -33,7 +33,7 @@ CASES = [
     pytest.param(
         [A, B], 0, not_leader("evil.example:7444"), B, NOT_LEADER_PAUSE, id="outside: ignored"
     ),
-    pytest.param([A, B], 0, not_leader(A), B, NOT_LEADER_PAUSE, id="names itself: next"),
+    pytest.param([A, B], 0, not_leader(A), A, 0.0, id="names itself: it took over, again"),
     pytest.param([A, B, C], 1, not_leader(None), C, NOT_LEADER_PAUSE, id="no leader: next"),
     pytest.param([A, B], 1, not_leader(None), A, NOT_LEADER_PAUSE, id="no leader: wraps"),
     pytest.param(
@@ -159,6 +159,28 @@ def test_connected_resets_the_chain() -> None:
     targets.connected()
     assert targets.failed(not_leader(A), BACKOFF) == 0.0
     assert targets.current == A
+
+
+def test_a_server_naming_itself_is_asked_again_at_once_but_only_once() -> None:
+    """A standby that held the client until it took over names itself: asked again at once.
+    Naming itself a second time in a row (it lost its lease again) cannot make it spin."""
+    targets = Targets([A, B])
+    targets.failed(None, BACKOFF)  # A died: on to B
+    assert targets.failed(not_leader(B), BACKOFF) == 0.0
+    assert targets.current == B
+    assert targets.failed(not_leader(B), BACKOFF) == NOT_LEADER_PAUSE
+    assert targets.current == B  # after a pause; A is still down
+
+
+def test_unreachable_lists_what_was_down_lately() -> None:
+    now = [100.0]
+    targets = Targets([A, B, C], clock=lambda: now[0])
+    assert targets.unreachable() == []
+    targets.failed(rpc_error(Unavailable("connection refused")), BACKOFF)  # A down
+    targets.failed(not_leader(None), BACKOFF)  # B answers: not down
+    assert targets.unreachable() == [A]
+    now[0] += DOWN_FOR
+    assert targets.unreachable() == []
 
 
 def test_hint_reads_structured_details_not_prose() -> None:
