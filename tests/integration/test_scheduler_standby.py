@@ -194,6 +194,19 @@ async def _refusal_naming(ch: grpc.aio.Channel, leader: str) -> NotLeader | None
     return None
 
 
+def fake_agent(certs: Path, tmp: Path, *schedulers: Scheduler) -> Agent:
+    """Agent node-2 (the fake runtime) given the addresses of `schedulers`, not started."""
+    return Agent(
+        AgentConfig(
+            name="node-2",
+            schedulers=[addr(s) for s in schedulers],
+            data_dir=tmp / "node-2",
+            runtimes=["fake"],
+        ),
+        TlsFiles.for_service(certs, "agent", "node-2"),
+    )
+
+
 def _connections_to(port: int) -> set[int]:
     """Local ports of this host's TCP connections to `port` on loopback, in any state (a
     closed one lingers in TIME_WAIT on the side that closed it: the agent's). gRPC dials
@@ -214,15 +227,7 @@ async def test_an_agent_asks_a_standby_again_on_one_connection(
     # does not pay a TLS handshake per ask.
     _, b = pair
     before = _connections_to(b.port)
-    agent = Agent(
-        AgentConfig(
-            name="node-2",
-            schedulers=[addr(b)],
-            data_dir=tmp_path / "node-2",
-            runtimes=["fake"],
-        ),
-        TlsFiles.for_service(certs_dir, "agent", "node-2"),
-    )
+    agent = fake_agent(certs_dir, tmp_path, b)
     with structlog.testing.capture_logs() as logs:
         try:
             await agent.start()
@@ -250,15 +255,7 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
     # standby holds the stream instead of naming the dead one again and again, and the moment
     # it takes over it tells the agent to register again, which it does at once.
     a, b = pair
-    agent = Agent(
-        AgentConfig(
-            name="node-2",
-            schedulers=[addr(a), addr(b)],
-            data_dir=tmp_path / "node-2",
-            runtimes=["fake"],
-        ),
-        TlsFiles.for_service(certs_dir, "agent", "node-2"),
-    )
+    agent = fake_agent(certs_dir, tmp_path, a, b)
     with structlog.testing.capture_logs() as logs:
         try:
             await agent.start()
