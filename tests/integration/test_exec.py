@@ -81,7 +81,10 @@ async def test_container_logs_apart_and_exec(
                 while True:
                     line = await follow.stdout.readline()
                     assert re.fullmatch(rb"out \d+\n", line), line
-                    assert int(line.split()[1]) > last - 2  # nothing from long before
+                    # Nothing from long before: "from now" is found in the size index,
+                    # sampled once a second (10 lines at this rate), so up to about a second
+                    # of older lines may come first (CI saw 3), never the whole file.
+                    assert int(line.split()[1]) > max(1, last - 15), (line, last)
                     if int(line.split()[1]) > last + 3:
                         break
         finally:
