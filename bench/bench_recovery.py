@@ -111,6 +111,14 @@ async def _all_connected(hosts: list[AgentHost], nodes: int) -> bool:
     return await connected(hosts) >= nodes
 
 
+async def _reconnected(hosts: list[AgentHost], nodes: int) -> None:
+    """Until every agent has lost its stream and registered again, as the agent hosts count
+    them: the scheduler's share of a recovery, before the controller's."""
+    with contextlib.suppress(RuntimeError):  # all back already, on a fast host
+        await poll(lambda: _none_connected(hosts), 5, 0.02)
+    await poll(lambda: _all_connected(hosts, nodes), 600, 0.05)
+
+
 def restart_scheduler(services: Services) -> None:
     proc = services.procs["scheduler"]
     args = list(proc.args)[3:]  # [python, -m, orka.cli.main, *args]
@@ -176,9 +184,7 @@ async def measure(
     )
 
     async def registered_again() -> float:
-        # Registered as the agents see it: the scheduler's share, before the controller's.
-        with contextlib.suppress(RuntimeError):  # all back already, on a fast host
-            await poll(lambda: _none_connected(hosts), 5, 0.02)
+        await _reconnected(hosts, nodes)
         return await since_restart(lambda: _all_connected(hosts, nodes), 0.05, "registered")
 
     registered = asyncio.create_task(registered_again())
@@ -258,10 +264,7 @@ async def measure_standby(
     active.wait(10)
 
     async def registered_again() -> float:
-        # As the agents see it: the schedulers' share, before the controller's.
-        with contextlib.suppress(RuntimeError):
-            await poll(lambda: _none_connected(hosts), 5, 0.02)
-        await poll(lambda: _all_connected(hosts, nodes), 600, 0.05)
+        await _reconnected(hosts, nodes)
         return time.monotonic() - killed
 
     registered = asyncio.create_task(registered_again())
