@@ -5,8 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from google.rpc import status_pb2
 
-from orka.controller.streams import _instance
+from orka.api import agent_pb2 as apb
+from orka.controller.streams import _instance, _nothing, relay
 from orka.errors import Conflict, Invalid, NotFound, Unavailable
 from orka.models import Instance, InstancePhase, Node, NodeState
 
@@ -49,3 +51,41 @@ def test_reachable_and_missing() -> None:
     with pytest.raises(Invalid) as bad:
         _instance(a, "", "start.instance")  # type: ignore[arg-type]
     assert [v.field for v in bad.value.violations()] == ["start.instance"]
+
+
+class _Call:
+    """The scheduler's side of one Session call: records what the controller sent."""
+
+    def __init__(self, requests: object) -> None:
+        self.requests = requests
+        self.sent: list[apb.SessionRequest] = []
+
+    def __aiter__(self) -> _Call:
+        return self
+
+    async def __anext__(self) -> apb.SessionResponse:
+        if self.sent:
+            raise StopAsyncIteration
+        self.sent.append(await self.requests.__anext__())  # type: ignore[attr-defined]
+        return apb.SessionResponse(output=apb.SessionOutput(end=status_pb2.Status(code=0)))
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_a_session_carries_the_controllers_leadership_term() -> None:
+    # The scheduler refuses a stale term (tests/integration/test_scheduler_terms.py); this is
+    # the other half: the controller names its own term on the opening request.
+    calls: list[_Call] = []
+
+    def session(requests: object) -> _Call:
+        calls.append(_Call(requests))
+        return calls[-1]
+
+    link = SimpleNamespace(term=7, stub=lambda: SimpleNamespace(Session=session))
+    opening = apb.SessionOpen(console="vm-0")
+    outs = [o async for o in relay(SimpleNamespace(link=link), "n1", opening, _nothing())]  # type: ignore[arg-type]
+    assert outs == []
+    [call] = calls
+    [first] = call.sent
+    assert (first.node, first.leader_term, first.open.console) == ("n1", 7, "vm-0")
