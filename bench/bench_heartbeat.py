@@ -37,10 +37,12 @@ from orka.api import controller_pb2_grpc as pb_grpc
 from orka.rpc.pages import list_all
 
 
-def run(nodes: int, seconds: float, processes: int) -> dict[str, float]:
+def run(nodes: int, seconds: float, processes: int, max_rate: float = 0) -> dict[str, float]:
     certs = certs_dir(nodes)
     with workdir("heartbeat") as work:
-        services = Services(certs, work).start()
+        # No pacing by default: what N nodes beating every second cost the scheduler.
+        pacing = ["--max-heartbeats-per-second", f"{max_rate:g}"]
+        services = Services(certs, work, scheduler_args=pacing).start()
         hosts = []
         try:
             t0 = time.perf_counter()
@@ -100,11 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", type=int, default=5000)
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--processes", type=int, default=6, help="OS processes for the agents")
+    p.add_argument(
+        "--max-heartbeats-per-second",
+        type=float,
+        default=0.0,
+        help="the scheduler's heartbeat budget (0: every node at 1 s, the default here)",
+    )
     p.add_argument("--smoke", action="store_true", help="200 nodes for 10 s")
     args = p.parse_args(argv)
     if args.smoke:
         args.nodes, args.seconds, args.processes = 200, 10.0, 2
-    figures = run(args.nodes, args.seconds, args.processes)
+    figures = run(args.nodes, args.seconds, args.processes, args.max_heartbeats_per_second)
     table(
         f"heartbeat scale: {args.nodes} nodes at 1 s heartbeats for {args.seconds:g} s",
         list(figures.items()),

@@ -397,6 +397,8 @@ class Agent:
             self.volumes.on_provision(msg.provision_volume)
         elif kind == "delete_volume":
             self.volumes.on_delete(msg.delete_volume)
+        elif kind == "pace":
+            self.stream.repace(msg.pace)
         elif kind == "release":
             self.admission.release(msg.release.instance)
             self.stream.ack(msg.release.command_id, convert.ok_status())

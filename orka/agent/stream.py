@@ -33,6 +33,18 @@ FULL_STATUS_EVERY = 10
 USAGE_EVERY = 5
 # A heartbeat due within this share of an interval leaves early with a frame being sent anyway.
 EARLY_BEAT = 0.5
+# The heartbeat intervals a scheduler may set (Registered, Pace); anything else is ignored.
+MIN_INTERVAL = 0.05
+MAX_INTERVAL = 600.0
+
+
+def _interval(seconds: float) -> float | None:
+    return seconds if MIN_INTERVAL <= seconds <= MAX_INTERVAL else None
+
+
+def _wake(asleep: asyncio.Future[None]) -> None:
+    if not asleep.done():
+        asleep.set_result(None)
 
 
 def _status_of(inst: Supervised) -> apb.InstanceStatus:
@@ -88,6 +100,8 @@ class Stream:
         self._next_beat = float("inf")
         self._beat = 0
         self._usage_now = Resources()
+        # What the heartbeat loop sleeps on until its next beat (`repace` may end it early).
+        self._asleep: asyncio.Future[None] | None = None
         self.outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
         # instance -> its event message still in the outbox, so a newer state replaces it.
         self._unsent_events: dict[str, apb.AgentMessage] = {}
@@ -100,6 +114,21 @@ class Stream:
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # ---- what is sent ----
+
+    def repace(self, pace: apb.Pace) -> None:
+        """The scheduler changed the heartbeat interval (orka/scheduler/pace.py). A shorter
+        one starts with a beat now: the scheduler judges this node by it from its next
+        heartbeat on, which must not wait out the longer interval."""
+        seconds = pace.heartbeat_interval.ToNanoseconds() / 1e9
+        interval = _interval(seconds)
+        if interval is None:
+            log.warning("heartbeat interval out of range; ignored", seconds=seconds)
+            return
+        shorter = interval < self.interval
+        self.interval = interval
+        if shorter and self._asleep is not None and not self._asleep.done():
+            self._next_beat = asyncio.get_running_loop().time()
+            self._asleep.set_result(None)
 
     def send(self, msg: apb.AgentMessage) -> None:
         if self.outbox is not None:
@@ -234,7 +263,7 @@ class Stream:
         first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
             raise Invalid("scheduler did not acknowledge the registration")
-        self.interval = first.registered.heartbeat_interval or self.interval
+        self.interval = _interval(first.registered.heartbeat_interval) or self.interval
         self.outbox = outbox
         self.connected.set()
         self.targets.connected()
@@ -318,4 +347,10 @@ class Stream:
                 self._next_beat += self.interval
                 if self._next_beat < now:
                     self._next_beat = now  # far behind: the next one at once, but no burst
-            await asyncio.sleep(max(0.0, self._next_beat - now))
+            asleep = self._asleep = loop.create_future()
+            timer = loop.call_later(max(0.0, self._next_beat - now), _wake, asleep)
+            try:
+                await asleep
+            finally:
+                timer.cancel()
+                self._asleep = None

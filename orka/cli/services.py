@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import math
 import signal
 import socket
 import sys
@@ -363,6 +364,11 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
             f"--heartbeat-interval ({args.heartbeat_interval:g}s), or nodes are lost "
             "before they are even marked not ready"
         )
+    if not math.isfinite(args.max_heartbeats_per_second) or args.max_heartbeats_per_second < 0:
+        raise UsageError(
+            f"--max-heartbeats-per-second: must be 0 (no bound) or more, got"
+            f" {args.max_heartbeats_per_second:g}"
+        )
     if args.policy not in POLICIES:
         raise UsageError(f"--policy: {args.policy!r} is not one of {', '.join(POLICIES)}")
     data_dir = resolve_data_dir(args.data_dir)
@@ -388,6 +394,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
         listen=listen,
         heartbeat_interval=args.heartbeat_interval,
         node_lost_after=args.node_lost_after,
+        max_heartbeats_per_second=args.max_heartbeats_per_second,
         offer_timeout=args.offer_timeout,
         pipeline=PipelineConfig(policy=args.policy),
         store_url=args.store or "",
@@ -779,6 +786,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _common(p, DEFAULT_SCHEDULER)
     add_flag(p, "--heartbeat-interval", type=_float_arg, default=1.0, metavar="S")
     add_flag(p, "--node-lost-after", type=_float_arg, default=5.0, metavar="S")
+    add_flag(
+        p,
+        "--max-heartbeats-per-second",
+        type=_float_arg,
+        default=1000.0,
+        metavar="N",
+        help="heartbeats per second over all nodes: above N x --heartbeat-interval nodes, each"
+        " heartbeats every nodes/N seconds and --node-lost-after stretches alike (Nomad's"
+        " max_heartbeats_per_second); 0: no bound (1000)",
+    )
     add_flag(p, "--offer-timeout", type=_float_arg, default=2.0, metavar="S")
     add_flag(p, "--policy", default="spread", metavar="spread|binpack", help="scoring policy")
     add_flag(

@@ -15,7 +15,7 @@ from orka.errors import Invalid, PermissionDenied
 from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
 from orka.rpc import convert, convert_volumes
 from orka.rpc.frames import drain
-from orka.scheduler import volumes
+from orka.scheduler import pace, volumes
 from orka.scheduler.feed import Feed
 from orka.scheduler.liveness import Liveness, lateness
 from orka.scheduler.registry import NodeRecord, Registry
@@ -47,14 +47,12 @@ class Gateway:
         registry: Registry,
         feed: Feed,
         liveness: Liveness,
-        heartbeat_interval: float,
         register_timeout: float,
         clock: Callable[[], float],
     ) -> None:
         self.registry = registry
         self.feed = feed
         self.liveness = liveness
-        self.heartbeat_interval = heartbeat_interval
         self.register_timeout = register_timeout
         self.clock = clock
         # Leaving agents last told to wait for replacements, by node: re-checked each pass
@@ -162,6 +160,7 @@ class Gateway:
         node.volume_capacity_bytes = volume_capacity
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
+        node.interval, node.next_interval = self.liveness.pace.interval, 0.0
         # A leave ends with the stream it was announced on: registering again makes the node
         # schedulable (an operator's cordon or drain, kept by the controller, is not touched).
         node.leaving = False
@@ -180,9 +179,7 @@ class Gateway:
         log.info("agent registered", node=node.name, instances=len(reports), was=old_state.value)
         session.send(
             apb.SchedulerMessage(
-                registered=apb.Registered(
-                    node=node.name, heartbeat_interval=self.heartbeat_interval
-                )
+                registered=apb.Registered(node=node.name, heartbeat_interval=node.interval)
             )
         )
         self.feed.publish_node(node)
@@ -202,6 +199,8 @@ class Gateway:
             late = lateness(node, wall - hb.sent_at)
             if late is not None:
                 self.liveness.heard(late)
+            if node.next_interval:
+                pace.heard(node)
             usage = hb.usage
             if (
                 usage.cpu_millis != node.usage.cpu_millis

@@ -10,6 +10,7 @@ import structlog
 
 from orka.models import NodeState
 from orka.scheduler.feed import Feed
+from orka.scheduler.pace import HeartbeatPace
 from orka.scheduler.registry import NodeRecord, Registry
 
 log = structlog.get_logger("orka.scheduler")
@@ -53,11 +54,15 @@ class Liveness:
         node_lost_after: float,
         clock: Callable[[], float],
         on_pass: Sequence[Callable[[float], None]] = (),
+        pace: HeartbeatPace | None = None,
     ) -> None:
         self.registry = registry
         self.feed = feed
         self.heartbeat_interval = heartbeat_interval
         self.node_lost_after = node_lost_after
+        # How often nodes heartbeat now: the configured interval unless the cluster's size
+        # stretches it (no bound without a pace).
+        self.pace = pace or HeartbeatPace(heartbeat_interval, 0.0)
         self.clock = clock
         self.on_pass = list(on_pass)
         # How much later than usual each heartbeat read in the current window was read (the
@@ -96,7 +101,8 @@ class Liveness:
             await asyncio.sleep(tick)
             woke = loop.time()
             late = woke - asleep - tick
-            if woke - self._window_start >= self.heartbeat_interval / 2:
+            interval = self.pace.interval
+            if woke - self._window_start >= interval / 2:
                 if self._late:
                     # A window in which nothing was read tells nothing: the last figure
                     # stands. (Were every node gone, their streams would end, keepalive at
@@ -104,7 +110,7 @@ class Liveness:
                     self.behind = statistics.median_low(self._late)
                     self._late = []
                 self._window_start = woke
-            if self.behind is not None and self.behind > BEHIND_SHARE * self.heartbeat_interval:
+            if self.behind is not None and self.behind > BEHIND_SHARE * interval:
                 # Even the freshest heartbeats it reads are old: the rest wait unread in
                 # its buffers. Nobody's silence grows until it has caught up.
                 self.excuse(woke - asleep)
@@ -130,13 +136,18 @@ class Liveness:
                 node.last_seen += seconds
 
     def check(self, now: float) -> None:
-        """One pass over every node at time `now`."""
-        interval = self.heartbeat_interval
+        """One pass over every node at time `now`; then the heartbeat pace follows the number
+        of connected nodes."""
+        base = self.heartbeat_interval
+        connected = 0
         for node in list(self.registry):
+            if node.session is not None:
+                connected += 1
             if node.state in (NodeState.LOST, NodeState.LEFT):
                 continue
             silent = now - node.last_seen
-            if silent > self.node_lost_after:
+            interval = node.interval or base
+            if silent > self.node_lost_after * interval / base:
                 if node.session is not None:
                     node.session.close()
                 node.reports.clear()
@@ -145,3 +156,5 @@ class Liveness:
                 self.set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
             elif silent > 2 * interval and node.state is NodeState.READY:
                 self.set_state(node, NodeState.NOT_READY, f"no heartbeat for {silent:.1f}s")
+        if self.pace.retarget(connected):
+            self.pace.tell(self.registry)

@@ -61,6 +61,10 @@ class NodeRecord:
     # slowly): its clock's offset from ours plus the network, what a late read is measured
     # from (orka/scheduler/liveness.py: heard).
     lag_floor: float = float("inf")
+    # The heartbeat interval this node was told (0: the configured one), and a shorter one
+    # told since, which counts from its next heartbeat (orka/scheduler/pace.py).
+    interval: float = 0.0
+    next_interval: float = 0.0
     session: AgentSession | None = None
     holds: dict[str, Hold] = field(default_factory=dict)
     reports: dict[str, InstanceReport] = field(default_factory=dict)

@@ -45,6 +45,7 @@ from orka.rpc.server import boundaries, set_serving, start_server, stream, unary
 from orka.scheduler.feed import Feed
 from orka.scheduler.gateway import Gateway
 from orka.scheduler.liveness import Liveness
+from orka.scheduler.pace import HeartbeatPace
 from orka.scheduler.pipeline import Pipeline, PipelineConfig
 from orka.scheduler.placer import Placer
 from orka.scheduler.registry import Registry
@@ -71,6 +72,10 @@ class SchedulerConfig:
     listen: str = "127.0.0.1:7444"
     heartbeat_interval: float = 1.0
     node_lost_after: float = 5.0
+    # The most heartbeats per second over all nodes (Nomad's max_heartbeats_per_second): a
+    # larger cluster heartbeats less often, and its nodes' silence is judged by the interval
+    # they were told (orka/scheduler/pace.py). 0: every node at heartbeat_interval.
+    max_heartbeats_per_second: float = 1000.0
     offer_timeout: float = 2.0
     # How long an accepted offer holds resources while the controller persists the binding.
     hold_seconds: float = 30.0
@@ -99,6 +104,8 @@ class SchedulerConfig:
             raise Invalid("heartbeat_interval must be > 0")
         if self.node_lost_after <= 2 * self.heartbeat_interval:
             raise Invalid("node_lost_after must be more than 2 heartbeat intervals")
+        if self.max_heartbeats_per_second < 0:
+            raise Invalid("max_heartbeats_per_second must not be negative")
         if self.offer_timeout <= 0:
             raise Invalid("offer_timeout must be > 0")
 
@@ -162,12 +169,12 @@ class Scheduler(apb_grpc.SchedulerServicer):
             config.node_lost_after,
             clock,
             on_pass=[self.feed.report_usage, self.placer.expire_reservations],
+            pace=HeartbeatPace(config.heartbeat_interval, config.max_heartbeats_per_second),
         )
         self.gateway = Gateway(
             self.registry,
             self.feed,
             self.liveness,
-            config.heartbeat_interval,
             config.register_timeout,
             clock,
         )

@@ -1,0 +1,80 @@
+"""Heartbeat pacing: how often each agent heartbeats, so that a large cluster's heartbeats stay
+within a total rate the scheduler can read (Nomad's `max_heartbeats_per_second`).
+
+Up to `max_rate x base` connected nodes, every node heartbeats every `base` seconds (the
+`--heartbeat-interval`); above that, every `nodes / max_rate` seconds, and liveness judges
+each node's silence against the interval that node was told (NOT_READY after two of them,
+LOST after `node_lost_after` scaled by the same factor). The interval moves only once the
+target has moved by a factor of STEP, so a cluster registering thousands of agents is told a
+few times, not at every registration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import structlog
+from google.protobuf.duration_pb2 import Duration
+
+from orka.api import agent_pb2 as apb
+from orka.scheduler.registry import NodeRecord
+
+log = structlog.get_logger("orka.scheduler")
+
+STEP = 1.5
+
+
+class HeartbeatPace:
+    def __init__(self, base: float, max_rate: float) -> None:
+        if base <= 0:
+            raise ValueError("heartbeat interval must be > 0")
+        if max_rate < 0:
+            raise ValueError("max heartbeats per second must not be negative")
+        self.base = base
+        self.max_rate = max_rate  # 0: no bound, every node at `base`
+        self.interval = base
+
+    def target(self, nodes: int) -> float:
+        if self.max_rate <= 0:
+            return self.base
+        return max(self.base, nodes / self.max_rate)
+
+    def retarget(self, nodes: int) -> bool:
+        """Follow `nodes` connected ones; True when the interval moved (tell the agents)."""
+        want = self.target(nodes)
+        if want >= self.interval * STEP or want <= self.interval / STEP:
+            log.info(
+                "heartbeat interval", nodes=nodes, old=round(self.interval, 3), new=round(want, 3)
+            )
+            self.interval = want
+            return True
+        return False
+
+    def tell(self, nodes: Iterable[NodeRecord]) -> int:
+        """Send the interval to each connected node; how many were told. A longer interval
+        counts at once; a shorter one from the node's next heartbeat (`heard`), since the
+        node may be asleep on the longer one until it reads this."""
+        msg = apb.SchedulerMessage(pace=apb.Pace(heartbeat_interval=_duration(self.interval)))
+        told = 0
+        for node in nodes:
+            if node.session is None or (node.interval or self.base) == self.interval:
+                continue
+            node.session.send(msg)
+            if self.interval > (node.interval or self.base):
+                node.interval, node.next_interval = self.interval, 0.0
+            else:
+                node.next_interval = self.interval
+            told += 1
+        return told
+
+
+def heard(node: NodeRecord) -> None:
+    """A heartbeat of `node` arrived: a shorter interval it was told now counts."""
+    if node.next_interval:
+        node.interval, node.next_interval = node.next_interval, 0.0
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
