@@ -665,6 +665,13 @@ def _int_arg(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
 
 
+def _rate_arg(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number per second") from None
+
+
 def _float_arg(value: str) -> float:
     try:
         return float(value)
@@ -789,7 +796,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_flag(
         p,
         "--max-heartbeats-per-second",
-        type=_float_arg,
+        type=_rate_arg,
         default=1000.0,
         metavar="N",
         help="heartbeats per second over all nodes: above N x --heartbeat-interval nodes, each"

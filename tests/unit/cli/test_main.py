@@ -135,6 +135,12 @@ def test_missing_certs_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFi
         (["describe", "endpoints", "web"], "endpoints are listed, not described"),
         (["scheduler", "--heartbeat-interval", "2", "--node-lost-after", "3"], "--node-lost-after"),
         (["scheduler", "--policy", "random"], "--policy"),
+        (
+            ["scheduler", "--max-heartbeats-per-second", "-5"],
+            "--max-heartbeats-per-second: must be 0 (no bound) or more, got -5",
+        ),
+        (["scheduler", "--max-heartbeats-per-second", "nan"], "got nan"),
+        (["scheduler", "--max-heartbeats-per-second", "many"], "'many' is not a number per second"),
         (["scheduler", "--store", "sqlite://"], "cannot elect an active scheduler"),
         (["scheduler", "--store", "memory://"], "cannot elect an active scheduler"),
         (["scheduler", "--store", "zk://x:1"], "--store: 'zk://x:1' cannot elect"),
