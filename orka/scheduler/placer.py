@@ -12,13 +12,19 @@ from orka.api import controller_pb2 as pb
 from orka.errors import Invalid
 from orka.models import MAX_VOLUMES, PortProtocol, WorkloadKind
 from orka.rpc.place_reasons import place_result_to_pb
-from orka.scheduler.pipeline import Pipeline
+from orka.scheduler.pipeline import Pipeline, Ranking
 from orka.scheduler.registry import NodeRecord, Registry
 from orka.scheduler.session import TIMED_OUT, AgentSession, Expected, Reply, next_id, replies
 from orka.scheduler.snapshot import PlacementRequest
 
-# Candidates ranked per placement before falling back to ranking every feasible node.
+# Candidates ranked per placement; each retry ranks this many more than were tried.
 RANK_FIRST = 8
+# Nodes one instance is offered to in one Place call, at most; past that it comes back
+# unplaced with the refusals, and the controller tries it again later. Walking the whole
+# cluster per instance was how a scheduler fell over at 5,000 nodes: a batch whose offers
+# timed out (a busy scheduler reads replies late) ranked every node for each instance, which
+# kept its event loop busier, which timed out more offers, until it did nothing else.
+MAX_OFFERS = 32
 # A Place batch's first round ranks this many instances, then lets the event loop run
 # (agents' heartbeats and replies are read meanwhile): ranked in one go, a batch stalls the
 # loop for its whole length (0.5 s was seen for 4,096 instances on 1,000 nodes).
@@ -214,14 +220,18 @@ class Placer:
         return False
 
     async def _place_rest(self, at: _Attempt) -> None:
-        """Offer to the next nodes in turn until one accepts; all of them only when the best
-        few (those not tried yet) refused."""
-        limit: int | None = RANK_FIRST
-        while True:
+        """Offer to the next nodes in turn until one accepts: each ranking asks for the best
+        few not tried yet (a few more than were tried, which the indexed stage answers
+        without scoring every node), up to MAX_OFFERS nodes in all."""
+        ranking: Ranking | None = None
+        while len(at.tried) < MAX_OFFERS:
+            limit = len(at.tried) + RANK_FIRST
             ranking = self.pipeline.rank(at.req, self.registry.snapshot(), limit=limit)
             for name in ranking.candidates:
                 if name in at.tried:
                     continue
+                if len(at.tried) >= MAX_OFFERS:
+                    break
                 offer = self._reserve_and_offer(at, name)
                 if offer is None:
                     continue
@@ -232,11 +242,10 @@ class Placer:
                         at.req.instance, name, at.refusals, passed_over=at.passed_over
                     )
                     return
-            if limit is None or len(ranking.candidates) < limit:
-                break
-            limit = None
+            if len(ranking.candidates) < limit:
+                break  # every feasible node was ranked
         # Reason counts are only computed now that nothing took the instance.
-        rejections = dict(ranking.rejections)
+        rejections = dict(ranking.rejections) if ranking is not None else {}
         for reason in at.refusals.values():
             rejections[reason] = rejections.get(reason, 0) + 1
         at.result = place_result_to_pb(at.req.instance, "", at.refusals, rejections)

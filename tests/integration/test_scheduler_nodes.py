@@ -627,8 +627,9 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
     agents: list[HandAgent],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Offers go to the best RANK_FIRST nodes first, then to all the rest: with the best two
-    of four refusing (and the third), the least preferred node still gets the instance."""
+    """Offers go to the best RANK_FIRST nodes first, then each retry ranks RANK_FIRST more
+    than were tried: with the best three of four refusing, the least preferred node still
+    gets the instance, and no ranking asked for every node."""
     monkeypatch.setattr("orka.scheduler.placer.RANK_FIRST", 2)
     for name in ("node-1", "node-2", "node-3"):
         agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
@@ -647,9 +648,31 @@ async def test_when_the_best_few_refuse_every_other_node_is_offered(
     (result,) = await place(scheduler, certs_dir, 1)
     assert result.node == "node-4"
     assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
-    # The first offer and the first retry rank only the best two; only when both of those
-    # refused is the whole cluster ranked.
-    assert limits == [2, 2, None]
+    # The first offer ranks the best two; the retries one tried + 2, then three tried + 2
+    # (which finds only four nodes: every feasible one was ranked).
+    assert limits == [2, 3, 5]
+
+
+async def test_an_instance_is_offered_to_max_offers_nodes_then_comes_back_unplaced(
+    scheduler: Scheduler,
+    certs_dir: Path,
+    agents: list[HandAgent],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_OFFERS refusals in one Place call the instance comes back unplaced with them
+    (the controller tries again later) instead of being offered to every node in turn."""
+    monkeypatch.setattr("orka.scheduler.placer.RANK_FIRST", 2)
+    monkeypatch.setattr("orka.scheduler.placer.MAX_OFFERS", 3)
+    for name in ("node-1", "node-2", "node-3", "node-4"):
+        agents.append(HandAgent(scheduler, certs_dir, name, answer="busy"))
+        await agents[-1].register()
+    agents.append(HandAgent(scheduler, certs_dir, "node-5"))
+    await agents[-1].register(running=("web-old",))  # would take it, but ranks last
+    (result,) = await place(scheduler, certs_dir, 1)
+    assert result.node == ""
+    assert dict(result.refusals) == {f"node-{i}": "refused: busy" for i in (1, 2, 3)}
+    assert reasons_text(result) == "3 nodes: refused: busy"
+    assert [len(a.messages("offer")) for a in agents] == [1, 1, 1, 0, 0]
 
 
 # ---- what a state change publishes and logs ----
