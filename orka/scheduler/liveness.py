@@ -21,6 +21,9 @@ MAX_TICK = 0.25
 # last half interval were read at least that much later than their nodes' usual), the
 # scheduler stops counting its nodes' silence until it has caught up.
 BEHIND_SHARE = 0.5
+# Reads later than this (the median of a window) count as the scheduler lagging behind its
+# agents' streams for what waits on their replies (offers: session.replies).
+READ_LAG = 0.1
 # Seconds a node's lag floor rises per heartbeat, so that a clock stepped back on the node
 # stops looking like late reads within minutes. A backlog grows far faster than this.
 LAG_FLOOR_DRIFT = 0.01
@@ -73,6 +76,12 @@ class Liveness:
         # median, because the streams a busy scheduler reads are not served alike, and one
         # slow agent must not make it look behind either.
         self.behind: float | None = None
+
+    def lag(self) -> float:
+        """How many seconds late this scheduler reads its agents' streams now: the median
+        lateness of the heartbeats of the last window, when above READ_LAG; else 0."""
+        behind = self.behind
+        return behind if behind is not None and behind > READ_LAG else 0.0
 
     def heard(self, late: float) -> None:
         """A heartbeat was read `late` seconds later than its node's heartbeats usually are

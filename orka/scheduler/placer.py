@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from orka import fit
@@ -131,6 +131,9 @@ class Placer:
         self.pipeline = pipeline
         self.offer_timeout = offer_timeout
         self.hold_seconds = hold_seconds
+        # How late the scheduler reads its agents' streams (liveness.lag): offers wait that
+        # much longer (session.replies).
+        self.behind: Callable[[], float] = lambda: 0.0
 
     async def place(self, request: apb.PlaceRequest) -> apb.PlaceResponse:
         attempts = [_Attempt(a, request_of(a)) for a in request.items]
@@ -148,7 +151,7 @@ class Placer:
         for session, msg in held:
             session.send(msg)
         sent = [(at, offer) for at, offer in first if offer is not None]
-        answers = await replies([e for _, (_, e) in sent], self.offer_timeout)
+        answers = await replies([e for _, (_, e) in sent], self.offer_timeout, self.behind)
         for (at, (node, e)), reply in zip(sent, answers, strict=True):
             if self._settle_offer(at, node, e.session, reply):
                 at.result = place_result_to_pb(
@@ -236,7 +239,7 @@ class Placer:
                 if offer is None:
                     continue
                 node, e = offer
-                (reply,) = await replies([e], self.offer_timeout)
+                (reply,) = await replies([e], self.offer_timeout, self.behind)
                 if self._settle_offer(at, node, e.session, reply):
                     at.result = place_result_to_pb(
                         at.req.instance, name, at.refusals, passed_over=at.passed_over

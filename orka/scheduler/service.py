@@ -179,6 +179,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             clock,
         )
         self.liveness.on_pass.append(self.gateway.recheck_leaves)
+        self.placer.behind = self.liveness.lag
         self.relay = Relay(self.registry, self.feed, config.command_timeout)
         # The newest controller leadership term seen: an older leader gives no orders.
         self.controller_terms = LeaderTerms()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.rpc import code_pb2, status_pb2
@@ -13,6 +14,8 @@ from orka.errors import Invalid, OrkaError
 from orka.rpc import convert
 
 _ids = itertools.count(1)
+# A deadline moves on by at most this many times its length while the scheduler is behind.
+MAX_EXCUSE = 4
 
 
 def next_id(prefix: str) -> str:
@@ -51,12 +54,27 @@ class Expected:
     reply: asyncio.Future[Reply]
 
 
-async def replies(pending: list[Expected], timeout: float) -> list[Reply]:
+async def replies(
+    pending: list[Expected], timeout: float, behind: Callable[[], float] | None = None
+) -> list[Reply]:
     """The replies to many `expect`ed messages under one deadline: a batch waits once,
-    without a task or a timer per message."""
+    without a task or a timer per message.
+
+    `behind()`: how many seconds late this scheduler reads its agents' streams now (0 when
+    it keeps up). While it is behind, a reply not in yet may be waiting unread in its own
+    buffers, so the deadline moves on by that much, up to MAX_EXCUSE timeouts in all: an
+    offer counted as unanswered is offered to another node, more work for a scheduler
+    already behind, which then reads even later (liveness excuses silence the same way)."""
     waiting = [e.reply for e in pending if not e.reply.done()]
     if waiting:
-        await asyncio.wait(waiting, timeout=timeout)
+        _, left = await asyncio.wait(waiting, timeout=timeout)
+        excused = 0.0
+        while left and behind is not None and excused < MAX_EXCUSE * timeout:
+            lag = min(behind(), MAX_EXCUSE * timeout - excused)
+            if lag <= 0:
+                break
+            excused += lag
+            _, left = await asyncio.wait(left, timeout=lag)
     out = []
     for e in pending:
         e.session.forget(e.key)
