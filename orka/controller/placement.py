@@ -26,7 +26,6 @@ from orka.models import (
     Instance,
     InstancePhase,
     InstanceReason,
-    NodeState,
     VolumeAttachment,
     Workload,
     WorkloadSpec,
@@ -43,11 +42,6 @@ class PlacementConfig:
     # nodes, spreading gives each node at most one, so every instance costs four frames on
     # the agent streams (figures: bench/RESULTS.md).
     batch_size: int = 4096
-    # ... and at most this many instances times READY nodes, but never fewer than
-    # min_batch_size: the scheduler's work per decision grows with the nodes, and a batch
-    # sized for 1,000 nodes overruns it on 5,000 (agent streams fail, nodes go NOT_READY).
-    batch_node_product: int = 4096 * 1000
-    min_batch_size: int = 256
     # ... and at most this many bytes of assignments (each carries its workload's spec), so
     # a batch of large specs stays far below the gRPC message limit (64 MiB).
     batch_bytes: int = 16 << 20
@@ -172,18 +166,12 @@ class PlacementQueue:
         if not task.cancelled() and task.exception() is not None:
             log.error("placement batch failed", error=repr(task.exception()))
 
-    def _batch_limit(self) -> int:
-        cfg = self.config
-        ready = sum(1 for n in self.repo.nodes.values() if n.state is NodeState.READY)
-        by_nodes = cfg.batch_node_product // max(1, ready)
-        return max(min(cfg.batch_size, by_nodes), min(cfg.min_batch_size, cfg.batch_size))
-
     def _take(self, now: float) -> list[Instance]:
         if not self.pending:
-            return []  # the common wake-up: spare counting the nodes
+            return []
         batch: list[Instance] = []
         size = 0
-        limit = self._batch_limit()
+        limit = self.config.batch_size
         for name in list(self.pending):
             if len(batch) >= limit or size >= self.config.batch_bytes:
                 break
