@@ -318,6 +318,11 @@ class Store(ABC):
         """
         raise Unsupported(f"{type(self).__name__} has no watch")
 
+    def sibling(self) -> Store | None:
+        """A new, unopened store on the same data for another thread's event loop (a lease
+        refreshed off the service's own loop: orka/store/election.py), or None."""
+        return None
+
     async def grant_lease(self, ttl: int) -> int:
         """A new lease of `ttl` seconds; returns its id (non-zero)."""
         raise Unsupported(f"{type(self).__name__} has no leases")

@@ -9,6 +9,11 @@ created in a CAS transaction under a lease of `ttl` seconds that it refreshes ev
   until it is deleted (resign, or the holder's lease expired) and try again;
 * a leader that cannot refresh its lease for a whole TTL, or finds it expired, sets `lost` and
   must stop acting as leader: by then another candidate may already hold the key;
+* where the store can open a sibling connection (etcd), the lease is refreshed from a thread
+  of its own with its own event loop: a service whose loop is busy (a scheduler taking
+  thousands of registrations at once) still keeps its lease, as long as that loop makes
+  progress at all; one that has not run for LOOP_SILENCE TTLs is let go, so a wedged leader
+  is replaced;
 * resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease;
 * `fence()` is the condition the leader's writes carry: `Require(leader/<name>, revision of our
   key)`. Once the key is gone or someone else's, a write with it fails as a whole (`Fenced`),
@@ -24,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -36,6 +43,9 @@ from orka.store.base import Create, Delete, Require, Store
 log = structlog.get_logger("orka.store.election")
 
 KIND = "leader"
+# The lease refresher (its own thread) stops refreshing once the service's event loop has not
+# run for this many TTLs: busy is fine, wedged is not.
+LOOP_SILENCE = 2
 
 
 class Election(ABC):
@@ -185,27 +195,48 @@ class LeaseElection(Election):
 
     async def _keep(self, lease: int) -> None:
         """Refresh the lease every ttl/3; give leadership up when it cannot be kept."""
-        valid_until = time.monotonic() + self.ttl
-        while True:
-            await asyncio.sleep(self.ttl / 3)
+        sibling = self.store.sibling()
+        if sibling is None:
+            reason = await _refresh(self.store, lease, self.ttl, self.name)
+        else:
+            reason = await self._refresh_in_thread(sibling, lease)
+        if self.is_leader:
+            log.warning("leadership lost", election=self.name, reason=reason)
+        self.is_leader = False
+        self.lost.set()
+
+    async def _refresh_in_thread(self, store: Store, lease: int) -> str:
+        """`_refresh` on a thread and event loop of its own, fed this loop's progress."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[str] = loop.create_future()
+        stop = threading.Event()
+        ticked = [time.monotonic()]
+
+        def tick() -> None:
+            ticked[0] = time.monotonic()
+            timer[0] = loop.call_later(self.ttl / 6, tick)
+
+        def end(reason: str) -> None:
+            if not ended.done():
+                ended.set_result(reason)
+
+        def run() -> None:
+            refresh = _refresh(store, lease, self.ttl, self.name, stop, lambda: ticked[0], own=True)
             try:
-                ttl = await self.store.keepalive_lease(lease)
-            except NotFound:
-                reason = "lease expired"
-            except OrkaError as err:
-                # etcd unreachable for now: keep trying while the lease may still be alive.
-                if time.monotonic() < valid_until:
-                    log.warning("lease refresh failed", election=self.name, error=err.message)
-                    continue
-                reason = f"lease not refreshed for {self.ttl}s: {err.message}"
-            else:
-                valid_until = time.monotonic() + ttl
-                continue
-            if self.is_leader:
-                log.warning("leadership lost", election=self.name, reason=reason)
-            self.is_leader = False
-            self.lost.set()
-            return
+                reason = asyncio.run(refresh)
+            except Exception as err:  # the lease is no longer refreshed: say so, never die mute
+                reason = f"lease refresher failed: {err!r}"
+            if not stop.is_set():
+                with contextlib.suppress(RuntimeError):  # that loop is closed
+                    loop.call_soon_threadsafe(end, reason)
+
+        timer = [loop.call_later(self.ttl / 6, tick)]
+        threading.Thread(target=run, name=f"lease-{self.name}", daemon=True).start()
+        try:
+            return await ended
+        finally:
+            stop.set()
+            timer[0].cancel()
 
     async def leader_info(self) -> dict[str, Any] | None:
         item = await self.store.get(KIND, self.name)
@@ -242,6 +273,48 @@ class LeaseElection(Election):
                 await self.store.revoke_lease(lease)
         if was_leader:
             log.info("resigned leadership", election=self.name, identity=self.identity)
+
+
+async def _refresh(
+    store: Store,
+    lease: int,
+    ttl: int,
+    name: str,
+    stop: threading.Event | None = None,
+    ticked: Callable[[], float] | None = None,
+    own: bool = False,
+) -> str:
+    """Refresh `lease` every ttl/3 until it cannot be kept (returns why) or `stop` is set.
+    `ticked()`: when the service's own loop last ran, where this runs on another one;
+    `own`: the store is this refresher's own, opened and closed here."""
+    if own:
+        await store.open()
+    try:
+        valid_until = time.monotonic() + ttl
+        while stop is None or not stop.is_set():
+            await asyncio.sleep(ttl / 3)
+            if stop is not None and stop.is_set():
+                break
+            now = time.monotonic()
+            if ticked is not None and now - ticked() > LOOP_SILENCE * ttl:
+                if now < valid_until:
+                    continue  # not refreshed: it runs out, and a standby takes over
+                return f"the event loop has not run for {now - ticked():.1f}s"
+            try:
+                got = await store.keepalive_lease(lease)
+            except NotFound:
+                return "lease expired"
+            except OrkaError as err:
+                # etcd unreachable for now: keep trying while the lease may still be alive.
+                if time.monotonic() < valid_until:
+                    log.warning("lease refresh failed", election=name, error=err.message)
+                    continue
+                return f"lease not refreshed for {ttl}s: {err.message}"
+            valid_until = time.monotonic() + got
+        return "stopped"
+    finally:
+        if own:
+            await store.close()
 
 
 def election_for(

@@ -429,6 +429,17 @@ class EtcdStore(Store):
             raise Unavailable(f"etcd lease grant failed: {response.error}")
         return int(response.ID)
 
+    def sibling(self) -> EtcdStore:
+        tls = self.tls
+        return EtcdStore(
+            self.endpoints,
+            self.prefix,
+            ca=tls.ca,
+            cert=tls.cert,
+            key=tls.key,
+            timeout=self.timeout,
+        )
+
     async def keepalive_lease(self, lease_id: int) -> int:
         conns = self._check_open()
         last: grpc.aio.AioRpcError | None = None

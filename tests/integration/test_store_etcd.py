@@ -277,6 +277,48 @@ async def test_election_leader_learns_it_lost_the_lease(store: Store) -> None:
     await a.resign()
 
 
+def block_the_loop(seconds: float) -> None:
+    """The service's event loop busy with other work (a scheduler taking thousands of
+    registrations) or wedged: nothing else on it runs meanwhile."""
+    time.sleep(seconds)
+
+
+async def test_a_leader_whose_event_loop_is_busy_past_its_ttl_keeps_its_lease(
+    store: Store,
+) -> None:
+    # The lease is refreshed from a thread of its own; on the service's loop it would have
+    # run out during the block (2 s lease, 3.5 s without a refresh).
+    a = election_for(store, "controller", "ctl-a", ttl=2)
+    await a.campaign()
+    block_the_loop(3.5)
+    await asyncio.sleep(0.2)
+    assert a.is_leader and not a.lost.is_set()
+    assert await a.leader() == "ctl-a"  # the key is still ours: its lease did not run out
+    b = election_for(store, "controller", "ctl-b", ttl=2)
+    contender = asyncio.create_task(b.campaign())
+    await asyncio.sleep(0.5)
+    assert not contender.done()  # nobody else can win while a's lease is kept
+    contender.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await contender
+    await a.resign()
+
+
+async def test_a_leader_whose_event_loop_is_wedged_lets_its_lease_go(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Past LOOP_SILENCE TTLs without its loop running, the refresher stops, so a standby can
+    # take over from a leader that is alive but does nothing.
+    monkeypatch.setattr("orka.store.election.LOOP_SILENCE", 1)
+    a = election_for(store, "controller", "ctl-a", ttl=2)
+    await a.campaign()
+    block_the_loop(5.5)  # 2 s of silence allowed, then the 2 s lease runs out
+    assert await a.leader() is None  # etcd expired the key while the loop was blocked
+    await asyncio.wait_for(a.lost.wait(), 5)
+    assert not a.is_leader
+    await a.resign()
+
+
 async def test_local_stores_elect_themselves(tmp_path: Path) -> None:
     from orka.store import SqliteStore
 
