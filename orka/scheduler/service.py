@@ -94,10 +94,11 @@ class SchedulerConfig:
     etcd_ca: Path | None = None
     etcd_cert: Path | None = None
     etcd_key: Path | None = None
-    # The active scheduler's lease; a dead one is replaced within about this many seconds.
-    # As the controller's: at 3 s a standby taking over 1,000 agents on 2 loaded cores could
-    # not refresh its lease through the registration storm, lost it, and started another.
-    election_ttl: int = 5
+    # The active scheduler's lease; a dead one is replaced within about this many seconds
+    # (plus the agents' registrations). Short, as the scheduler holds soft state only: the
+    # lease is refreshed from a thread of its own (orka/store/election.py), so a scheduler
+    # busy with thousands of registrations keeps it; etcd's shortest lease is 2 s.
+    election_ttl: int = 2
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval <= 0:
