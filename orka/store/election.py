@@ -10,10 +10,10 @@ created in a CAS transaction under a lease of `ttl` seconds that it refreshes ev
 * a leader that cannot refresh its lease for a whole TTL, or finds it expired, sets `lost` and
   must stop acting as leader: by then another candidate may already hold the key;
 * where the store can open a sibling connection (etcd), the lease is refreshed from a thread
-  of its own with its own event loop: a service whose loop is busy (a scheduler taking
-  thousands of registrations at once) still keeps its lease, as long as that loop makes
-  progress at all; one that has not run for LOOP_SILENCE TTLs is let go, so a wedged leader
-  is replaced;
+  of its own with its own event loop (one per process): a service whose loop is busy (a
+  scheduler taking thousands of registrations at once) still keeps its lease, as long as
+  that loop makes progress at all; one that has not run for LOOP_SILENCE TTLs is let go, so
+  a wedged leader is replaced;
 * resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease;
 * `fence()` is the condition the leader's writes carry: `Require(leader/<name>, revision of our
   key)`. Once the key is gone or someone else's, a write with it fails as a whole (`Fenced`),
@@ -28,6 +28,7 @@ lock keeps a second process off the file instead).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -206,7 +207,7 @@ class LeaseElection(Election):
         self.lost.set()
 
     async def _refresh_in_thread(self, store: Store, lease: int) -> str:
-        """`_refresh` on a thread and event loop of its own, fed this loop's progress."""
+        """`_refresh` on the refresher thread's event loop, fed this loop's progress."""
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[str] = loop.create_future()
         stop = threading.Event()
@@ -220,10 +221,9 @@ class LeaseElection(Election):
             if not ended.done():
                 ended.set_result(reason)
 
-        def run() -> None:
-            refresh = _refresh(store, lease, self.ttl, self.name, stop, lambda: ticked[0], own=True)
+        def finished(refreshing: concurrent.futures.Future[str]) -> None:
             try:
-                reason = asyncio.run(refresh)
+                reason = refreshing.result()
             except Exception as err:  # the lease is no longer refreshed: say so, never die mute
                 reason = f"lease refresher failed: {err!r}"
             if not stop.is_set():
@@ -231,7 +231,8 @@ class LeaseElection(Election):
                     loop.call_soon_threadsafe(end, reason)
 
         timer = [loop.call_later(self.ttl / 6, tick)]
-        threading.Thread(target=run, name=f"lease-{self.name}", daemon=True).start()
+        refresh = _refresh(store, lease, self.ttl, self.name, stop, lambda: ticked[0], own=True)
+        asyncio.run_coroutine_threadsafe(refresh, _refresher_loop()).add_done_callback(finished)
         try:
             return await ended
         finally:
@@ -273,6 +274,23 @@ class LeaseElection(Election):
                 await self.store.revoke_lease(lease)
         if was_leader:
             log.info("resigned leadership", election=self.name, identity=self.identity)
+
+
+_refresher: asyncio.AbstractEventLoop | None = None
+_refresher_lock = threading.Lock()
+
+
+def _refresher_loop() -> asyncio.AbstractEventLoop:
+    """The event loop lease refreshes run on, in a thread of its own: one per process, never
+    closed. grpc.aio hands each call's completions to the loop the call was made on, and a
+    loop closed under a call's last completion makes grpc's poller fail in another loop."""
+    global _refresher
+    with _refresher_lock:
+        if _refresher is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="orka-lease", daemon=True).start()
+            _refresher = loop
+        return _refresher
 
 
 async def _refresh(
