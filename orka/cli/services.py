@@ -826,11 +826,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p,
         "--election-ttl",
         type=_int_arg,
-        default=2,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
+        default=5,  # orka.scheduler.service.SchedulerConfig.election_ttl (startup)
         metavar="S",
         help="with --store: the active scheduler's lease; a standby takes over within about"
-        " this long after the active one dies (plus the agents' registrations); longer rides"
-        " out longer etcd outages (2)",
+        " this long after the active one dies (plus the agents' registrations); shorter, and"
+        " a scheduler on a loaded host may lose it (5)",
     )
     p.set_defaults(func=cmd_scheduler)
 
