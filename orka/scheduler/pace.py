@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import structlog
-from google.protobuf.duration_pb2 import Duration
 
 from orka.api import agent_pb2 as apb
+from orka.rpc import convert
 from orka.scheduler.registry import NodeRecord
 
 log = structlog.get_logger("orka.scheduler")
@@ -54,7 +54,8 @@ class HeartbeatPace:
         """Send the interval to each connected node; how many were told. A longer interval
         counts at once; a shorter one from the node's next heartbeat (`heard`), since the
         node may be asleep on the longer one until it reads this."""
-        msg = apb.SchedulerMessage(pace=apb.Pace(heartbeat_interval=_duration(self.interval)))
+        interval = convert.duration_fields(self.interval)
+        msg = apb.SchedulerMessage(pace=apb.Pace(heartbeat_interval=interval))
         told = 0
         for node in nodes:
             if node.session is None or (node.interval or self.base) == self.interval:
@@ -72,9 +73,3 @@ def heard(node: NodeRecord) -> None:
     """A heartbeat of `node` arrived: a shorter interval it was told now counts."""
     if node.next_interval:
         node.interval, node.next_interval = node.next_interval, 0.0
-
-
-def _duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(seconds * 1e9))
-    return d

@@ -92,3 +92,15 @@ async def test_a_stopped_scheduler_reports_no_part_failure(certs_dir: Path) -> N
         await asyncio.wait_for(runner, 10)
     assert [e for e in logs if e["log_level"] == "error"] == []
     assert all(t.done() for t in s.parts.tasks.values())
+
+
+def test_offers_wait_out_the_lag_liveness_measures(certs_dir: Path) -> None:
+    # The placer's offers are excused by how late the scheduler reads its streams
+    # (session.replies); that figure is the liveness clock's, for every term's parts.
+    s = Scheduler(
+        SchedulerConfig(listen="127.0.0.1:0"),
+        TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+    )
+    assert s.placer.behind == s.liveness.lag
+    s._build()  # a new term's parts
+    assert s.placer.behind == s.liveness.lag
