@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from orka.errors import NotLeader, OrkaError
-from orka.store.election import Election
+from orka.store.election import Election, address_of
 
 log = structlog.get_logger("orka.leadership")
 
@@ -120,9 +120,7 @@ class Leadership:
             record = await self.election.leader_info()
         except OrkaError:
             return cached
-        address = None
-        if record is not None:
-            address = str(record.get("address") or record.get("id") or "") or None
+        address = None if record is None else address_of(record)
         self._leader_cache = (time.monotonic(), address)
         return address
 

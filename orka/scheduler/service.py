@@ -20,7 +20,9 @@ the agents' registrations as after a restart, and liveness only ever judges node
 registered in this term, so a node it has not heard from yet is never declared NOT_READY or
 LOST by a new term. A term ends when the lease is lost: the streams of agents and
 controllers are closed at once with NotLeader, and the parts of the term are stopped, so a
-scheduler that lost its lease never goes on serving beside the new active one.
+scheduler that lost its lease never goes on serving beside the new active one. A standby
+that agents tell the active one is unreachable, and finds its address refusing connections,
+ends that term without waiting for the lease (`takeover.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from orka.scheduler.pipeline import Pipeline, PipelineConfig
 from orka.scheduler.placer import Placer
 from orka.scheduler.registry import Registry
 from orka.scheduler.relay import Relay
+from orka.scheduler.takeover import Takeover
 from orka.scheduler.terms import LeaderTerms
 from orka.security.identity import Identity
 from orka.security.tls import TlsFiles
@@ -137,6 +140,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         self.store: Store | None = None
         self.election: Election | None = None
         self.leadership: Leadership | None = None
+        # Ends a dead active scheduler's term early (standby mode; `takeover.py`).
+        self.takeover: Takeover | None = None
         # The address agents and controllers dial for this scheduler (standby mode).
         self.advertise = ""
         # Agents a standby holds until it takes over (`_parked`).
@@ -221,6 +226,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             self.store, ELECTION, advertise, ttl=config.election_ttl, info={"address": advertise}
         )
         self.leadership = Leadership(self.election, self._lead, self._step_down)
+        self.takeover = Takeover(self.election)
         self.parts.start("leadership", self.leadership.run)
         log.info("scheduler listening", port=self.port, advertise=advertise, standby=True)
         self.listening.set()
@@ -320,6 +326,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
         # With an election, stopping the leadership part steps the term down (shielded).
         await self.parts.stop()
         await self.term_parts.stop()
+        if self.takeover is not None:
+            await self.takeover.close()
         self.gateway.close()
         self.feed.close()
         if self._server is not None:
@@ -356,6 +364,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
                     first = await anext(aiter(request_iterator))
             if first is None or not self._parks(refusal, first):
                 raise
+            if refusal.leader is not None and self.takeover is not None:
+                self.takeover.suspect(refusal.leader)
             raise await self._parked() from None
         async for msg in self.gateway.connect(request_iterator, who.name):
             yield msg

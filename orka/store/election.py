@@ -84,6 +84,11 @@ class Election(ABC):
     def record(self) -> dict[str, Any]:
         return {**self.info, "id": self.identity}
 
+    async def evict(self, address: str) -> bool:
+        """End the term of the leader at `address`, found dead by other means, so candidates
+        need not wait out its lease. False if it does not lead (any more), or cannot be."""
+        return False
+
     def fence(self) -> Require | None:
         """The condition every write of this leader's term carries (None: nothing to fence
         against). Taken once when the term starts, so it keeps naming that term's key."""
@@ -243,6 +248,24 @@ class LeaseElection(Election):
         item = await self.store.get(KIND, self.name)
         return None if item is None else item.value
 
+    async def evict(self, address: str) -> bool:
+        # CAS on the revision read: a successor elected meanwhile keeps its key. The lease is
+        # revoked too, so a leader that was not dead after all finds it gone at its next
+        # refresh and steps down (its writes already fail on the missing key).
+        current = await self.store.get(KIND, self.name)
+        if current is None or address_of(current.value) != address or address == self.identity:
+            return False
+        try:
+            await self.store.commit([Delete(KIND, self.name, expected_revision=current.revision)])
+        except (NotFound, Conflict):
+            return False
+        lease = current.value.get("lease")
+        if isinstance(lease, int) and not isinstance(lease, bool) and lease > 0:
+            with contextlib.suppress(OrkaError):
+                await self.store.revoke_lease(lease)
+        log.warning("evicted the leader", election=self.name, leader=address)
+        return True
+
     async def resign(self) -> None:
         await self._release(delete=True)
 
@@ -333,6 +356,11 @@ async def _refresh(
     finally:
         if own:
             await store.close()
+
+
+def address_of(record: dict[str, Any]) -> str | None:
+    """Where a leader record says its holder is reached: `address`, else its identity."""
+    return str(record.get("address") or record.get("id") or "") or None
 
 
 def election_for(

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orka.agent.service import Agent, AgentConfig
 from orka.api import agent_pb2 as apb
 from orka.api import agent_pb2_grpc as apb_grpc
-from orka.errors import NotLeader, from_rpc_error
+from orka.errors import NotFound, NotLeader, from_rpc_error
 from orka.rpc.client import secure_channel
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
@@ -31,7 +31,7 @@ from tests.integration.cluster import eventually
 pytestmark = needs_etcd
 
 
-def scheduler(certs: Path, tmp: Path, store_url: str, name: str) -> Scheduler:
+def scheduler(certs: Path, tmp: Path, store_url: str, name: str, ttl: int = 2) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             listen="127.0.0.1:0",
@@ -39,21 +39,27 @@ def scheduler(certs: Path, tmp: Path, store_url: str, name: str) -> Scheduler:
             node_lost_after=1.0,
             store_url=store_url,
             data_dir=tmp / name,
-            election_ttl=2,
+            election_ttl=ttl,
         ),
         TlsFiles.for_service(certs, "scheduler", "scheduler"),
     )
 
 
 @pytest.fixture
+def ttl() -> int:
+    """The schedulers' election TTL (a test overrides it by parametrizing `ttl`)."""
+    return 2
+
+
+@pytest.fixture
 async def pair(
-    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
+    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str, ttl: int
 ) -> AsyncIterator[tuple[Scheduler, Scheduler]]:
     url = etcd.url + etcd_prefix
-    a = scheduler(certs_dir, tmp_path, url, "a")
+    a = scheduler(certs_dir, tmp_path, url, "a", ttl)
     await a.start()
     await eventually(lambda: _active(a), timeout=10)
-    b = scheduler(certs_dir, tmp_path, url, "b")
+    b = scheduler(certs_dir, tmp_path, url, "b", ttl)
     await b.start()
     try:
         yield a, b
@@ -250,10 +256,11 @@ async def test_an_agent_asks_a_standby_again_on_one_connection(
 async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_over(
     pair: tuple[Scheduler, Scheduler], certs_dir: Path, tmp_path: Path
 ) -> None:
-    # The active one stops answering but keeps its lease (as when SIGKILLed: nothing revokes
-    # it). The agent finds it gone and tells the standby so when it registers there; the
-    # standby holds the stream instead of naming the dead one again and again, and the moment
-    # it takes over it tells the agent to register again, which it does at once.
+    # The active one stops answering but keeps its lease, and its address still accepts
+    # connections (a wedged process: nothing proves it dead). The agent finds it gone and
+    # tells the standby so when it registers there; the standby holds the stream instead of
+    # naming the dead one again and again, and the moment it takes over it tells the agent to
+    # register again, which it does at once.
     a, b = pair
     agent = fake_agent(certs_dir, tmp_path, a, b)
     with structlog.testing.capture_logs() as logs:
@@ -262,8 +269,12 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
             await asyncio.wait_for(agent.connected.wait(), 10)
             assert a._server is not None
             await a._server.stop(None)  # gone, its lease still held
+            silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", a.port)
             await eventually(lambda: asyncio.sleep(0, b.held == 1), timeout=10)
             assert not agent.connected.is_set()
+            assert b.takeover is not None
+            # The standby checked the address and found it listening: no eviction.
+            await eventually(lambda: asyncio.sleep(0, addr(a) in b.takeover.found_alive), 10)
 
             assert a.store is not None and a.election is not None
             await a.store.revoke_lease(a.election.lease_id)
@@ -281,5 +292,34 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
             assert [(e["target"], "register again" in e["details"]) for e in refusals] == [
                 (addr(b), True)
             ]
+            assert b.takeover.evicted == []  # an address that accepts is no proof of death
+            silent.close()
         finally:
             await agent.stop()
+
+
+@pytest.mark.parametrize("ttl", [30])
+async def test_a_standby_ends_the_term_of_an_active_one_whose_address_refuses(
+    pair: tuple[Scheduler, Scheduler], certs_dir: Path, tmp_path: Path
+) -> None:
+    # As when the active scheduler is SIGKILLed: its port refuses, its 30 s lease lives on.
+    # The agent tells the standby it cannot reach the active one; the standby finds the port
+    # refusing too, ends that term in the store (key deleted, lease revoked) and takes over
+    # long before the lease would have run out.
+    a, b = pair
+    agent = fake_agent(certs_dir, tmp_path, a, b)
+    try:
+        await agent.start()
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        assert a._server is not None and a.election is not None and a.store is not None
+        lease = a.election.lease_id
+        assert lease is not None
+        await a._server.stop(None)
+        await eventually(lambda: _active(b), timeout=10)
+        assert b.takeover is not None and b.takeover.evicted == [addr(a)]
+        with pytest.raises(NotFound):
+            await a.store.keepalive_lease(lease)
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        assert [n.name for n in b.registry] == ["node-2"]
+    finally:
+        await agent.stop()

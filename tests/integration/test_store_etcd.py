@@ -277,6 +277,63 @@ async def test_election_leader_learns_it_lost_the_lease(store: Store) -> None:
     await a.resign()
 
 
+async def test_a_candidate_evicts_a_dead_leader_without_waiting_for_its_lease(
+    store: Store,
+) -> None:
+    # A 30 s lease that nobody refreshes any more (a crashed leader): b, told by other means
+    # that a is dead, ends a's term and wins at once; a's lease is revoked with it.
+    a = election_for(store, "scheduler", "10.0.0.1:7444", ttl=30, info={"address": "a:7444"})
+    b = election_for(store, "scheduler", "10.0.0.2:7444", ttl=30, info={"address": "b:7444"})
+    await a.campaign()
+    lease = a.lease_id
+    assert lease is not None
+    await a.abandon()
+    contender = asyncio.create_task(b.campaign())
+    assert not await b.evict("10.0.0.1:7444")  # the identity is not the address it is reached at
+    assert not await b.evict("b:7444")  # not the leader's
+    assert not contender.done()
+    assert await b.evict("a:7444")
+    await asyncio.wait_for(contender, 5)
+    assert await b.leader() == "10.0.0.2:7444"
+    with pytest.raises(NotFound):
+        await store.keepalive_lease(lease)
+    await b.resign()
+
+
+async def test_an_eviction_never_ends_a_successors_term(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The key a candidate read is gone and a successor holds a new one at the same address
+    # (a restarted scheduler elected again): the CAS on the read revision fails, nothing moves.
+    a = election_for(store, "scheduler", "a:7444", ttl=30)
+    b = election_for(store, "scheduler", "b:7444", ttl=30)
+    await a.campaign()
+    stale = await store.get("leader", "scheduler")
+    assert stale is not None
+    await a.resign()
+    again = election_for(store, "scheduler", "a:7444", ttl=30)
+    await again.campaign()
+    real_get = store.get
+
+    async def old_read(kind: str, name: str) -> object:
+        return stale if (kind, name) == ("leader", "scheduler") else await real_get(kind, name)
+
+    monkeypatch.setattr(store, "get", old_read)
+    assert not await b.evict("a:7444")
+    monkeypatch.undo()
+    assert again.is_leader and await again.leader() == "a:7444"
+    await store.keepalive_lease(again.lease_id or 0)  # its lease lives on
+    await again.resign()
+
+
+async def test_an_election_does_not_evict_itself(store: Store) -> None:
+    a = election_for(store, "scheduler", "a:7444", ttl=30)
+    await a.campaign()
+    assert not await a.evict("a:7444")
+    assert a.is_leader and await a.leader() == "a:7444"
+    await a.resign()
+
+
 def block_the_loop(seconds: float) -> None:
     """The service's event loop busy with other work (a scheduler taking thousands of
     registrations) or wedged: nothing else on it runs meanwhile."""
