@@ -73,6 +73,18 @@ def grpc_options(
     return options
 
 
+# Calls gRPC's core has received but the Python server has not yet taken up. Above the soft
+# limit core refuses new ones at random (all of them above the hard limit), and an agent sees its
+# stream CANCELLED before a byte of it was read. Core's defaults (1,000 and 3,000) are below the
+# cluster sizes Orka serves: when a scheduler starts or takes over, every agent opens its stream
+# at once, and at 5,000 agents thousands were refused this way, each agent backing off and
+# trying again, for a minute. They are served as fast as the event loop takes them instead.
+PENDING_CALLS = [
+    ("grpc.server.max_pending_requests", 20_000),
+    ("grpc.server.max_pending_requests_hard_limit", 40_000),
+]
+
+
 async def start_server(
     listen: str,
     tls: TlsFiles,
@@ -89,7 +101,7 @@ async def start_server(
     host, port = split_hostport(listen)
     # Revoked peers are refused on every method, health and reflection included.
     server = grpc.aio.server(
-        options=grpc_options(max_receive=max_receive),
+        options=[*grpc_options(max_receive=max_receive), *PENDING_CALLS],
         interceptors=[MetricsInterceptor(), RevocationInterceptor()],
     )
     for add in register:

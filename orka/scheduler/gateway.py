@@ -161,6 +161,7 @@ class Gateway:
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
         node.interval, node.next_interval = self.liveness.pace.interval, 0.0
+        self.liveness.registered(node.last_seen)
         # A leave ends with the stream it was announced on: registering again makes the node
         # schedulable (an operator's cordon or drain, kept by the controller, is not touched).
         node.leaving = False

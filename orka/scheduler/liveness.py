@@ -24,6 +24,10 @@ BEHIND_SHARE = 0.5
 # Reads later than this (the median of a window) count as the scheduler lagging behind its
 # agents' streams for what waits on their replies (offers: session.replies).
 READ_LAG = 0.1
+# A term's grace (`registered`) never runs past this many seconds after the term began. Nomad
+# gives every node `failover_heartbeat_ttl` (5 minutes) after a leader election; this one ends
+# as soon as the registrations have.
+MAX_GRACE = 60.0
 # Seconds a node's lag floor rises per heartbeat, so that a clock stepped back on the node
 # stops looking like late reads within minutes. A backlog grows far faster than this.
 LAG_FLOOR_DRIFT = 0.01
@@ -76,12 +80,34 @@ class Liveness:
         # median, because the streams a busy scheduler reads are not served alike, and one
         # slow agent must not make it look behind either.
         self.behind: float | None = None
+        # Until then no node's silence is judged (`registered`); the term's start, from run().
+        self.grace_until = 0.0
+        self._began: float | None = None
 
     def lag(self) -> float:
         """How many seconds late this scheduler reads its agents' streams now: the median
         lateness of the heartbeats of the last window, when above READ_LAG; else 0."""
         behind = self.behind
         return behind if behind is not None and behind > READ_LAG else 0.0
+
+    def begin(self, now: float) -> None:
+        """The term this clock serves began at `now` (run() calls it)."""
+        self._began = now
+        self.grace_until = 0.0
+
+    def registered(self, now: float) -> None:
+        """An agent registered at `now`. When a term begins (a start, a restart, a failover)
+        every agent registers at once, and the scheduler taking them reads heartbeats late
+        before any node has the lateness measure `excuse` relies on (a node's first heartbeat
+        only sets its floor): judged on raw silence, registered nodes would go NOT_READY and
+        LOST, their streams closed, and each would register again, more load on a scheduler
+        already behind. So in a term's first MAX_GRACE seconds silence is not judged until two
+        intervals after the latest registration (by then every node has had a heartbeat to
+        set its floor). A node's stream that ends is still seen at once (the gateway)."""
+        if self._began is None or now - self._began >= MAX_GRACE:
+            return
+        until = min(self._began + MAX_GRACE, now + 2 * self.pace.interval)
+        self.grace_until = max(self.grace_until, until)
 
     def heard(self, late: float) -> None:
         """A heartbeat was read `late` seconds later than its node's heartbeats usually are
@@ -103,6 +129,7 @@ class Liveness:
 
     async def run(self) -> None:
         tick = min(self.heartbeat_interval / 4, MAX_TICK)
+        self.begin(self.clock())
         loop = asyncio.get_running_loop()
         self._window_start = loop.time()
         while True:
@@ -149,10 +176,11 @@ class Liveness:
         of connected nodes."""
         base = self.heartbeat_interval
         connected = 0
+        judge = now >= self.grace_until
         for node in list(self.registry):
             if node.session is not None:
                 connected += 1
-            if node.state in (NodeState.LOST, NodeState.LEFT):
+            if not judge or node.state in (NodeState.LOST, NodeState.LEFT):
                 continue
             silent = now - node.last_seen
             interval = node.interval or base

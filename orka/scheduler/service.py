@@ -364,8 +364,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
                     first = await anext(aiter(request_iterator))
             if first is None or not self._parks(refusal, first):
                 raise
-            if refusal.leader is not None and self.takeover is not None:
-                self.takeover.suspect(refusal.leader)
+            if self.takeover is not None:
+                self.takeover.suspect(first.register.unreachable)
             raise await self._parked() from None
         async for msg in self.gateway.connect(request_iterator, who.name):
             yield msg

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
-from orka.store.election import Election
+from orka.store.election import Election, address_of
 
 log = structlog.get_logger("orka.scheduler.takeover")
 
@@ -40,24 +41,28 @@ COOLDOWN = 1.0
 
 
 async def refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether HOST:PORT refuses a TCP connection now (False if it accepts, or is silent)."""
+    """Whether HOST:PORT refuses a TCP connection now (False if it accepts, or is silent).
+    Dialled from a worker thread: the answer of a refused connect comes back at once, and a
+    standby whose event loop is busy (agents arriving by the thousand) must not count its own
+    lateness as the other's silence."""
+    return await asyncio.to_thread(_refuses, address, timeout)
+
+
+def _refuses(address: str, timeout: float) -> bool:
     host, _, port = address.rpartition(":")
     try:
-        async with asyncio.timeout(timeout):
-            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except ConnectionRefusedError:
         return True
-    except (OSError, TimeoutError, ValueError):
+    except (OSError, ValueError):
         return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
+    connection.close()
     return False
 
 
 class Takeover:
-    """`suspect(address)` for each agent that found the active scheduler unreachable; at most
-    one check runs at a time, so thousands of agents arriving at once cost one probe."""
+    """`suspect(unreachable)` for each agent that arrives naming addresses it could not reach;
+    at most one check runs at a time, so thousands of agents arriving at once cost one probe."""
 
     def __init__(
         self,
@@ -76,7 +81,14 @@ class Takeover:
         # Address -> when it was last found listening (its agents are not acted on for a while).
         self.found_alive: dict[str, float] = {}
 
-    def suspect(self, address: str) -> None:
+    def suspect(self, unreachable: Sequence[str]) -> None:
+        """An agent could not reach these addresses: check the active one if among them. The
+        active one is who the election follows (read when it began to follow), not a fresh
+        read of the store, which a standby swamped by arriving agents may not get through."""
+        followed = self.election.followed
+        address = None if followed is None else address_of(followed)
+        if address is None or address not in unreachable:
+            return
         if self.election.is_leader or address == self.election.identity:
             return
         if self._task is not None and not self._task.done():

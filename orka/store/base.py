@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 from orka.errors import AlreadyExists, Conflict, Invalid, NotFound, NotLeader
 
@@ -263,6 +263,22 @@ def writes_nothing(prepared: Sequence[PreparedOp]) -> bool:
     return all(isinstance(p.op, Require) for p in prepared)
 
 
+class LeaseKeeper(Protocol):
+    """Refreshes leases of a store from a thread of its own (`Store.lease_keeper`)."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def keepalive_lease(self, lease_id: int) -> int:
+        """As Store.keepalive_lease: the TTL granted; NotFound if the lease has expired."""
+        ...
+
+    async def revoke_lease(self, lease_id: int) -> None:
+        """As Store.revoke_lease."""
+        ...
+
+
 class Store(ABC):
     """A transactional map (kind, name) -> JSON object with etcd-like revisions.
 
@@ -318,9 +334,9 @@ class Store(ABC):
         """
         raise Unsupported(f"{type(self).__name__} has no watch")
 
-    def sibling(self) -> Store | None:
-        """A new, unopened store on the same data for another thread's event loop (a lease
-        refreshed off the service's own loop: orka/store/election.py), or None."""
+    def lease_keeper(self) -> LeaseKeeper | None:
+        """Something that refreshes this store's leases from another thread's event loop,
+        independent of the store's own connections (orka/store/election.py), or None."""
         return None
 
     async def grant_lease(self, ttl: int) -> int:

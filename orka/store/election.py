@@ -9,11 +9,13 @@ created in a CAS transaction under a lease of `ttl` seconds that it refreshes ev
   until it is deleted (resign, or the holder's lease expired) and try again;
 * a leader that cannot refresh its lease for a whole TTL, or finds it expired, sets `lost` and
   must stop acting as leader: by then another candidate may already hold the key;
-* where the store can open a sibling connection (etcd), the lease is refreshed from a thread
-  of its own with its own event loop (one per process): a service whose loop is busy (a
-  scheduler taking thousands of registrations at once) still keeps its lease, as long as
-  that loop makes progress at all; one that has not run for LOOP_SILENCE TTLs is let go, so
-  a wedged leader is replaced;
+* where the store has a lease keeper (etcd: its JSON gateway over plain HTTP, apart from the
+  process's gRPC), the lease is refreshed from a thread of its own with its own event loop
+  (one per process): a service whose loop is busy (a scheduler taking thousands of
+  registrations at once) still keeps its lease, as long as that loop makes progress at all;
+  one that has not run for LOOP_SILENCE TTLs is let go, so a wedged leader is replaced;
+* `evict(address)` ends the term of the leader a candidate follows, found dead by other means
+  (orka/scheduler/takeover.py), by revoking its lease: candidates need not wait it out;
 * resign deletes the key (CAS on our revision, so never someone else's) and revokes the lease;
 * `fence()` is the condition the leader's writes carry: `Require(leader/<name>, revision of our
   key)`. Once the key is gone or someone else's, a write with it fails as a whole (`Fenced`),
@@ -39,7 +41,7 @@ from typing import Any
 import structlog
 
 from orka.errors import AlreadyExists, Conflict, NotFound, OrkaError
-from orka.store.base import Create, Delete, Require, Store
+from orka.store.base import Create, Delete, LeaseKeeper, Require, Store
 
 log = structlog.get_logger("orka.store.election")
 
@@ -57,6 +59,8 @@ class Election(ABC):
         self.identity = identity
         self.info = dict(info or {})
         self.is_leader = False
+        # The record of the leader this candidate waits on while campaigning (`evict`).
+        self.followed: dict[str, Any] | None = None
         # Set when leadership ends without resign(): the holder must stop acting at once.
         self.lost = asyncio.Event()
         self.lease_id: int | None = None
@@ -150,11 +154,13 @@ class LeaseElection(Election):
                     pass
                 else:
                     self.is_leader = True
+                    self.followed = None
                     log.info("elected leader", election=self.name, identity=self.identity)
                     return
                 current = await self.store.get(KIND, self.name)
                 if current is None:
                     continue  # it went between our Create and our read: try again at once
+                self.followed = current.value
                 log.info(
                     "following leader",
                     election=self.name,
@@ -201,17 +207,17 @@ class LeaseElection(Election):
 
     async def _keep(self, lease: int) -> None:
         """Refresh the lease every ttl/3; give leadership up when it cannot be kept."""
-        sibling = self.store.sibling()
-        if sibling is None:
+        keeper = self.store.lease_keeper()
+        if keeper is None:
             reason = await _refresh(self.store, lease, self.ttl, self.name)
         else:
-            reason = await self._refresh_in_thread(sibling, lease)
+            reason = await self._refresh_in_thread(keeper, lease)
         if self.is_leader:
             log.warning("leadership lost", election=self.name, reason=reason)
         self.is_leader = False
         self.lost.set()
 
-    async def _refresh_in_thread(self, store: Store, lease: int) -> str:
+    async def _refresh_in_thread(self, store: LeaseKeeper, lease: int) -> str:
         """`_refresh` on the refresher thread's event loop, fed this loop's progress."""
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[str] = loop.create_future()
@@ -249,20 +255,25 @@ class LeaseElection(Election):
         return None if item is None else item.value
 
     async def evict(self, address: str) -> bool:
-        # CAS on the revision read: a successor elected meanwhile keeps its key. The lease is
-        # revoked too, so a leader that was not dead after all finds it gone at its next
-        # refresh and steps down (its writes already fail on the missing key).
-        current = await self.store.get(KIND, self.name)
-        if current is None or address_of(current.value) != address or address == self.identity:
+        # The record of the leader we follow was read when we began to follow it: revoking its
+        # lease ends that term and no other (a successor holds a lease of its own), without a
+        # read first. Through the lease keeper where the store has one (etcd: plain HTTP), as
+        # a standby whose own gRPC is swamped by agents arriving must still get this through.
+        record = self.followed
+        if record is None or address_of(record) != address or address == self.identity:
             return False
-        try:
-            await self.store.commit([Delete(KIND, self.name, expected_revision=current.revision)])
-        except (NotFound, Conflict):
+        lease = record.get("lease")
+        if isinstance(lease, bool) or not isinstance(lease, int) or lease <= 0:
             return False
-        lease = current.value.get("lease")
-        if isinstance(lease, int) and not isinstance(lease, bool) and lease > 0:
-            with contextlib.suppress(OrkaError):
-                await self.store.revoke_lease(lease)
+        keeper = self.store.lease_keeper()
+        if keeper is None:
+            await self.store.revoke_lease(lease)
+        else:
+            try:
+                await keeper.revoke_lease(lease)
+            finally:
+                await keeper.close()
+        self.followed = None
         log.warning("evicted the leader", election=self.name, leader=address)
         return True
 
@@ -317,13 +328,14 @@ def _refresher_loop() -> asyncio.AbstractEventLoop:
 
 
 async def _refresh(
-    store: Store,
+    store: Store | LeaseKeeper,
     lease: int,
     ttl: int,
     name: str,
     stop: threading.Event | None = None,
     ticked: Callable[[], float] | None = None,
     own: bool = False,
+    clock: Callable[[], float] = time.monotonic,
 ) -> str:
     """Refresh `lease` every ttl/3 until it cannot be kept (returns why) or `stop` is set.
     `ticked()`: when the service's own loop last ran, where this runs on another one;
@@ -331,27 +343,30 @@ async def _refresh(
     if own:
         await store.open()
     try:
-        valid_until = time.monotonic() + ttl
+        valid_until = clock() + ttl
         while stop is None or not stop.is_set():
             await asyncio.sleep(ttl / 3)
             if stop is not None and stop.is_set():
                 break
-            now = time.monotonic()
+            now = clock()
             if ticked is not None and now - ticked() > LOOP_SILENCE * ttl:
                 if now < valid_until:
                     continue  # not refreshed: it runs out, and a standby takes over
                 return f"the event loop has not run for {now - ticked():.1f}s"
+            sent = clock()
             try:
                 got = await store.keepalive_lease(lease)
             except NotFound:
                 return "lease expired"
             except OrkaError as err:
                 # etcd unreachable for now: keep trying while the lease may still be alive.
-                if time.monotonic() < valid_until:
+                if clock() < valid_until:
                     log.warning("lease refresh failed", election=name, error=err.message)
                     continue
                 return f"lease not refreshed for {ttl}s: {err.message}"
-            valid_until = time.monotonic() + got
+            # From when the refresh was sent: etcd may have renewed the lease long before its
+            # answer is read (a loaded host), and the lease runs out counted from then.
+            valid_until = sent + got
         return "stopped"
     finally:
         if own:

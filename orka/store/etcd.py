@@ -48,6 +48,7 @@ from orka.store.base import (
     validate_key,
     validate_kind,
 )
+from orka.store.etcd_lease import GatewayLeases
 
 log = structlog.get_logger("orka.store.etcd")
 
@@ -429,16 +430,21 @@ class EtcdStore(Store):
             raise Unavailable(f"etcd lease grant failed: {response.error}")
         return int(response.ID)
 
-    def sibling(self) -> EtcdStore:
+    def lease_keeper(self) -> GatewayLeases:
+        # Not this store's gRPC channels: see orka/store/etcd_lease.py.
         tls = self.tls
-        return EtcdStore(
-            self.endpoints,
-            self.prefix,
-            ca=tls.ca,
-            cert=tls.cert,
-            key=tls.key,
-            timeout=self.timeout,
-        )
+
+        def grpc_store() -> EtcdStore:
+            return EtcdStore(
+                self.endpoints,
+                self.prefix,
+                ca=tls.ca,
+                cert=tls.cert,
+                key=tls.key,
+                timeout=self.timeout,
+            )
+
+        return GatewayLeases(self.endpoints, tls, self.timeout, fallback=grpc_store)
 
     async def keepalive_lease(self, lease_id: int) -> int:
         conns = self._check_open()

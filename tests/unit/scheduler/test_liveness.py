@@ -9,7 +9,7 @@ import pytest
 
 from orka.models import NodeState
 from orka.scheduler.feed import Feed
-from orka.scheduler.liveness import LAG_FLOOR_DRIFT, Liveness, lateness
+from orka.scheduler.liveness import LAG_FLOOR_DRIFT, MAX_GRACE, Liveness, lateness
 from orka.scheduler.registry import Registry
 
 
@@ -124,3 +124,52 @@ def test_lateness_is_measured_on_the_nodes_own_clock() -> None:
     seen = [lateness(node, 15.0) for _ in range(600)]
     assert seen[0] == pytest.approx(15.0 - 10.002 - 2 * LAG_FLOOR_DRIFT)
     assert seen[-1] == 0.0 and min(seen) >= 0.0
+
+
+def test_a_term_judges_no_silence_until_two_intervals_after_the_last_registration() -> None:
+    # Registrations arriving at a new term: each pushes the first judgement to two intervals
+    # after it, so the nodes registered first are not judged while the rest still arrive.
+    reg = Registry()
+    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
+    liveness.begin(100.0)
+    first = reg.upsert("first")
+    first.session = Stream()  # type: ignore[assignment]
+    first.last_seen = 100.0
+    liveness.registered(100.0)
+    for at in (100.5, 101.0, 101.5):  # others register; `first` is never heard again
+        liveness.registered(at)
+    liveness.check(101.5 + 2 * INTERVAL - 0.01)  # 2.29 s of silence, past LOST_AFTER
+    assert first.state is NodeState.READY and not first.session.closed  # type: ignore[union-attr]
+    liveness.check(101.5 + 2 * INTERVAL)
+    assert first.state is NodeState.LOST and first.session.closed  # type: ignore[union-attr]
+
+
+def test_the_grace_ends_max_grace_after_the_term_began() -> None:
+    # An agent that registers again and again (flapping, or a node key's holder) cannot keep
+    # the scheduler from judging silence past MAX_GRACE.
+    reg = Registry()
+    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
+    liveness.begin(0.0)
+    quiet = reg.upsert("quiet")
+    quiet.session = Stream()  # type: ignore[assignment]
+    quiet.last_seen = MAX_GRACE - 1.0
+    at = 0.0
+    while at < MAX_GRACE + 10:
+        liveness.registered(at)
+        at += INTERVAL
+    assert liveness.grace_until == MAX_GRACE
+    liveness.check(MAX_GRACE - 0.01)
+    assert quiet.state is NodeState.READY
+    liveness.check(MAX_GRACE)  # 1 s silent: more than two intervals
+    assert quiet.state is NodeState.NOT_READY
+
+
+def test_without_a_term_begun_registrations_grant_no_grace() -> None:
+    reg = Registry()
+    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
+    node = reg.upsert("n")
+    node.session = Stream()  # type: ignore[assignment]
+    node.last_seen = 0.0
+    liveness.registered(0.0)
+    liveness.check(2 * INTERVAL + 0.01)
+    assert node.state is NodeState.NOT_READY

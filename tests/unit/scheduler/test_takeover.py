@@ -17,6 +17,7 @@ class FakeElection:
     def __init__(self, fails: bool = False) -> None:
         self.identity = "b:7444"
         self.is_leader = False
+        self.followed: dict[str, object] | None = {"id": "a:7444", "lease": 7}
         self.evictions: list[str] = []
         self.fails = fails
 
@@ -60,7 +61,7 @@ async def test_refused_every_time_ends_the_term_once_for_many_agents() -> None:
     t = Takeover(election, probe, gap=0)  # type: ignore[arg-type]
     probe.gate.clear()
     for _ in range(50):  # fifty agents arrive naming the dead one
-        t.suspect("a:7444")
+        t.suspect(["a:7444"])
     await asyncio.sleep(0)
     probe.gate.set()
     await settle(t)
@@ -71,24 +72,28 @@ async def test_refused_every_time_ends_the_term_once_for_many_agents() -> None:
 async def test_one_accepted_connection_is_life_and_cools_the_suspicion() -> None:
     election, probe, clock = FakeElection(), Probe(True, False, True, True), Clock()
     t = Takeover(election, probe, gap=0, clock=clock)  # type: ignore[arg-type]
-    t.suspect("a:7444")
+    t.suspect(["a:7444"])
     await settle(t)
     assert election.evictions == [] and t.probes == 2
-    t.suspect("a:7444")  # within COOLDOWN of being found alive: not asked again
+    t.suspect(["a:7444"])  # within COOLDOWN of being found alive: not asked again
     await settle(t)
     assert t.probes == 2
     clock.now += takeover.COOLDOWN
-    t.suspect("a:7444")
+    t.suspect(["a:7444"])
     await settle(t)
     assert t.probes == 4 and election.evictions == ["a:7444"]
 
 
-async def test_a_leader_or_its_own_address_is_never_probed() -> None:
+async def test_only_the_followed_leader_named_unreachable_is_probed() -> None:
     election, probe = FakeElection(), Probe(True, True)
     t = Takeover(election, probe, gap=0)  # type: ignore[arg-type]
-    t.suspect("b:7444")
+    t.suspect([])  # the agent could reach everything it tried
+    t.suspect(["c:7444", "b:7444"])  # not the one we follow
+    election.followed = None  # nobody followed (we lead, or have not read whom yet)
+    t.suspect(["a:7444"])
+    election.followed = {"id": "a:7444", "lease": 7}
     election.is_leader = True
-    t.suspect("a:7444")
+    t.suspect(["a:7444"])
     await settle(t)
     assert probe.asked == [] and election.evictions == []
 
@@ -96,7 +101,7 @@ async def test_a_leader_or_its_own_address_is_never_probed() -> None:
 async def test_a_store_that_cannot_evict_leaves_the_lease_to_end_the_term() -> None:
     election, probe = FakeElection(fails=True), Probe(True, True)
     t = Takeover(election, probe, gap=0)  # type: ignore[arg-type]
-    t.suspect("a:7444")
+    t.suspect(["a:7444"])
     await settle(t)  # logged, not raised: the task ends cleanly
     assert t.evicted == []
 
@@ -105,7 +110,7 @@ async def test_close_cancels_a_check_in_flight() -> None:
     election, probe = FakeElection(), Probe(True, True)
     t = Takeover(election, probe, gap=0)  # type: ignore[arg-type]
     probe.gate.clear()
-    t.suspect("a:7444")
+    t.suspect(["a:7444"])
     await asyncio.sleep(0)
     await t.close()
     probe.gate.set()
