@@ -36,8 +36,9 @@ BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     # leaving READY), where retries that ranked every node once overran the scheduler.
     "placement_5000_nodes": ("placement", ("--nodes", "5000", "--no-etcd", "--paced-rate", "0")),
     # Scheduler SIGKILL + restart with 1,000 and 5,000 simulated agents (and the controller's
-    # failover); full runs only: each size boots etcd, two controllers and the agent hosts.
-    "recovery": ("recovery", ("--sizes", "1000,5000")),
+    # failover), then the active scheduler SIGKILLed beside a standby; full runs only: each
+    # size boots etcd, two controllers and the agent hosts, twice.
+    "recovery": ("recovery", ("--sizes", "1000,5000", "--standby")),
     "heartbeat": ("heartbeat", ()),
     "healing": ("healing", ()),
     "paging": ("paging", ()),
@@ -145,6 +146,13 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         targets[f"scheduler_restart_{agents}_agents_0_not_ready"] = (
             run["scheduler_restart_nodes_not_ready_seen"] == 0
         )
+        if "standby_failover_to_placement_resumed_s" in run:
+            targets[f"standby_failover_{agents}_agents<={bound:.0f}s"] = (
+                run["standby_failover_to_placement_resumed_s"] <= bound
+            )
+            targets[f"standby_failover_{agents}_agents_0_left_ready"] = (
+                run["standby_failover_nodes_left_ready"] == 0
+            )
     if "running_per_s" in real:
         ratio("real_agents_running_per_echo_msg", real["running_per_s"])
         targets["real_agents>=2000/s"] = real["running_per_s"] >= 2000

@@ -40,7 +40,8 @@ def delay(
     return full * jitter(0.5, 1.0)
 
 
-def _host_port(target: str) -> tuple[str, int] | None:
+def host_port(target: str) -> tuple[str, int] | None:
+    """HOST:PORT (a bracketed IPv6 host unbracketed) as a pair, or None if it is not one."""
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit():
         return None
@@ -50,7 +51,7 @@ def _host_port(target: str) -> tuple[str, int] | None:
 async def reachable(target: str, timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether `target` (HOST:PORT) accepts a TCP connection now. The connection is closed at
     once without a byte sent: the server sees a client that went away before its handshake."""
-    address = _host_port(target)
+    address = host_port(target)
     if address is None:
         return False
     try:

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
+from orka.rpc.backoff import host_port
 from orka.store.election import Election, address_of
 
 log = structlog.get_logger("orka.scheduler.takeover")
@@ -49,12 +50,14 @@ async def refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
 
 
 def _refuses(address: str, timeout: float) -> bool:
-    host, _, port = address.rpartition(":")
+    pair = host_port(address)
+    if pair is None:
+        return False
     try:
-        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        connection = socket.create_connection(pair, timeout=timeout)
     except ConnectionRefusedError:
         return True
-    except (OSError, ValueError):
+    except OSError:
         return False
     connection.close()
     return False
