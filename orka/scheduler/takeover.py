@@ -6,8 +6,8 @@ stream to the active one broke registers with it, naming that address unreachabl
 (`Register.unreachable`). The standby then checks for itself: when the active one's address
 refuses TCP connections PROBES times in a row, PROBE_GAP apart, nothing listens there (the
 process is gone: killed, crashed, stopped), and the standby ends that leader's term in the
-store (`Election.evict`: its key deleted at the revision read, its lease revoked). Every
-candidate's campaign sees the key go and one is elected at once.
+store (`Election.evict`: the lease of the leader it follows revoked, and the key with it).
+Every candidate's campaign sees the key go and one is elected at once.
 
 Only a refused connection counts. An active scheduler that is busy, paused (SIGSTOP) or cut off
 still completes the TCP handshake, or does not answer at all, and is left to its lease: an

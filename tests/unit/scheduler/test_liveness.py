@@ -10,7 +10,7 @@ import pytest
 from orka.models import NodeState
 from orka.scheduler.feed import Feed
 from orka.scheduler.liveness import LAG_FLOOR_DRIFT, MAX_GRACE, Liveness, lateness
-from orka.scheduler.registry import Registry
+from orka.scheduler.registry import NodeRecord, Registry
 
 
 class Stream:
@@ -126,15 +126,22 @@ def test_lateness_is_measured_on_the_nodes_own_clock() -> None:
     assert seen[-1] == 0.0 and min(seen) >= 0.0
 
 
+def one_node(began: float | None, last_seen: float) -> tuple[Liveness, NodeRecord]:
+    """A liveness clock (its term begun at `began`, unless None) over one connected node."""
+    reg = Registry()
+    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
+    if began is not None:
+        liveness.begin(began)
+    node = reg.upsert("node")
+    node.session = Stream()  # type: ignore[assignment]
+    node.last_seen = last_seen
+    return liveness, node
+
+
 def test_a_term_judges_no_silence_until_two_intervals_after_the_last_registration() -> None:
     # Registrations arriving at a new term: each pushes the first judgement to two intervals
     # after it, so the nodes registered first are not judged while the rest still arrive.
-    reg = Registry()
-    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
-    liveness.begin(100.0)
-    first = reg.upsert("first")
-    first.session = Stream()  # type: ignore[assignment]
-    first.last_seen = 100.0
+    liveness, first = one_node(100.0, 100.0)
     liveness.registered(100.0)
     for at in (100.5, 101.0, 101.5):  # others register; `first` is never heard again
         liveness.registered(at)
@@ -147,12 +154,7 @@ def test_a_term_judges_no_silence_until_two_intervals_after_the_last_registratio
 def test_the_grace_ends_max_grace_after_the_term_began() -> None:
     # An agent that registers again and again (flapping, or a node key's holder) cannot keep
     # the scheduler from judging silence past MAX_GRACE.
-    reg = Registry()
-    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
-    liveness.begin(0.0)
-    quiet = reg.upsert("quiet")
-    quiet.session = Stream()  # type: ignore[assignment]
-    quiet.last_seen = MAX_GRACE - 1.0
+    liveness, quiet = one_node(0.0, MAX_GRACE - 1.0)
     at = 0.0
     while at < MAX_GRACE + 10:
         liveness.registered(at)
@@ -165,11 +167,7 @@ def test_the_grace_ends_max_grace_after_the_term_began() -> None:
 
 
 def test_without_a_term_begun_registrations_grant_no_grace() -> None:
-    reg = Registry()
-    liveness = Liveness(reg, Feed(reg, INTERVAL), INTERVAL, LOST_AFTER, clock=time.monotonic)
-    node = reg.upsert("n")
-    node.session = Stream()  # type: ignore[assignment]
-    node.last_seen = 0.0
+    liveness, node = one_node(None, 0.0)
     liveness.registered(0.0)
     liveness.check(2 * INTERVAL + 0.01)
     assert node.state is NodeState.NOT_READY
