@@ -35,6 +35,7 @@ log = structlog.get_logger("orka.store.etcd")
 
 KEEPALIVE_PATH = "/v3/lease/keepalive"
 REVOKE_PATH = "/v3/lease/revoke"
+GRPC_NOT_FOUND = 5
 # The most of an answer read: a keepalive answer is a few hundred bytes.
 MAX_ANSWER = 64 * 1024
 
@@ -84,45 +85,54 @@ class GatewayLeases:
             try:
                 return await asyncio.to_thread(self._keepalive, lease_id)
             except NoGateway as err:
-                if self.fallback is None:
-                    raise Unavailable(f"etcd: {err}") from None
-                log.warning(
-                    "etcd's JSON gateway cannot renew leases; renewing over gRPC", reason=str(err)
-                )
-                self.grpc = self.fallback()
-                await self.grpc.open()
+                await self._fall_back(err)
+        assert self.grpc is not None
         return await self.grpc.keepalive_lease(lease_id)
 
     async def revoke_lease(self, lease_id: int) -> None:
         """End a lease now (its keys go with it). A gone lease is not an error."""
-        if self.grpc is not None:
-            await self.grpc.revoke_lease(lease_id)
-            return
-        await asyncio.to_thread(self._revoke, lease_id)
-
-    def _revoke(self, lease_id: int) -> None:
-        errors: list[str] = []
-        for address in self.endpoints:
+        if self.grpc is None:
             try:
-                self._post(address, {"ID": str(lease_id)}, REVOKE_PATH)
-            except _HttpError as err:
-                if err.status == 404:  # gone already (expired, or revoked): the goal is met
-                    return
-                errors.append(f"{address}: {err}")
-            except (OSError, http.client.HTTPException, ValueError) as err:
-                errors.append(f"{address}: {err}")
-            else:
+                await asyncio.to_thread(self._revoke, lease_id)
                 return
-        raise Unavailable(f"etcd: no endpoint revoked lease {lease_id:x}: {'; '.join(errors)}")
+            except NoGateway as err:
+                await self._fall_back(err)
+        assert self.grpc is not None
+        await self.grpc.revoke_lease(lease_id)
+
+    async def _fall_back(self, err: NoGateway) -> None:
+        if self.fallback is None:
+            raise Unavailable(f"etcd: {err}") from None
+        log.warning("etcd's JSON gateway cannot serve leases; using gRPC", reason=str(err))
+        self.grpc = self.fallback()
+        await self.grpc.open()
 
     def _keepalive(self, lease_id: int) -> int:
+        answer = self._each_endpoint(KEEPALIVE_PATH, lease_id, "refreshed")
+        ttl = _ttl(answer)
+        if ttl <= 0:
+            raise NotFound(f"lease {lease_id:x} has expired")
+        return ttl
+
+    def _revoke(self, lease_id: int) -> None:
+        try:
+            self._each_endpoint(REVOKE_PATH, lease_id, "revoked")
+        except _Gone:
+            pass  # expired or revoked already: the goal is met
+
+    def _each_endpoint(self, path: str, lease_id: int, done: str) -> dict[str, Any]:
+        """The first answer to `path` for `lease_id`, trying each endpoint from the last that
+        answered; NoGateway when every one answered with an HTTP error."""
         errors: list[str] = []
         refusals = 0
         for attempt in range(len(self.endpoints)):
             index = (self._current + attempt) % len(self.endpoints)
             address = self.endpoints[index]
             try:
-                answer = self._post(address, {"ID": str(lease_id)})
+                answer = self._post(address, {"ID": str(lease_id)}, path)
+            except _Gone:
+                self._current = index
+                raise
             except _HttpError as err:
                 errors.append(f"{address}: {err}")
                 refusals += 1
@@ -131,18 +141,13 @@ class GatewayLeases:
                 errors.append(f"{address}: {err}")
                 continue
             self._current = index
-            ttl = _ttl(answer)
-            if ttl <= 0:
-                raise NotFound(f"lease {lease_id:x} has expired")
-            return ttl
+            return answer
         detail = "; ".join(errors)
         if refusals == len(self.endpoints):
-            raise NoGateway(f"no endpoint's gateway renewed lease {lease_id:x}: {detail}")
-        raise Unavailable(f"etcd: no endpoint refreshed lease {lease_id:x}: {detail}")
+            raise NoGateway(f"no endpoint's gateway {done} lease {lease_id:x}: {detail}")
+        raise Unavailable(f"etcd: no endpoint {done} lease {lease_id:x}: {detail}")
 
-    def _post(
-        self, address: str, body: dict[str, str], path: str = KEEPALIVE_PATH
-    ) -> dict[str, Any]:
+    def _post(self, address: str, body: dict[str, str], path: str) -> dict[str, Any]:
         host, _, port = address.rpartition(":")
         connection: http.client.HTTPConnection
         if self._context is not None:
@@ -161,7 +166,7 @@ class GatewayLeases:
             )
             response = connection.getresponse()
             if response.status != 200:
-                raise _HttpError(response.status, response.reason)
+                raise _refusal(response)
             # A streamed answer: one JSON object per line, the first is ours.
             line = response.readline(MAX_ANSWER)
             answer = json.loads(line)
@@ -177,9 +182,22 @@ class GatewayLeases:
 class _HttpError(ValueError):
     """The endpoint answered, with an HTTP error status."""
 
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"HTTP {status} {reason}")
-        self.status = status
+
+class _Gone(_HttpError):
+    """etcd said the lease does not exist (gRPC NOT_FOUND, code 5, through the gateway)."""
+
+
+def _refusal(response: http.client.HTTPResponse) -> _HttpError:
+    """What an HTTP error answer means: etcd's own "lease not found", or the gateway's
+    failure (turned off, or unable to reach etcd's gRPC)."""
+    text = response.read(MAX_ANSWER)
+    try:
+        code = json.loads(text).get("code")
+    except (ValueError, AttributeError):
+        code = None
+    if response.status == 404 and code == GRPC_NOT_FOUND:
+        return _Gone(f"HTTP 404: {text[:200]!r}")
+    return _HttpError(f"HTTP {response.status} {response.reason}")
 
 
 def _ttl(answer: dict[str, Any]) -> int:

@@ -65,6 +65,7 @@ async def test_a_revoke_ends_a_lease_and_a_gone_one_is_no_error(
     with pytest.raises(NotFound):
         await store.keepalive_lease(lease)
     await keeper.revoke_lease(lease)  # gone already: the goal is met
+    assert keeper.grpc is None  # etcd's own "not found", told apart from a gateway failing
     dead = GatewayLeases([f"127.0.0.1:{free_port()}"], EtcdTls(), timeout=2)
     with pytest.raises(Unavailable, match=f"no endpoint revoked lease {lease:x}"):
         await dead.revoke_lease(lease)
@@ -183,6 +184,14 @@ async def test_the_keeper_speaks_mutual_tls_as_the_store_does(
         assert await keeper.keepalive_lease(lease) == 9
         await keeper.close()
         assert keeper.grpc is None
+        # A revoke the same way (a fresh keeper finds the gateway out again).
+        revoker = store.lease_keeper()
+        other_lease = await store.grant_lease(9)
+        await revoker.revoke_lease(other_lease)
+        assert (revoker.grpc is None) is gateway_serves
+        with pytest.raises(NotFound):
+            await store.keepalive_lease(other_lease)
+        await revoker.close()
         # Without our client certificate etcd refuses the handshake: nothing is renewed.
         anonymous = GatewayLeases([endpoint], EtcdTls(ca=certs / "ca.crt"), timeout=2)
         with pytest.raises(Unavailable, match=endpoint):
