@@ -263,6 +263,7 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
     # register again, which it does at once.
     a, b = pair
     agent = fake_agent(certs_dir, tmp_path, a, b)
+    silent: asyncio.Server | None = None
     with structlog.testing.capture_logs() as logs:
         try:
             await agent.start()
@@ -293,9 +294,10 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
                 (addr(b), True)
             ]
             assert b.takeover.evicted == []  # an address that accepts is no proof of death
-            silent.close()
         finally:
             await agent.stop()
+            if silent is not None:
+                silent.close()
 
 
 @pytest.mark.parametrize("ttl", [30])
