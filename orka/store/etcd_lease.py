@@ -61,16 +61,20 @@ class GatewayLeases:
         self.timeout = timeout
         self.fallback = fallback
         self.grpc: Store | None = None  # the fallback, once in use
-        self._context = self._ssl_context() if tls.enabled else None
+        self._context: ssl.SSLContext | None = None  # made on first use, in a worker thread
         self._current = 0
 
     def _ssl_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(
-            cafile=None if self.tls.ca is None else str(self.tls.ca)
-        )
-        if self.tls.cert is not None and self.tls.key is not None:
-            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
-        return context
+        """Reads the CA and our pair from disk: called from the worker thread, never from
+        the caller's event loop."""
+        if self._context is None:
+            context = ssl.create_default_context(
+                cafile=None if self.tls.ca is None else str(self.tls.ca)
+            )
+            if self.tls.cert is not None and self.tls.key is not None:
+                context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+            self._context = context
+        return self._context
 
     async def open(self) -> None:
         """Nothing to open: each keepalive makes its own connection."""
@@ -150,9 +154,9 @@ class GatewayLeases:
     def _post(self, address: str, body: dict[str, str], path: str) -> dict[str, Any]:
         host, _, port = address.rpartition(":")
         connection: http.client.HTTPConnection
-        if self._context is not None:
+        if self.tls.enabled:
             connection = http.client.HTTPSConnection(
-                host, int(port), timeout=self.timeout, context=self._context
+                host, int(port), timeout=self.timeout, context=self._ssl_context()
             )
         else:
             connection = http.client.HTTPConnection(host, int(port), timeout=self.timeout)

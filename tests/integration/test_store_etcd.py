@@ -23,6 +23,7 @@ from orka.store import (
     WatchEvent,
 )
 from orka.store.election import Election, LeaseElection, LocalElection, election_for
+from orka.store.etcd_lease import GatewayLeases
 from tests.etcd import EtcdCluster, needs_etcd
 from tests.integration.cluster import eventually
 from tests.unit.store import test_conformance as suite
@@ -275,6 +276,35 @@ async def test_election_leader_learns_it_lost_the_lease(store: Store) -> None:
     await store.revoke_lease(a.lease_id)
     await asyncio.wait_for(a.lost.wait(), 5)
     assert not a.is_leader
+    await a.resign()
+
+
+async def test_a_leader_refreshes_its_lease_over_the_gateway_not_the_stores_grpc(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's own gRPC keepalive fails (a process whose gRPC threads are swamped by TLS
+    # handshakes, as a scheduler taking 5,000 agents); the leader keeps its lease all the
+    # same, through the lease keeper, past more than its TTL.
+    async def swamped(self: EtcdStore, lease_id: int) -> int:
+        raise Unavailable("the process's gRPC is swamped")
+
+    renewed: list[int] = []
+    through_gateway = GatewayLeases.keepalive_lease
+
+    async def counted(self: GatewayLeases, lease_id: int) -> int:
+        ttl = await through_gateway(self, lease_id)
+        renewed.append(ttl)
+        return ttl
+
+    monkeypatch.setattr(EtcdStore, "keepalive_lease", swamped)
+    monkeypatch.setattr(GatewayLeases, "keepalive_lease", counted)
+    a = election_for(store, "controller", "ctl-a", ttl=2)
+    await a.campaign()
+    # Refreshed every ttl/3: four of them span more than the 2 s the lease lasts unrenewed.
+    await eventually(lambda: asyncio.sleep(0, len(renewed) >= 4), timeout=10)
+    assert set(renewed) == {2}
+    assert a.is_leader and not a.lost.is_set()
+    assert await a.leader() == "ctl-a"
     await a.resign()
 
 
