@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -104,10 +104,21 @@ class WorkloadStep:
         self.now = now
         self.changes: list[Change] = []
         self._updated: dict[str, Instance] = {}
+        self._drawn: set[str] = set()
 
     def put(self, inst: Instance) -> None:
         self._updated[inst.name] = inst
         self.changes.append(Change("instances", inst.name, inst))
+
+    def fresh(self, w: Workload, ordinal: int) -> Instance:
+        """A new instance of `w` (the workload as this pass has it) under a name none of the
+        workload's instances has, stored or drawn this pass."""
+        inst = new_instance(w, ordinal, taken=self)
+        self._drawn.add(inst.name)
+        return inst
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.insts or name in self._drawn
 
     def current(self) -> dict[str, Instance]:
         # Most passes change nothing here: the workload's own table stands as is.
@@ -133,13 +144,14 @@ class History:
             raise Invalid(f"--finished-retention: must be > 0, got {self.retention:g}")
 
 
-def new_instance(w: Workload, ordinal: int = 0) -> Instance:
-    return Instance(
-        name=f"{w.name}-{secrets.token_hex(3)}",
-        workload=w.name,
-        generation=w.generation,
-        ordinal=ordinal,
-    )
+def new_instance(w: Workload, ordinal: int = 0, taken: Container[str] = frozenset()) -> Instance:
+    """A new instance of `w` named unlike any in `taken`. Names are the workload's and six
+    random hex digits: one workload of a few thousand replicas meets a repeat within a few
+    thousand new instances, and a repeated name would replace the instance that has it."""
+    while True:
+        name = f"{w.name}-{secrets.token_hex(3)}"
+        if name not in taken:
+            return Instance(name=name, workload=w.name, generation=w.generation, ordinal=ordinal)
 
 
 class Reconciler:
@@ -370,7 +382,7 @@ class Reconciler:
                 ordinals = taken[w.generation] = Ordinals(
                     current.values(), w.generation, any_generation=one_at_a_time(w.spec)
                 )
-            return new_instance(w, ordinals.take())
+            return step.fresh(w, ordinals.take())
 
         taken: dict[int, Ordinals] = {}
         out = rollout.plan_rollout(step.workload, current, step.now, may_add, fresh)
@@ -429,7 +441,7 @@ class Reconciler:
             if crash is not None and now < crash.not_before:
                 continue  # a successor failed: the next waits out the backoff
             # The successor takes its replica's ordinal (and with it the replica's volume).
-            succ = new_instance(w, inst.ordinal)
+            succ = step.fresh(w, inst.ordinal)
             if crash is not None:
                 crash.probes.add(succ.name)
             step.put(succ)
@@ -945,7 +957,7 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
     ordinals = Ordinals([*active, *done], w.generation) if missing > 0 else None
     for _ in range(max(0, missing)):
         assert ordinals is not None
-        fresh = new_instance(w, ordinals.take())
+        fresh = step.fresh(w, ordinals.take())
         if crash is not None:
             crash.probes.add(fresh.name)
         step.put(fresh)

@@ -233,9 +233,14 @@ class Repo:
                 assert c.value is not None
                 table[op.name] = c.value
                 self._revisions[key] = rev
-                # Sort keys are made of immutable fields: only a new object adds one.
+                # Sort keys are made of immutable fields, so mostly only a new object adds
+                # one; an instance written over by another of its name moves, or a list page
+                # would hand out the new instance at the old one's place.
                 if old is None:
                     self.order[c.kind].add(_key(c.value))
+                elif c.kind == "instances" and (was := _key(old)) != (now := _key(c.value)):
+                    self.order[c.kind].discard(was)
+                    self.order[c.kind].add(now)
                 if isinstance(c.value, Instance):
                     self.by_workload[c.value.workload].add(op.name)
             for listener in self.listeners:

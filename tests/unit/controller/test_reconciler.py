@@ -39,7 +39,7 @@ from orka.controller.reconciler import (
     new_instance,
 )
 from orka.controller.repo import Change, Repo
-from orka.errors import Unavailable
+from orka.errors import AlreadyExists, Unavailable
 from orka.models import (
     HealthState,
     Instance,
@@ -57,6 +57,7 @@ from orka.models import (
     WorkloadSpec,
 )
 from orka.rpc import convert
+from orka.store.base import Create
 from orka.store.memory import MemoryStore
 
 P = InstancePhase
@@ -186,6 +187,64 @@ async def test_new_workload_gets_one_pending_instance_per_replica(env: Env) -> N
     assert env.repo.workloads["web"].status.desired == 3
     # A second pass has nothing left to do.
     assert await env.plan() == []
+
+
+def names(monkeypatch: pytest.MonkeyPatch, *suffixes: str) -> None:
+    """The random suffixes new instances draw, in this order."""
+    draws = iter(suffixes)
+    monkeypatch.setattr(reconciler_module.secrets, "token_hex", lambda n: next(draws))
+
+
+async def test_a_new_instance_never_takes_a_name_in_use(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six hex digits repeat among a few thousand replicas; a repeat must draw again, or the
+    new instance is written over the running one that has the name."""
+    running = inst("web-aaaaaa", P.RUNNING, "n1")
+    await env.put(node("n1"), workload(replicas=3), running)
+    # The first draw is the running instance's, the third the second's own.
+    names(monkeypatch, "aaaaaa", "bbbbbb", "bbbbbb", "cccccc")
+    await env.plan()
+    assert env.inst("web-aaaaaa") == running
+    assert {i.name for i in env.of()} == {"web-aaaaaa", "web-bbbbbb", "web-cccccc"}
+    # The draining successor and the rolling update's draw the same way.
+    names(monkeypatch, "aaaaaa", "cccccc", "dddddd")
+    await env.put(node("n1", draining=True), node("n2"))
+    await env.plan()
+    assert env.inst("web-aaaaaa").replaced_by == "web-dddddd"
+    assert env.inst("web-dddddd").created_at > running.created_at
+
+
+async def test_a_rolling_update_draws_distinct_names_in_one_pass(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    olds = [inst(f"web-{i}", P.RUNNING, "n1", generation=1) for i in range(2)]
+    w = workload(replicas=2, generation=2)
+    w = w.model_copy(
+        update={"spec": w.spec.model_copy(update={"update": UpdateStrategy(max_surge=2)})}
+    )
+    await env.put(node("n1"), w, *olds)
+    # Both successors are drawn before either is written: the second must not repeat the first.
+    names(monkeypatch, "eeeeee", "eeeeee", "ffffff")
+    await env.plan()
+    assert {i.name for i in env.of()} == {"web-0", "web-1", "web-eeeeee", "web-ffffff"}
+
+
+async def test_a_new_instance_the_cache_does_not_know_is_refused_not_written_over(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name the cache has no instance of is written as a create: taken in the store behind
+    the cache's back, the commit fails and the repo reloads; the stored instance stays."""
+    await env.put(node("n1"), workload(replicas=1))
+    theirs = inst("web-aaaaaa", P.RUNNING, "n1")
+    await env.repo.store.commit([Create("instances", theirs.name, theirs.model_dump(mode="json"))])
+    names(monkeypatch, "aaaaaa", "bbbbbb")
+    with pytest.raises(AlreadyExists):
+        await env.plan()
+    assert env.repo.reloads == 1
+    assert env.inst("web-aaaaaa") == theirs
+    # The next pass plans on the truth: the replica is there, nothing is added.
+    assert [c for c in await env.plan() if c.kind == "instances"] == []
 
 
 async def test_reconcile_once_queues_pending_instances(env: Env) -> None:

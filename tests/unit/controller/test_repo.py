@@ -101,6 +101,26 @@ async def test_each_chunk_has_its_revision_and_the_index_follows_writes(store: M
     assert fresh.revision == 0 and not fresh.order["instances"]
 
 
+async def test_an_instance_written_over_by_another_of_its_name_moves_in_the_index(
+    store: MemoryStore,
+) -> None:
+    """The index must name the key of the instance the table holds: a list walks the index and
+    hands out the table's object, so a stale key puts a new instance at an old one's place."""
+    repo = Repo(store)
+    await repo.mutate(
+        lambda: [Change("instances", f"w-{i:04d}", inst(i, created_at=i)) for i in range(3)]
+    )
+    await repo.mutate(lambda: [Change("instances", "w-0000", inst(0, created_at=10.0))])
+    assert list(repo.order["instances"]) == [
+        ("w", 1.0, "w-0001"),
+        ("w", 2.0, "w-0002"),
+        ("w", 10.0, "w-0000"),
+    ]
+    # A write that keeps the key leaves the index alone.
+    await repo.mutate(lambda: [Change("instances", "w-0001", inst(1, created_at=1.0, node="n"))])
+    assert len(repo.order["instances"]) == 3 and ("w", 1.0, "w-0001") in repo.order["instances"]
+
+
 async def test_a_fenced_commit_stops_the_repo_at_once(store: MemoryStore) -> None:
     repo = Repo(store)
     held = await store.create("leader", "controller", {"id": "ctl-a"})
