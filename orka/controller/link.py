@@ -276,8 +276,9 @@ def place_result_from_pb(r: apb.PlaceResult) -> PlaceResult:
     return PlaceResult(
         instance=r.instance,
         node=r.node,
-        reasons=reasons_from_pb(r),
-        refusals=dict(r.refusals),
+        # A taken offer (most of them) carries no reasons.
+        reasons=reasons_from_pb(r) if r.reasons else [],
+        refusals=dict(r.refusals) if r.refusals else {},
         raw=r,
         passed_over=reasons_from_pb(r, "passed_over") if r.passed_over else [],
     )

@@ -238,9 +238,9 @@ class Repo:
                 # would hand out the new instance at the old one's place.
                 if old is None:
                     self.order[c.kind].add(_key(c.value))
-                elif c.kind == "instances" and (was := _key(old)) != (now := _key(c.value)):
-                    self.order[c.kind].discard(was)
-                    self.order[c.kind].add(now)
+                elif _moved(old, c.value):
+                    self.order[c.kind].discard(_key(old))
+                    self.order[c.kind].add(_key(c.value))
                 if isinstance(c.value, Instance):
                     self.by_workload[c.value.workload].add(op.name)
             for listener in self.listeners:
@@ -250,6 +250,12 @@ class Repo:
         """Refresh a cached object without a write (soft fields such as node usage)."""
         if isinstance(model, Node) and model.name in self.nodes:
             self.nodes[model.name] = model
+
+
+def _moved(old: BaseModel, new: BaseModel) -> bool:
+    """Whether an update changes the object's sort key (an instance's age; a name is the key
+    of the table it is written under)."""
+    return isinstance(old, Instance) and old.created_at != new.created_at  # type: ignore[attr-defined]
 
 
 def _key(value: BaseModel) -> tuple[object, ...]:
