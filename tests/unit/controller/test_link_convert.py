@@ -58,6 +58,16 @@ def test_assignment_and_commands_to_messages() -> None:
     assert command_to_pb(Start(node="n1", assignment=a)) == apb.NodeCommand(
         node="n1", start=apb.StartInstance(assignment=want)
     )
+    # A replica's ordinal rides in the start too (the start is filled in place, not copied).
+    numbered = Assignment(instance="web-0003", generation=3, spec=SPEC, ordinal=2)
+    assert command_to_pb(Start(node="n1", assignment=numbered)) == apb.NodeCommand(
+        node="n1",
+        start=apb.StartInstance(
+            assignment=apb.Assignment(
+                instance="web-0003", generation=3, spec=convert.spec_to_pb(SPEC), ordinal=2
+            )
+        ),
+    )
     assert stop_command("n2", "web-0001", "scaled down") == Stop("n2", "web-0001", "scaled down")
     assert command_to_pb(Stop("n2", "web-0001", "scaled down")) == apb.NodeCommand(
         node="n2", stop=apb.StopInstance(instance="web-0001", remove=True, reason="scaled down")
