@@ -256,7 +256,7 @@ def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
     match c:
         case Start():
             # Filled in place: a built assignment handed to StartInstance, and that to
-            # NodeCommand, is copied twice, spec and all (about 7 times the cost, per start).
+            # NodeCommand, would be copied twice, spec and all, for every start.
             cmd = apb.NodeCommand(node=c.node)
             msg = cmd.start.assignment
             msg.instance = c.assignment.instance
