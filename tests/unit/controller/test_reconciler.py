@@ -207,7 +207,7 @@ async def test_a_new_instance_never_takes_a_name_in_use(
     await env.plan()
     assert env.inst("web-aaaaaa") == running
     assert {i.name for i in env.of()} == {"web-aaaaaa", "web-bbbbbb", "web-cccccc"}
-    # The draining successor and the rolling update's draw the same way.
+    # A draining node's successor draws the same way (a rolling update's: the next test).
     names(monkeypatch, "aaaaaa", "cccccc", "dddddd")
     await env.put(node("n1", draining=True), node("n2"))
     await env.plan()
