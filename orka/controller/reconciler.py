@@ -808,9 +808,17 @@ class Reconciler:
                     changed_instances[r.name] = new
                     if new.terminal:
                         freed = True
-            for node_name, names in syncs.items():
+            # The instances of every node that synced, in one pass over the instances: a
+            # scheduler's failover re-registers every node, thousands in one batch.
+            on_node: dict[str, list[Instance]] = {name: [] for name in syncs}
+            if syncs:
                 for inst in self.repo.instances.values():
-                    if inst.node != node_name or inst.name in names:
+                    held = on_node.get(inst.node)
+                    if held is not None:
+                        held.append(inst)
+            for node_name, names in syncs.items():
+                for inst in on_node[node_name]:
+                    if inst.name in names:
                         continue
                     if inst.phase is InstancePhase.LOST:
                         self._gone_from_node.add(inst.name)  # the node holds nothing of it

@@ -1413,6 +1413,39 @@ async def test_a_sync_marks_lost_what_the_node_no_longer_runs(
     assert env.queue.backoff == {}
 
 
+async def test_syncs_of_several_nodes_in_one_batch_each_judge_their_own_instances(
+    env: Env,
+) -> None:
+    """A scheduler's failover re-registers every node at once: each node's sync loses what
+    that node no longer holds, and nothing of another node's."""
+    await env.put(
+        node("n1"),
+        node("n2"),
+        node("n3"),
+        workload(replicas=5),
+        inst("web-1a", P.RUNNING, "n1"),
+        inst("web-1b", P.RUNNING, "n1"),
+        inst("web-2a", P.RUNNING, "n2"),
+        inst("web-2b", P.RUNNING, "n2"),
+        inst("web-3a", P.RUNNING, "n3"),  # n3 does not sync in this batch
+    )
+    await feed(
+        env,
+        [
+            sync_update("n1", status_pb("web-1a")),
+            sync_update("n2", status_pb("web-2b")),
+        ],
+    )
+    phases = {i.name: (i.phase, i.message) for i in env.of()}
+    assert phases == {
+        "web-1a": (P.RUNNING, ""),
+        "web-1b": (P.LOST, "node n1 re-registered without it"),
+        "web-2a": (P.LOST, "node n2 re-registered without it"),
+        "web-2b": (P.RUNNING, ""),
+        "web-3a": (P.RUNNING, ""),
+    }
+
+
 async def test_a_sync_losing_an_instance_frees_its_resources(env: Env) -> None:
     env.queue.backoff["web-x"] = _Backoff(until=time.monotonic() + 100, delay=10)
     await env.put(node("n1"), workload(replicas=1), inst("web-b", P.RUNNING, "n1"))
