@@ -240,12 +240,17 @@ _VOLUME_OVERHEAD = 160
 
 
 def assignment_to_pb(a: Assignment) -> apb.Assignment:
-    msg = apb.Assignment(instance=a.instance, generation=a.generation, spec=_spec_msg(a.spec))
-    _fill_assignment_rest(msg, a)
+    msg = apb.Assignment()
+    _fill_assignment(msg, a)
     return msg
 
 
-def _fill_assignment_rest(msg: apb.Assignment, a: Assignment) -> None:
+def _fill_assignment(msg: apb.Assignment, a: Assignment) -> None:
+    """Fills `msg` in place: a built assignment handed to another message's constructor is
+    copied, spec and all (a start command would copy it twice, for every start)."""
+    msg.instance = a.instance
+    msg.generation = a.generation
+    msg.spec.CopyFrom(_spec_msg(a.spec))
     if a.ordinal:
         msg.ordinal = a.ordinal
     if a.volumes:
@@ -255,14 +260,8 @@ def _fill_assignment_rest(msg: apb.Assignment, a: Assignment) -> None:
 def command_to_pb(c: NodeCommand) -> apb.NodeCommand:
     match c:
         case Start():
-            # Filled in place: a built assignment handed to StartInstance, and that to
-            # NodeCommand, would be copied twice, spec and all, for every start.
             cmd = apb.NodeCommand(node=c.node)
-            msg = cmd.start.assignment
-            msg.instance = c.assignment.instance
-            msg.generation = c.assignment.generation
-            msg.spec.CopyFrom(_spec_msg(c.assignment.spec))
-            _fill_assignment_rest(msg, c.assignment)
+            _fill_assignment(cmd.start.assignment, c.assignment)
             return cmd
         case Stop():
             return apb.NodeCommand(

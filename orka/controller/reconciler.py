@@ -144,7 +144,7 @@ class History:
             raise Invalid(f"--finished-retention: must be > 0, got {self.retention:g}")
 
 
-def new_instance(w: Workload, ordinal: int = 0, taken: Container[str] = frozenset()) -> Instance:
+def new_instance(w: Workload, ordinal: int, taken: Container[str]) -> Instance:
     """A new instance of `w` named unlike any in `taken`. Names are the workload's and six
     random hex digits: one workload of a few thousand replicas meets a repeat within a few
     thousand new instances, and a repeated name would replace the instance that has it."""

@@ -1570,7 +1570,7 @@ async def test_a_stop_is_stamped_with_the_time_it_was_decided(
 
 
 def test_new_instance_names_are_the_workload_and_six_hex_digits() -> None:
-    names = {new_instance(workload(generation=4)).name for _ in range(50)}
+    names = {new_instance(workload(generation=4), 0, taken=()).name for _ in range(50)}
     assert all(re.fullmatch(r"web-[0-9a-f]{6}", n) for n in names)
     assert len(names) > 45
 

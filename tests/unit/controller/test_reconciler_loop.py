@@ -309,7 +309,7 @@ def test_stop_marks_the_instance_and_its_update_time() -> None:
 
 def test_new_instance_is_named_after_its_workload_with_six_hex_digits() -> None:
     w = workload("web", generation=4)
-    i = new_instance(w)
+    i = new_instance(w, 0, taken=())
     assert re.fullmatch(r"^web-[0-9a-f]{6}$", i.name)
     assert (i.workload, i.generation, i.phase) == ("web", 4, P.PENDING)
 
