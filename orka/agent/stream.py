@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -33,6 +34,12 @@ FULL_STATUS_EVERY = 10
 USAGE_EVERY = 5
 # A heartbeat due within this share of an interval leaves early with a frame being sent anyway.
 EARLY_BEAT = 0.5
+# Seconds between two looks at the channels kept warm to the other schedulers (jittered by
+# 0.5-1.5), and the backoff of one that could not connect: WARM_BACKOFF after its first
+# failure, doubling up to WARM_MAX (each jittered by 0.5-1).
+WARM_EVERY = 5.0
+WARM_BACKOFF = 10.0
+WARM_MAX = 60.0
 # The heartbeat intervals a scheduler may set (Registered, Pace); anything else is ignored.
 MIN_INTERVAL = 0.05
 MAX_INTERVAL = 600.0
@@ -105,12 +112,10 @@ class Stream:
         self.outbox: asyncio.Queue[apb.AgentMessage | None] | None = None
         # instance -> its event message still in the outbox, so a newer state replaces it.
         self._unsent_events: dict[str, apb.AgentMessage] = {}
-        # One channel per scheduler address, kept while that scheduler answers: during a
-        # failover every agent asks the standby again and again until it is elected, and a
-        # new channel per attempt made each ask a TLS handshake on the standby (a thousand
-        # agents: a thousand handshakes a second while it campaigns and takes over). A
-        # channel is dropped after any failure other than a NOT_LEADER answer, so a dead or
-        # restarted scheduler is dialled afresh.
+        # One channel per scheduler address, kept while that scheduler answers, and with
+        # several schedulers kept connected to each of them (`_keep_warm`): a failover then
+        # costs no TLS handshake. A channel is dropped after any failure other than a
+        # NOT_LEADER answer, so a dead or restarted scheduler is dialled afresh.
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     # ---- what is sent ----
@@ -188,12 +193,63 @@ class Stream:
     # ---- the connection ----
 
     async def run(self) -> None:
+        several = len(self.targets.addresses) > 1
+        warm = [asyncio.create_task(self._keep_warm())] if several else []
         try:
             await self._connect_loop()
         finally:
+            for task in warm:
+                task.cancel()
+            await asyncio.gather(*warm, return_exceptions=True)
             channels, self._channels = list(self._channels.values()), {}
             for channel in channels:
                 await channel.close()
+
+    async def _keep_warm(self) -> None:
+        """Keep a connection open to every other scheduler, whether or not this agent is
+        registered there. A standby's mutual-TLS handshake with every agent is otherwise
+        paid all at once when it takes over: at 5,000 agents that was seconds of CPU on
+        both sides (gRPC core's threads) before the first registration. Held open, a
+        failover opens only a stream.
+
+        The current scheduler's channel is the connect loop's. Another one that lost its
+        connection (IDLE) is asked to connect again; one that cannot connect (TRANSIENT_
+        FAILURE: refused, unreachable) is closed, ending gRPC's own retries, and tried again
+        after a backoff that doubles up to WARM_MAX, so a dead standby costs its agents a
+        dial a minute, not one a second. An address the connect loop could not reach (a dead
+        active scheduler, just left) starts on that backoff too."""
+        loop = asyncio.get_running_loop()
+        failures: dict[str, int] = {}
+        not_before: dict[str, float] = {}
+        # Address -> the connect loop's failure there already counted here.
+        counted: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(WARM_EVERY * random.uniform(0.5, 1.5))
+            for target in self.targets.addresses:
+                if target == self.targets.current:
+                    continue
+                now = loop.time()
+                channel = self._channels.get(target)
+                state = None if channel is None else channel.get_state()
+                failed_at = self.targets.failed_at(target)
+                if state == grpc.ChannelConnectivity.READY:
+                    failures.pop(target, None)
+                    if failed_at is not None:
+                        counted[target] = failed_at  # reached since: that failure is over
+                elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or (
+                    failed_at is not None and failed_at != counted.get(target)
+                ):
+                    if failed_at is not None:
+                        counted[target] = failed_at
+                    await self._drop_channel(target)
+                    failures[target] = failures.get(target, 0) + 1
+                    not_before[target] = now + backoff.delay(
+                        failures[target], WARM_BACKOFF / 2, WARM_MAX
+                    )
+                elif state in (None, grpc.ChannelConnectivity.IDLE) and now >= not_before.get(
+                    target, 0.0
+                ):
+                    self._channel(target).get_state(try_to_connect=True)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
@@ -240,15 +296,26 @@ class Stream:
             # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
             # a pause ends early when a scheduler that refused connections starts listening.
             delay = self.targets.failed(failure, backoff.delay(attempt, 0.2, self.reconnect_max))
-            if delay > 0 and self.targets.current in self._channels:
-                await asyncio.sleep(delay)  # it answered just now: no port to watch
+            if delay > 0 and self._ready(self.targets.current):
+                await asyncio.sleep(delay)  # connected: no port to watch
             elif delay > 0:
                 await backoff.pause(delay, self.targets.current)
+
+    def _ready(self, target: str) -> bool:
+        channel = self._channels.get(target)
+        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
     async def session(self, target: str) -> None:
         """One stream, from registering until it ends. Its reader, writer and heartbeats end
         together: the first of them to end (or fail) ends the session, so a stream never
         goes on without heartbeats."""
+        channel = self._channels.get(target)
+        if channel is not None and (
+            channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        ):
+            # A kept-warm channel waiting out gRPC's reconnect backoff fails a call at once,
+            # even when the scheduler listens again now: dial afresh.
+            await self._drop_channel(target)
         call = apb_grpc.SchedulerStub(self._channel(target)).Connect()
         try:
             await self._serve(target, call)

@@ -126,6 +126,11 @@ class Targets:
             return self.pause
         return min(backoff, FAILOVER_PAUSE) if followed else backoff
 
+    def failed_at(self, address: str) -> float | None:
+        """When `address` last could not be reached (this object's clock), None if it has been
+        reached since, or never failed."""
+        return self._down.get(address)
+
     def unreachable(self) -> list[str]:
         """The addresses that could not be reached within the last DOWN_FOR seconds (told to
         a standby, which then holds the client rather than send it back to them)."""

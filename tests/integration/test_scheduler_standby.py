@@ -325,3 +325,35 @@ async def test_a_standby_ends_the_term_of_an_active_one_whose_address_refuses(
         assert [n.name for n in b.registry] == ["node-2"]
     finally:
         await agent.stop()
+
+
+@pytest.mark.parametrize("ttl", [30])
+async def test_an_agent_is_connected_to_the_standby_before_it_fails_over_to_it(
+    pair: tuple[Scheduler, Scheduler],
+    certs_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Registered at the active scheduler, the agent also holds a connection to the standby
+    # (no stream on it); the failover registers over that same connection, so the standby
+    # pays no TLS handshake while it takes over. Same local port before and after: the
+    # same TCP connection.
+    monkeypatch.setattr("orka.agent.stream.WARM_EVERY", 0.05)
+    a, b = pair
+    agent = fake_agent(certs_dir, tmp_path, a, b)
+    try:
+        await agent.start()
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        await eventually(lambda: asyncio.sleep(0, len(_connections_to(b.port)) == 1), 10)
+        warm = _connections_to(b.port)
+        assert [n.name for n in a.registry] == ["node-2"]
+        assert list(b.registry) == [] and b.held == 0  # connected, never asked
+
+        assert a._server is not None
+        await a._server.stop(None)  # refuses from now on: the standby takes over
+        await eventually(lambda: _active(b), timeout=10)
+        await eventually(lambda: asyncio.sleep(0, [n.name for n in b.registry] == ["node-2"]), 10)
+        await asyncio.wait_for(agent.connected.wait(), 10)
+        assert _connections_to(b.port) == warm
+    finally:
+        await agent.stop()
