@@ -117,6 +117,11 @@ class Stream:
         # costs no TLS handshake. A channel is dropped after any failure other than a
         # NOT_LEADER answer, so a dead or restarted scheduler is dialled afresh.
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # `_keep_warm`'s record per address: failures in a row, when it may be dialled again,
+        # and the connect loop's failure there (Targets.failed_at) already counted.
+        self._warm_failures: dict[str, int] = {}
+        self._warm_after: dict[str, float] = {}
+        self._warm_counted: dict[str, float] = {}
 
     # ---- what is sent ----
 
@@ -219,37 +224,39 @@ class Stream:
         dial a minute, not one a second. An address the connect loop could not reach (a dead
         active scheduler, just left) starts on that backoff too."""
         loop = asyncio.get_running_loop()
-        failures: dict[str, int] = {}
-        not_before: dict[str, float] = {}
-        # Address -> the connect loop's failure there already counted here.
-        counted: dict[str, float] = {}
         while True:
             await asyncio.sleep(WARM_EVERY * random.uniform(0.5, 1.5))
             for target in self.targets.addresses:
                 if target == self.targets.current:
                     continue
-                now = loop.time()
-                channel = self._channels.get(target)
-                state = None if channel is None else channel.get_state()
-                failed_at = self.targets.failed_at(target)
-                if state == grpc.ChannelConnectivity.READY:
-                    failures.pop(target, None)
-                    if failed_at is not None:
-                        counted[target] = failed_at  # reached since: that failure is over
-                elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or (
-                    failed_at is not None and failed_at != counted.get(target)
-                ):
-                    if failed_at is not None:
-                        counted[target] = failed_at
-                    await self._drop_channel(target)
-                    failures[target] = failures.get(target, 0) + 1
-                    not_before[target] = now + backoff.delay(
-                        failures[target], WARM_BACKOFF / 2, WARM_MAX
+                try:
+                    await self._warm(target, loop.time())
+                except Exception as err:  # e.g. certificate files mid-rotation: next round
+                    log.warning(
+                        "could not keep a scheduler connection", target=target, error=repr(err)
                     )
-                elif state in (None, grpc.ChannelConnectivity.IDLE) and now >= not_before.get(
-                    target, 0.0
-                ):
-                    self._channel(target).get_state(try_to_connect=True)
+
+    async def _warm(self, target: str, now: float) -> None:
+        """One look at the channel to `target` (`_keep_warm`)."""
+        channel = self._channels.get(target)
+        state = None if channel is None else channel.get_state()
+        failed_at = self.targets.failed_at(target)
+        if state == grpc.ChannelConnectivity.READY:
+            self._warm_failures.pop(target, None)
+            if failed_at is not None:
+                self._warm_counted[target] = failed_at  # reached since: that failure is over
+        elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or (
+            failed_at is not None and failed_at != self._warm_counted.get(target)
+        ):
+            if failed_at is not None:
+                self._warm_counted[target] = failed_at
+            await self._drop_channel(target)
+            failures = self._warm_failures[target] = self._warm_failures.get(target, 0) + 1
+            self._warm_after[target] = now + backoff.delay(failures, WARM_BACKOFF / 2, WARM_MAX)
+        elif state in (None, grpc.ChannelConnectivity.IDLE) and now >= self._warm_after.get(
+            target, 0.0
+        ):
+            self._channel(target).get_state(try_to_connect=True)
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)

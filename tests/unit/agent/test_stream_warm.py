@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog.testing
 
 from orka.agent.stream import Stream
 from orka.models import Resources
@@ -116,3 +117,24 @@ async def test_a_connection_lost_is_dialled_again() -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_channel_that_cannot_be_made_is_tried_again_next_round() -> None:
+    # Making a channel reads the certificate files; one unreadable moment (a rotation) must
+    # not end the keeping for good.
+    class Flaky(WarmStream):
+        refusals = 1
+
+        def _channel(self, target: str) -> grpc.aio.Channel:
+            if self.refusals:
+                self.refusals -= 1
+                raise OSError("certs: cannot read agent.key")
+            return super()._channel(target)
+
+    stream = Flaky(["a:1", "b:1"], READY)
+    with structlog.testing.capture_logs() as logs:
+        await run_for(stream, 0.3)
+    assert [(e["event"], e["target"]) for e in logs] == [
+        ("could not keep a scheduler connection", "b:1")
+    ]
+    assert [c.dials for c in stream.made["b:1"]] == [1]
