@@ -40,6 +40,8 @@ EARLY_BEAT = 0.5
 WARM_EVERY = 5.0
 WARM_BACKOFF = 10.0
 WARM_MAX = 60.0
+# At most this many dials in a row are left out while a scheduler's port refuses connections.
+MAX_SKIPPED_DIALS = 10
 # The heartbeat intervals a scheduler may set (Registered, Pace); anything else is ignored.
 MIN_INTERVAL = 0.05
 MAX_INTERVAL = 600.0
@@ -271,30 +273,25 @@ class Stream:
 
     async def _connect_loop(self) -> None:
         attempt = 0
+        # The last pause ended with the next scheduler's port refusing connections; how many
+        # dials in a row were left out for that.
+        refusing = False
+        skipped = 0
         while True:
             target = self.targets.current
-            failure: BaseException | None = None
-            try:
-                await self.session(target)
-                attempt = 0
-            except asyncio.CancelledError:
-                raise
-            except grpc.aio.AioRpcError as err:
-                failure = err
-                refused = refused_role(err.details() or "", "scheduler")
-                if refused is not None:
-                    # Registering with such a peer would let it command this node.
-                    log.error("refusing the scheduler", target=target, reason=refused)
-                else:
-                    log.warning(
-                        "scheduler stream ended",
-                        target=target,
-                        code=err.code().name,
-                        error_reason=from_rpc_error(err).reason,
-                        details=err.details(),
-                    )
-            except Exception:
-                log.exception("scheduler stream failed", target=target)
+            failure: BaseException | None
+            if refusing and skipped < MAX_SKIPPED_DIALS and await backoff.probe(target) is False:
+                # Nothing listens there yet: no channel, handshake or log line is spent on a
+                # dial bound to fail (thousands of agents of a restarting scheduler doing that
+                # kept the cores from the new process starting up); another pause follows.
+                # Now and then it dials anyway, should a plain TCP probe mislead (a proxy).
+                skipped += 1
+                failure = ConnectionRefusedError(f"{target} refuses connections")
+            else:
+                skipped = 0
+                registered, failure = await self._attempt(target)
+                if registered:
+                    attempt = 0
             self.connected.clear()
             self.outbox = None
             if not hint_of(failure).not_leader:
@@ -303,10 +300,38 @@ class Stream:
             # Which scheduler next, and how long first (a NOT_LEADER naming one: at once);
             # a pause ends early when a scheduler that refused connections starts listening.
             delay = self.targets.failed(failure, backoff.delay(attempt, 0.2, self.reconnect_max))
+            refusing = False
             if delay > 0 and self._ready(self.targets.current):
                 await asyncio.sleep(delay)  # connected: no port to watch
             elif delay > 0:
-                await backoff.pause(delay, self.targets.current)
+                refusing = await backoff.pause(delay, self.targets.current)
+
+    async def _attempt(self, target: str) -> tuple[bool, BaseException | None]:
+        """One session with `target`: whether it registered (the backoff starts over after a
+        stream that did, however it ended), and the error it ended with (None for a clean end
+        or an unexpected error, which is logged)."""
+        try:
+            await self.session(target)
+            return True, None
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as err:
+            refused = refused_role(err.details() or "", "scheduler")
+            if refused is not None:
+                # Registering with such a peer would let it command this node.
+                log.error("refusing the scheduler", target=target, reason=refused)
+            else:
+                log.warning(
+                    "scheduler stream ended",
+                    target=target,
+                    code=err.code().name,
+                    error_reason=from_rpc_error(err).reason,
+                    details=err.details(),
+                )
+            return self.connected.is_set(), err
+        except Exception:
+            log.exception("scheduler stream failed", target=target)
+            return self.connected.is_set(), None
 
     def _ready(self, target: str) -> bool:
         channel = self._channels.get(target)

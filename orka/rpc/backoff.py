@@ -10,7 +10,9 @@ connections, a plain connect (no TLS, no gRPC channel: about a tenth of a millis
 tried every PROBE_EVERY seconds, jittered, and the pause ends as soon as one is accepted.
 Clients of a restarted server thus arrive within one probe interval of its start, spread over
 that interval rather than all at once. A peer that accepts connections (it answered, then
-failed the call) gets the whole pause, as before.
+failed the call) gets the whole pause, as before. A pause that runs out with the target
+still refusing says so, and the agent then leaves its dial out (orka/agent/stream.py): a
+dial there would cost a TLS channel and a refusal, by the thousand while a scheduler restarts.
 """
 
 from __future__ import annotations
@@ -48,21 +50,30 @@ def host_port(target: str) -> tuple[str, int] | None:
     return host.strip("[]") or "localhost", int(port)
 
 
-async def reachable(target: str, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether `target` (HOST:PORT) accepts a TCP connection now. The connection is closed at
-    once without a byte sent: the server sees a client that went away before its handshake."""
+async def probe(target: str, timeout: float = PROBE_TIMEOUT) -> bool | None:
+    """Dial `target` (HOST:PORT) once over plain TCP: True if it accepts the connection, False
+    if it refuses it (the host answered: nothing listens on that port), None if neither
+    within `timeout` (or `target` is no HOST:PORT). The connection is closed at once without
+    a byte sent: the server sees a client that went away before its handshake."""
     address = host_port(target)
     if address is None:
-        return False
+        return None
     try:
         async with asyncio.timeout(timeout):
             _, writer = await asyncio.open_connection(*address)
-    except (OSError, TimeoutError):
+    except ConnectionRefusedError:
         return False
+    except (OSError, TimeoutError):
+        return None
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
     return True
+
+
+async def reachable(target: str, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether `target` (HOST:PORT) accepts a TCP connection now."""
+    return await probe(target, timeout) is True
 
 
 async def pause(
@@ -70,18 +81,23 @@ async def pause(
     target: str,
     probe_every: float = PROBE_EVERY,
     jitter: Callable[[float, float], float] = random.uniform,
-) -> None:
+) -> bool:
     """Wait `seconds` before dialling `target` again, or less: if `target` refuses connections
-    when the pause begins, it ends as soon as a probe finds the target accepting them."""
+    when the pause begins, it ends as soon as a probe finds the target accepting them.
+    True when the pause ran out with the target's last probe refused (nothing listened there
+    a moment ago), False otherwise."""
     loop = asyncio.get_running_loop()
     end = loop.time() + seconds
-    if await reachable(target):
+    last = await probe(target)
+    if last:
         await asyncio.sleep(max(0.0, end - loop.time()))
-        return
+        return False
     while True:
         left = end - loop.time()
         if left <= 0:
-            return
+            return last is False
         await asyncio.sleep(min(left, probe_every * jitter(0.5, 1.5)))
-        if loop.time() < end and await reachable(target):
-            return
+        if loop.time() < end:
+            last = await probe(target)
+            if last:
+                return False

@@ -55,7 +55,7 @@ async def test_a_pause_ends_soon_after_a_refusing_peer_starts_listening() -> Non
     server = await _serve(port)
     try:
         async with asyncio.timeout(5):
-            await waiter
+            assert await waiter is False  # not "still refusing": dial now
     finally:
         server.close()
     assert time.monotonic() - start < 2.0
@@ -67,7 +67,7 @@ async def test_a_pause_is_served_in_full_when_the_peer_accepts_connections() -> 
     server = await _serve(port)
     try:
         start = time.monotonic()
-        await backoff.pause(0.6, f"127.0.0.1:{port}", probe_every=0.05)
+        assert await backoff.pause(0.6, f"127.0.0.1:{port}", probe_every=0.05) is False
         assert time.monotonic() - start >= 0.6
     finally:
         server.close()
@@ -76,5 +76,20 @@ async def test_a_pause_is_served_in_full_when_the_peer_accepts_connections() -> 
 async def test_a_pause_on_a_peer_that_stays_down_lasts_its_full_time() -> None:
     port = free_port()
     start = time.monotonic()
-    await backoff.pause(0.5, f"127.0.0.1:{port}", probe_every=0.05)
+    # Refused to the end: the caller may leave its dial out.
+    assert await backoff.pause(0.5, f"127.0.0.1:{port}", probe_every=0.05) is True
     assert 0.5 <= time.monotonic() - start < 2.0
+
+
+async def test_a_probe_tells_refused_from_accepted_from_no_answer() -> None:
+    port = free_port()
+    assert await backoff.probe(f"127.0.0.1:{port}") is False
+    server = await _serve(port)
+    try:
+        assert await backoff.probe(f"127.0.0.1:{port}") is True
+    finally:
+        server.close()
+    assert await backoff.probe("no-port-here") is None
+    # A port nobody answers on within the timeout (a full listen backlog would do; a
+    # non-routable address would leave loopback): 0 s is "no answer" before any reply.
+    assert await backoff.probe(f"127.0.0.1:{port}", timeout=0) is None
