@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -61,6 +62,16 @@ def _status_of(inst: Supervised) -> apb.InstanceStatus:
 
 
 _TERMINAL_PB = frozenset(convert.phase_to_pb(p) for p in TERMINAL_PHASES)
+
+
+@dataclass
+class _Warm:
+    """What `Stream._keep_warm` knows of one address: failures to connect in a row, when it
+    may be dialled again, and the connect loop's last failure there already counted."""
+
+    failures: int = 0
+    after: float = 0.0
+    counted: float | None = None
 
 
 class Stream:
@@ -119,11 +130,8 @@ class Stream:
         # costs no TLS handshake. A channel is dropped after any failure other than a
         # NOT_LEADER answer, so a dead or restarted scheduler is dialled afresh.
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # `_keep_warm`'s record per address: failures in a row, when it may be dialled again,
-        # and the connect loop's failure there (Targets.failed_at) already counted.
-        self._warm_failures: dict[str, int] = {}
-        self._warm_after: dict[str, float] = {}
-        self._warm_counted: dict[str, float] = {}
+        # `_keep_warm`'s record of each address it keeps.
+        self._warm: dict[str, _Warm] = {}
 
     # ---- what is sent ----
 
@@ -232,33 +240,34 @@ class Stream:
                 if target == self.targets.current:
                     continue
                 try:
-                    await self._warm(target, loop.time())
+                    await self._keep(target, loop.time())
                 except Exception as err:  # e.g. certificate files mid-rotation: next round
                     log.warning(
                         "could not keep a scheduler connection", target=target, error=repr(err)
                     )
 
-    async def _warm(self, target: str, now: float) -> None:
+    async def _keep(self, target: str, now: float) -> None:
         """One look at the channel to `target` (`_keep_warm`)."""
-        channel = self._channels.get(target)
-        state = None if channel is None else channel.get_state()
+        record = self._warm.setdefault(target, _Warm())
+        state = self._state(target)
         failed_at = self.targets.failed_at(target)
+        # A failure of the connect loop there not counted yet (None: none since it answered).
+        missed = failed_at is not None and failed_at != record.counted
+        if failed_at is not None:
+            record.counted = failed_at
         if state == grpc.ChannelConnectivity.READY:
-            self._warm_failures.pop(target, None)
-            if failed_at is not None:
-                self._warm_counted[target] = failed_at  # reached since: that failure is over
-        elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or (
-            failed_at is not None and failed_at != self._warm_counted.get(target)
-        ):
-            if failed_at is not None:
-                self._warm_counted[target] = failed_at
+            record.failures = 0
+        elif state == grpc.ChannelConnectivity.TRANSIENT_FAILURE or missed:
             await self._drop_channel(target)
-            failures = self._warm_failures[target] = self._warm_failures.get(target, 0) + 1
-            self._warm_after[target] = now + backoff.delay(failures, WARM_BACKOFF / 2, WARM_MAX)
-        elif state in (None, grpc.ChannelConnectivity.IDLE) and now >= self._warm_after.get(
-            target, 0.0
-        ):
+            record.failures += 1
+            record.after = now + backoff.delay(record.failures, WARM_BACKOFF / 2, WARM_MAX)
+        elif state in (None, grpc.ChannelConnectivity.IDLE) and now >= record.after:
             self._channel(target).get_state(try_to_connect=True)
+
+    def _state(self, target: str) -> grpc.ChannelConnectivity | None:
+        """The state of this agent's channel to `target`; None without one."""
+        channel = self._channels.get(target)
+        return None if channel is None else channel.get_state()
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
@@ -301,7 +310,7 @@ class Stream:
             # a pause ends early when a scheduler that refused connections starts listening.
             delay = self.targets.failed(failure, backoff.delay(attempt, 0.2, self.reconnect_max))
             refusing = False
-            if delay > 0 and self._ready(self.targets.current):
+            if delay > 0 and self._state(self.targets.current) == grpc.ChannelConnectivity.READY:
                 await asyncio.sleep(delay)  # connected: no port to watch
             elif delay > 0:
                 refusing = await backoff.pause(delay, self.targets.current)
@@ -333,18 +342,11 @@ class Stream:
             log.exception("scheduler stream failed", target=target)
             return self.connected.is_set(), None
 
-    def _ready(self, target: str) -> bool:
-        channel = self._channels.get(target)
-        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
-
     async def session(self, target: str) -> None:
         """One stream, from registering until it ends. Its reader, writer and heartbeats end
         together: the first of them to end (or fail) ends the session, so a stream never
         goes on without heartbeats."""
-        channel = self._channels.get(target)
-        if channel is not None and (
-            channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
-        ):
+        if self._state(target) == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             # A kept-warm channel waiting out gRPC's reconnect backoff fails a call at once,
             # even when the scheduler listens again now: dial afresh.
             await self._drop_channel(target)

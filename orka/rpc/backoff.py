@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 from collections.abc import Callable
 
 # Seconds between two probes of a target that refuses connections (each jittered by 0.5-1.5).
@@ -68,6 +69,22 @@ async def probe(target: str, timeout: float = PROBE_TIMEOUT) -> bool | None:
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+    return True
+
+
+def probe_blocking(target: str, timeout: float = PROBE_TIMEOUT) -> bool | None:
+    """`probe`, blocking the calling thread: for a caller that dials from a worker thread
+    because its own event loop may be too busy to see a refusal in time (takeover.py)."""
+    address = host_port(target)
+    if address is None:
+        return None
+    try:
+        connection = socket.create_connection(address, timeout=timeout)
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+    connection.close()
     return True
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
-from orka.rpc.backoff import host_port
+from orka.rpc.backoff import probe_blocking
 from orka.store.election import Election, address_of
 
 log = structlog.get_logger("orka.scheduler.takeover")
@@ -46,21 +45,7 @@ async def refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
     Dialled from a worker thread: the answer of a refused connect comes back at once, and a
     standby whose event loop is busy (agents arriving by the thousand) must not count its own
     lateness as the other's silence."""
-    return await asyncio.to_thread(_refuses, address, timeout)
-
-
-def _refuses(address: str, timeout: float) -> bool:
-    pair = host_port(address)
-    if pair is None:
-        return False
-    try:
-        connection = socket.create_connection(pair, timeout=timeout)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
-    connection.close()
-    return False
+    return await asyncio.to_thread(probe_blocking, address, timeout) is False
 
 
 class Takeover:

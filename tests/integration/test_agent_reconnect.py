@@ -5,7 +5,6 @@ scheduler listens there again."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import structlog.testing
@@ -13,13 +12,8 @@ import structlog.testing
 from orka.agent.service import Agent, AgentConfig
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
+from tests.etcd import free_port
 from tests.integration.cluster import eventually
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_an_agent_does_not_dial_a_refusing_scheduler_and_registers_when_it_listens(

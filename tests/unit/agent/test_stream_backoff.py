@@ -4,31 +4,20 @@ registered, and grows over dials that did not."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 import pytest
 
 from orka.agent import stream as stream_module
-from orka.agent.stream import Stream
-from orka.models import Resources
-from orka.security.tls import TlsFiles
+from tests.unit.agent.streams import BareStream
 
 
-class Scripted(Stream):
+class Scripted(BareStream):
     """Each session registers (or not, per `registers`) and then breaks as a lost connection."""
 
     def __init__(self, registers: list[bool]) -> None:
-        tls = TlsFiles(ca=Path("ca"), cert=Path("c"), key=Path("k"))
-        super().__init__(
-            ["127.0.0.1:1"], tls, Resources(), {}, {}, {}, 1.0, 5.0, lambda m: None,
-            Resources, self._usage, lambda: False,
-        )  # fmt: skip
+        super().__init__(["127.0.0.1:1"], reconnect_max=5.0)
         self.registers = registers
-
-    @staticmethod
-    async def _usage() -> Resources:
-        return Resources()
 
     async def session(self, target: str) -> None:
         if not self.registers:

@@ -4,15 +4,13 @@ which are dialled, and when a dead one is dialled again. Fake channels: only the
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 import pytest
 import structlog.testing
 
 from orka.agent.stream import Stream
-from orka.models import Resources
-from orka.security.tls import TlsFiles
+from tests.unit.agent.streams import BareStream
 
 READY = grpc.ChannelConnectivity.READY
 IDLE = grpc.ChannelConnectivity.IDLE
@@ -34,21 +32,13 @@ class FakeChannel:
         self.closed = True
 
 
-class WarmStream(Stream):
+class WarmStream(BareStream):
     """Every channel it makes starts in `state`; all it made are kept in `made`."""
 
     def __init__(self, addresses: list[str], state: grpc.ChannelConnectivity) -> None:
-        tls = TlsFiles(ca=Path("ca"), cert=Path("c"), key=Path("k"))
-        super().__init__(
-            addresses, tls, Resources(), {}, {}, {}, 1.0, 1.0, lambda m: None,
-            Resources, self._usage, lambda: False,
-        )  # fmt: skip
+        super().__init__(addresses)
         self.state = state
         self.made: dict[str, list[FakeChannel]] = {}
-
-    @staticmethod
-    async def _usage() -> Resources:
-        return Resources()
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
