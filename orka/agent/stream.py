@@ -192,6 +192,7 @@ class Stream:
             reg.volumes.extend(self.volumes.statuses())
         reg.instances.extend(_status_of(inst) for inst in self.instances.values())
         reg.unreachable.extend(self.targets.unreachable())
+        reg.heartbeat_interval.FromNanoseconds(round(self.interval * 1e9))
         return apb.AgentMessage(register=reg)
 
     def heartbeat_message(self) -> apb.AgentMessage:
@@ -433,9 +434,13 @@ class Stream:
         next one back by the same amount, which is what would turn a node NOT_READY.
         A beat may also leave early, in a frame the writer is sending anyway (`writer`);
         the schedule then starts again from that beat.
+
+        The first beat is due an interval after registering, not at once: the registration
+        said all it would but the usage, and after a failover a beat right behind every
+        registration would double what the scheduler taking them all at once reads.
         """
         loop = asyncio.get_running_loop()
-        self._next_beat = loop.time()
+        self._next_beat = loop.time() + self.interval
         usage_at = -1e9
         while True:
             now = loop.time()

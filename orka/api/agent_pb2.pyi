@@ -188,16 +188,18 @@ class NodeInfo(_message.Message):
     def __init__(self, capacity: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., allocatable: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., pool: _Optional[str] = ..., volume_backends: _Optional[_Iterable[str]] = ..., volume_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node", "instances", "volumes", "unreachable")
+    __slots__ = ("node", "instances", "volumes", "unreachable", "heartbeat_interval")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeStatus]
     unreachable: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ...) -> None: ...
+    heartbeat_interval: _duration_pb2.Duration
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("usage", "allocated", "instances", "sent_at")

@@ -141,6 +141,9 @@ class Gateway:
                 check_text(driver, MAX_DRIVER_NAME)
             except ValueError as err:
                 raise Invalid(f"register: node.drivers[{i}]: {err}") from None
+        hinted = convert.duration_from_pb(reg.heartbeat_interval, "register: heartbeat_interval")
+        if hinted < 0:
+            raise Invalid(f"register: heartbeat_interval must not be negative, got {hinted:g}s")
         pool, volume_backends, volume_capacity = convert_volumes.volume_offer(info)
         reports = [
             (convert.report_from_pb(s, session.node), convert.resources_from_pb(s.resources))
@@ -161,6 +164,7 @@ class Gateway:
         node.last_seen = self.clock()
         node.last_heartbeat_wall = time.time()
         node.interval, node.next_interval = self.liveness.pace.interval, 0.0
+        node.hinted = hinted
         self.liveness.registered(node.last_seen)
         # A leave ends with the stream it was announced on: registering again makes the node
         # schedulable (an operator's cordon or drain, kept by the controller, is not touched).

@@ -177,9 +177,12 @@ class Liveness:
         base = self.heartbeat_interval
         connected = 0
         judge = now >= self.grace_until
+        hints: list[float] = []  # while the term opens (`judge` False): HeartbeatPace.opening
         for node in list(self.registry):
             if node.session is not None:
                 connected += 1
+                if not judge and node.hinted:
+                    hints.append(node.hinted)
             if not judge or node.state in (NodeState.LOST, NodeState.LEFT):
                 continue
             silent = now - node.last_seen
@@ -193,5 +196,5 @@ class Liveness:
                 self.set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
             elif silent > 2 * interval and node.state is NodeState.READY:
                 self.set_state(node, NodeState.NOT_READY, f"no heartbeat for {silent:.1f}s")
-        if self.pace.retarget(connected):
+        if self.pace.retarget(connected) if judge else self.pace.opening(connected, hints):
             self.pace.tell(self.registry)

@@ -7,10 +7,17 @@ each node's silence against the interval that node was told (NOT_READY after two
 LOST after `node_lost_after` scaled by the same factor). The interval moves only once the
 target has moved by a factor of STEP, so a cluster registering thousands of agents is told a
 few times, not at every registration.
+
+A term that has just begun (a failover, a restart) has no count yet: every agent registers at
+once, and counted as they arrive, the first thousand would heartbeat at `base` and all of them
+be told a longer interval at every STEP, about as many messages as the registrations themselves
+while the scheduler is busiest. So while the term opens (`opening`), the pace also follows the
+interval the agents were on before (Register.heartbeat_interval, their last scheduler's pace).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
 
 import structlog
@@ -22,6 +29,8 @@ from orka.scheduler.registry import NodeRecord
 log = structlog.get_logger("orka.scheduler")
 
 STEP = 1.5
+# While a term opens, the pace assumes at most this many times the nodes registered so far.
+OPENING_GROWTH = 10
 
 
 class HeartbeatPace:
@@ -45,6 +54,28 @@ class HeartbeatPace:
         if want >= self.interval * STEP or want <= self.interval / STEP:
             log.info(
                 "heartbeat interval", nodes=nodes, old=round(self.interval, 3), new=round(want, 3)
+            )
+            self.interval = want
+            return True
+        return False
+
+    def opening(self, nodes: int, hints: list[float]) -> bool:
+        """`retarget` while a term opens: `hints` are the intervals the `nodes` registered so
+        far were on before (those that said). Their median, so a few agents cannot move it,
+        and at most the target for OPENING_GROWTH times the nodes counted: an agent's word is
+        a hint, never the pace. Only upward: once the term has opened, `retarget` follows
+        the count alone, down too. True when the interval moved (tell the agents)."""
+        want = self.target(nodes)
+        if hints:
+            hinted = min(statistics.median_low(hints), self.target(nodes * OPENING_GROWTH))
+            want = max(want, hinted)
+        if want >= self.interval * STEP:
+            log.info(
+                "heartbeat interval",
+                nodes=nodes,
+                old=round(self.interval, 3),
+                new=round(want, 3),
+                opening=True,
             )
             self.interval = want
             return True

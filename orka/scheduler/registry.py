@@ -65,6 +65,9 @@ class NodeRecord:
     # told since, which counts from its next heartbeat (orka/scheduler/pace.py).
     interval: float = 0.0
     next_interval: float = 0.0
+    # The interval it said it heartbeat at when it registered (0: not said), a hint to the
+    # pace of a term that has just begun (orka/scheduler/pace.py).
+    hinted: float = 0.0
     session: AgentSession | None = None
     holds: dict[str, Hold] = field(default_factory=dict)
     reports: dict[str, InstanceReport] = field(default_factory=dict)

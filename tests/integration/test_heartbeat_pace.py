@@ -15,6 +15,8 @@ from orka.agent.service import Agent
 from orka.api import agent_pb2 as apb
 from orka.models import NodeState
 from orka.scheduler.registry import NodeRecord
+from orka.scheduler.service import Scheduler, SchedulerConfig
+from orka.security.tls import TlsFiles
 from tests.integration.cluster import Cluster, crash, eventually
 
 # 3 agents at 2 heartbeats/s in all: 1.5 s each, 7.5 times the configured 0.2 s.
@@ -98,6 +100,59 @@ async def test_a_cluster_over_its_heartbeat_budget_beats_slower_and_is_judged_by
         assert float(node.message.split()[-1].rstrip("s")) >= LOST_AFTER * 0.5 / BASE
     finally:
         await c.stop()
+
+
+async def test_a_new_term_paces_its_first_registrations_by_the_interval_they_were_on(
+    certs_dir: Path, tmp_path: Path
+) -> None:
+    """A restarted scheduler has no count yet: the one agent back of three, which beat every
+    1.5 s, is left on 1.5 s while the term opens (counted alone it would be told 0.5 s), and
+    told the count's 0.5 s once it has opened; it never goes NOT_READY meanwhile."""
+    opts = {"heartbeat_interval": BASE, "node_lost_after": LOST_AFTER}
+    c = Cluster(certs_dir, tmp_path, **opts, max_heartbeats_per_second=RATE)
+    try:
+        await c.start(agents=3, runtimes=["fake"], reconnect_max=0.5)
+        await eventually(lambda: _paced(c, 1.5), timeout=10)
+        port = c.scheduler.port
+        await c.scheduler.stop()
+        for name in ("node-2", "node-3"):
+            await c.agents.pop(name).stop()
+        [back] = c.agents.values()
+        back.connected.clear()
+        c.scheduler = Scheduler(
+            SchedulerConfig(listen=f"127.0.0.1:{port}", max_heartbeats_per_second=RATE, **opts),  # type: ignore[arg-type]
+            TlsFiles.for_service(certs_dir, "scheduler", "scheduler"),
+        )
+        await c.scheduler.start()
+        sched = c.scheduler
+        changes: list[tuple[str, NodeState]] = []
+        original = sched.liveness.set_state
+
+        def record(node: NodeRecord, state: NodeState, message: str = "") -> None:
+            changes.append((node.name, state))
+            original(node, state, message)
+
+        sched.liveness.set_state = record  # type: ignore[method-assign]
+        await asyncio.wait_for(back.connected.wait(), 10)
+        node = sched.registry.get("node-1")
+        assert node is not None and node.hinted == 1.5
+        await eventually(lambda: _paced(c, 1.5), timeout=5, interval=0.02)
+        assert sched.liveness.grace_until > sched.clock()  # still opening
+        # Opened: two intervals after the registration, the count's max(0.2, 1 / 2 s).
+        await eventually(lambda: _paced(c, 0.5), timeout=15)
+        assert sched.clock() >= sched.liveness.grace_until
+        assert changes == []
+    finally:
+        await c.stop()
+
+
+async def _paced(c: Cluster, interval: float) -> bool:
+    nodes = [c.scheduler.registry.get(name) for name in c.agents]
+    return (
+        c.scheduler.liveness.pace.interval == interval
+        and all(n is not None and n.session is not None for n in nodes)
+        and all(a.stream.interval == interval for a in c.agents.values())
+    )
 
 
 async def _beat_after(agent: Agent, count: int) -> bool:

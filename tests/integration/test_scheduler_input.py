@@ -316,6 +316,30 @@ async def test_a_refused_registration_says_exactly_why(
     assert scheduler.registry.get("node-1") is None
 
 
+@pytest.mark.parametrize(
+    ("seconds", "nanos", "message"),
+    [
+        (-1, 0, "register: heartbeat_interval must not be negative, got -1s"),
+        (0, -5, "register: heartbeat_interval must not be negative, got -5e-09s"),
+        (
+            1,
+            -1,
+            "register: heartbeat_interval: not a valid Duration (seconds 1, nanos -1: nanos must"
+            " be within ±999,999,999 and have the sign of seconds)",
+        ),
+    ],
+)
+async def test_a_registration_with_a_bad_heartbeat_interval_is_refused(
+    scheduler: Scheduler, certs_dir: Path, seconds: int, nanos: int, message: str
+) -> None:
+    msg = register()
+    msg.register.heartbeat_interval.seconds = seconds
+    msg.register.heartbeat_interval.nanos = nanos
+    err = await stream_error(scheduler, certs_dir, msg)
+    assert (err.code(), err.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert scheduler.registry.get("node-1") is None
+
+
 async def test_a_registration_at_every_limit_is_accepted(
     scheduler: Scheduler, certs_dir: Path
 ) -> None:

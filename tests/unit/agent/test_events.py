@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from google.protobuf.duration_pb2 import Duration
 from google.rpc import code_pb2
 
 from orka.agent.service import Agent, AgentConfig
@@ -168,6 +169,34 @@ async def test_a_heartbeat_due_soon_rides_in_a_frame_being_sent(tmp_path: Path) 
     assert agent.stream._next_beat >= loop.time() + 0.9 * agent.stream.interval
     outbox.put_nowait(None)
     await writer
+
+
+async def test_the_first_heartbeat_leaves_an_interval_after_registering(tmp_path: Path) -> None:
+    """Not at once: the registration said all it would but the usage, and after a failover a
+    beat behind every registration doubles what the new scheduler reads."""
+    agent, _, outbox = make_agent(tmp_path)
+    stream = agent.stream
+    stream.interval = 0.3
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    beats = asyncio.create_task(stream._heartbeats())
+    try:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert queued(outbox) == []
+        first = await asyncio.wait_for(outbox.get(), 10)
+        assert first is not None and first.WhichOneof("body") == "heartbeat"
+        assert loop.time() - began >= 0.3
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+
+
+def test_the_registration_says_the_interval_the_agent_beats_at(tmp_path: Path) -> None:
+    agent, _, _ = make_agent(tmp_path)
+    assert agent.stream.register_message().register.heartbeat_interval.ToMilliseconds() == 1000
+    agent.stream.repace(apb.Pace(heartbeat_interval=Duration(seconds=4, nanos=500_000_000)))
+    assert agent.stream.register_message().register.heartbeat_interval.ToMilliseconds() == 4500
 
 
 async def test_a_start_is_acked_once_recorded_together_with_its_first_state(

@@ -122,3 +122,48 @@ def test_each_pass_follows_the_connected_count_and_tells_the_nodes() -> None:
     assert nodes[3].interval == 0.0  # not connected: nothing sent
     liveness.check(now)
     assert sum(len(n.session.sent) for n in nodes[:3]) == 3  # type: ignore[union-attr]
+
+
+def test_an_opening_term_follows_the_intervals_its_agents_were_on() -> None:
+    p = HeartbeatPace(1.0, 1000)
+    # 100 registered of a cluster that beat every 5 s: at most 10 times as many assumed yet.
+    assert p.opening(100, [5.0] * 100) is False and p.interval == 1.0
+    assert p.opening(300, [5.0] * 300) is True and p.interval == 3.0
+    assert p.opening(600, [5.0] * 600) is True and p.interval == 5.0
+    # Only upward while it opens; the count alone, down too, once it has opened.
+    assert p.opening(700, []) is False and p.interval == 5.0
+    assert p.retarget(700) is True and p.interval == 1.0
+
+
+def test_a_few_agents_cannot_move_an_opening_pace() -> None:
+    p = HeartbeatPace(1.0, 1000)
+    # The median: three agents claiming ten minutes among 600 on 1 s change nothing ...
+    assert p.opening(603, [1.0] * 600 + [600.0] * 3) is False and p.interval == 1.0
+    # ... and agents alone, however many say so, make it assume at most 10 times their count.
+    assert p.opening(3, [600.0] * 3) is False and p.interval == 1.0
+    assert p.opening(200, [600.0] * 200) is True and p.interval == 2.0
+
+
+def test_while_a_term_opens_each_pass_paces_by_the_registered_nodes_hints() -> None:
+    reg = Registry()
+    liveness = Liveness(
+        reg, Feed(reg, 1.0), 1.0, 5.0, clock=time.monotonic, pace=HeartbeatPace(1.0, 100.0)
+    )
+    now = 1000.0
+    liveness.begin(now)
+    nodes = [reg.upsert(f"n{i}") for i in range(60)]
+    for node in nodes:
+        node.session = Session()  # type: ignore[assignment]
+        node.last_seen, node.hinted = now, 5.0
+        liveness.registered(now)
+    nodes[-1].session = None  # a stream that ended: its word no longer counts, nor it
+    nodes[-1].hinted = 600.0
+    liveness.check(now + 0.1)
+    assert liveness.pace.interval == 5.0  # not 59 / 100 a second: the base, 1 s
+    sent = nodes[0].session.sent  # type: ignore[union-attr]
+    assert [m.pace.heartbeat_interval.ToNanoseconds() for m in sent] == [5_000_000_000]
+    # Opened (two intervals after the last registration): the count, 59 at 100 a second.
+    liveness.check(now + 2.5)
+    assert liveness.pace.interval == 1.0
+    assert all(n.state is NodeState.READY for n in nodes[:-1])
+    assert nodes[0].next_interval == 1.0  # a shorter interval: from the node's next beat
