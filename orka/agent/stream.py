@@ -57,6 +57,19 @@ def _wake(asleep: asyncio.Future[None]) -> None:
         asleep.set_result(None)
 
 
+async def _ended(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError | None:
+    """The error an ended stream finished with, as its own read would raise it (None: OK)."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        return None
+    return grpc.aio.AioRpcError(
+        code,
+        await call.initial_metadata(),
+        await call.trailing_metadata(),
+        await call.details(),
+    )
+
+
 def _status_of(inst: Supervised) -> apb.InstanceStatus:
     return convert.instance_status_to_pb(inst, inst.resources, inst.generation)
 
@@ -386,8 +399,18 @@ class Stream:
             self.outbox = None
             self.on_disconnect()
         for job in done:
-            if not job.cancelled() and job.exception() is not None:
-                raise job.exception()  # type: ignore[misc]
+            if job.cancelled() or job.exception() is None:
+                continue
+            err = job.exception()
+            if isinstance(err, asyncio.InvalidStateError):
+                # A write met the stream just ended (its scheduler gone, or a standby's
+                # answer): not a fault of this agent's. How it ended is the call's status,
+                # NOT_LEADER details and all (an OK one is a clean end, as the reader's EOF).
+                ended = await _ended(call)
+                if ended is None:
+                    return
+                raise ended from None
+            raise err  # type: ignore[misc]
 
     async def _reader(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
