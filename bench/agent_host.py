@@ -3,7 +3,8 @@
 Each agent has its own certificate and its own channel to the scheduler. Talks to the
 benchmark that started it over stdin/stdout, one JSON object per line:
   -> {"ready": N, "seconds": S}   once every agent has registered
-  <- stats                         -> {"heartbeats": N, "connected": N, "instances": N}
+  <- stats                         -> {"heartbeats": N, "registrations": N, "connected": N,
+                                        "instances": N}
   <- quit                          -> {"stopped": N}   after stopping every agent (no leave)
 """
 
@@ -15,6 +16,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,9 +29,21 @@ from orka.security.tls import TlsFiles
 
 
 class CountingStream(Stream):
-    """The real agent stream; only counts the heartbeats it builds (alone or in a frame)."""
+    """The real agent stream; only counts the heartbeats it builds (alone or in a frame) and
+    its registrations (each one a scheduler acknowledged)."""
 
     heartbeats = 0
+    registrations = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        connected = self.targets.connected
+
+        def registered() -> None:  # called once per registration a scheduler acknowledged
+            CountingStream.registrations += 1
+            connected()
+
+        self.targets.connected = registered  # type: ignore[method-assign]
 
     def heartbeat_message(self) -> apb.AgentMessage:
         CountingStream.heartbeats += 1
@@ -79,6 +93,7 @@ async def main(args: argparse.Namespace) -> None:
             say(
                 {
                     "heartbeats": CountingStream.heartbeats,
+                    "registrations": CountingStream.registrations,
                     "connected": sum(a.connected.is_set() for a in agents),
                     "instances": sum(len(a.instances) for a in agents),
                 }
