@@ -196,5 +196,6 @@ class Liveness:
                 self.set_state(node, NodeState.LOST, f"no heartbeat for {silent:.1f}s")
             elif silent > 2 * interval and node.state is NodeState.READY:
                 self.set_state(node, NodeState.NOT_READY, f"no heartbeat for {silent:.1f}s")
-        if self.pace.retarget(connected) if judge else self.pace.opening(connected, hints):
+        moved = self.pace.retarget(connected) if judge else self.pace.opening(connected, hints)
+        if moved:
             self.pace.tell(self.registry)

@@ -51,13 +51,7 @@ class HeartbeatPace:
     def retarget(self, nodes: int) -> bool:
         """Follow `nodes` connected ones; True when the interval moved (tell the agents)."""
         want = self.target(nodes)
-        if want >= self.interval * STEP or want <= self.interval / STEP:
-            log.info(
-                "heartbeat interval", nodes=nodes, old=round(self.interval, 3), new=round(want, 3)
-            )
-            self.interval = want
-            return True
-        return False
+        return self._move(want, nodes, want >= self.interval * STEP or want <= self.interval / STEP)
 
     def opening(self, nodes: int, hints: list[float]) -> bool:
         """`retarget` while a term opens: `hints` are the intervals the `nodes` registered so
@@ -69,17 +63,21 @@ class HeartbeatPace:
         if hints:
             hinted = min(statistics.median_low(hints), self.target(nodes * OPENING_GROWTH))
             want = max(want, hinted)
-        if want >= self.interval * STEP:
-            log.info(
-                "heartbeat interval",
-                nodes=nodes,
-                old=round(self.interval, 3),
-                new=round(want, 3),
-                opening=True,
-            )
-            self.interval = want
-            return True
-        return False
+        return self._move(want, nodes, want >= self.interval * STEP, opening=True)
+
+    def _move(self, want: float, nodes: int, moves: bool, opening: bool = False) -> bool:
+        """Take `want` as the interval if it `moves`; whether it did."""
+        if not moves:
+            return False
+        log.info(
+            "heartbeat interval",
+            nodes=nodes,
+            old=round(self.interval, 3),
+            new=round(want, 3),
+            opening=opening,
+        )
+        self.interval = want
+        return True
 
     def tell(self, nodes: Iterable[NodeRecord]) -> int:
         """Send the interval to each connected node; how many were told. A longer interval
