@@ -143,9 +143,6 @@ class Stream:
         # costs no TLS handshake. A channel is dropped after any failure other than a
         # NOT_LEADER answer, so a dead or restarted scheduler is dialled afresh.
         self._channels: dict[str, grpc.aio.Channel] = {}
-        # The Connect method of each of those channels, made once per channel: a stub makes
-        # one callable per method of the service, a cost every failover paid per agent.
-        self._connects: dict[str, grpc.aio.StreamStreamMultiCallable] = {}
         # `_keep_warm`'s record of each address it keeps.
         self._warm: dict[str, _Warm] = {}
 
@@ -234,7 +231,6 @@ class Stream:
                 task.cancel()
             await asyncio.gather(*warm, return_exceptions=True)
             channels, self._channels = list(self._channels.values()), {}
-            self._connects.clear()
             for channel in channels:
                 await channel.close()
 
@@ -294,7 +290,6 @@ class Stream:
         return channel
 
     async def _drop_channel(self, target: str) -> None:
-        self._connects.pop(target, None)
         channel = self._channels.pop(target, None)
         if channel is not None:
             await channel.close()
@@ -369,10 +364,7 @@ class Stream:
             # A kept-warm channel waiting out gRPC's reconnect backoff fails a call at once,
             # even when the scheduler listens again now: dial afresh.
             await self._drop_channel(target)
-        connect = self._connects.get(target)
-        if connect is None:
-            connect = self._connects[target] = apb_grpc.SchedulerStub(self._channel(target)).Connect
-        call = connect()
+        call = apb_grpc.SchedulerStub(self._channel(target)).Connect()
         try:
             await self._serve(target, call)
         finally:
