@@ -37,7 +37,11 @@ PROBE_GAP = 0.2
 # A connect that neither succeeds nor is refused within this long is no evidence either way.
 PROBE_TIMEOUT = 1.0
 # After an address was found alive, agents naming it are not acted on again for this long.
-COOLDOWN = 1.0
+# Short: a process SIGKILLed with thousands of connections open still completes TCP
+# handshakes for a few tenths of a second while the kernel tears it down, so the first probe
+# of a failover often finds it "alive"; the next agent's word must be checked soon after. A
+# live active scheduler named by cut-off agents costs one TCP connect per COOLDOWN.
+COOLDOWN = 0.25
 
 
 async def refuses(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
