@@ -808,16 +808,10 @@ class Reconciler:
                     changed_instances[r.name] = new
                     if new.terminal:
                         freed = True
-            # The instances of every node that synced, in one pass over the instances: a
-            # scheduler's failover re-registers every node, thousands in one batch.
-            on_node: dict[str, list[Instance]] = {name: [] for name in syncs}
-            if syncs:
-                for inst in self.repo.instances.values():
-                    held = on_node.get(inst.node)
-                    if held is not None:
-                        held.append(inst)
+            # A scheduler's failover re-registers every node, a few per batch: each node's
+            # instances come from the repo's index, not a pass over every instance.
             for node_name, names in syncs.items():
-                for inst in on_node[node_name]:
+                for inst in self.repo.instances_on(node_name):
                     if inst.name in names:
                         continue
                     if inst.phase is InstancePhase.LOST:

@@ -68,6 +68,9 @@ class Repo:
         self.classes: dict[str, Class] = {}
         self.volumes: dict[str, Volume] = {}
         self.by_workload: dict[str, set[str]] = defaultdict(set)
+        # node -> the names of the instances bound to it (a node's re-registration looks up
+        # its instances; after a scheduler failover that is every node at once).
+        self.by_node: dict[str, set[str]] = defaultdict(set)
         self._revisions: dict[tuple[str, str], int] = {}
         # The sort keys of every object, for paged lists: (name,) for all but instances,
         # instance_key for instances.
@@ -102,6 +105,7 @@ class Repo:
         classes: dict[str, Class] = {}
         volumes: dict[str, Volume] = {}
         by_workload: dict[str, set[str]] = defaultdict(set)
+        by_node: dict[str, set[str]] = defaultdict(set)
         revisions: dict[tuple[str, str], int] = {}
         # Read first: the lists that follow are at least this new.
         at = await self.store.revision()
@@ -112,6 +116,8 @@ class Repo:
             inst = Instance.model_validate(item.value)
             instances[item.name] = inst
             by_workload[inst.workload].add(item.name)
+            if inst.node:
+                by_node[inst.node].add(item.name)
             revisions[("instances", item.name)] = item.revision
         for item in await self.store.list("nodes"):
             nodes[item.name] = Node.model_validate(item.value)
@@ -126,7 +132,7 @@ class Repo:
         # an await keeps a consistent (if old) view instead of a "changed size" error.
         self.workloads, self.instances, self.nodes = workloads, instances, nodes
         self.classes, self.volumes = classes, volumes
-        self.by_workload, self._revisions = by_workload, revisions
+        self.by_workload, self.by_node, self._revisions = by_workload, by_node, revisions
         self.order = _orders(workloads, instances, nodes, classes, volumes)
         self.revision = max(at, *revisions.values()) if revisions else at
         for hook in self.on_reload:
@@ -136,7 +142,7 @@ class Repo:
         """Drop every cache: a follower must not answer from, or plan on, what it once led."""
         self.workloads, self.instances, self.nodes = {}, {}, {}
         self.classes, self.volumes = {}, {}
-        self.by_workload, self._revisions = defaultdict(set), {}
+        self.by_workload, self.by_node, self._revisions = defaultdict(set), defaultdict(set), {}
         self.order = _orders({}, {}, {}, {}, {})
         self.revision = 0
 
@@ -148,6 +154,10 @@ class Repo:
         return [
             self.instances[n] for n in self.by_workload.get(workload, ()) if n in self.instances
         ]
+
+    def instances_on(self, node: str) -> list[Instance]:
+        """The instances bound to `node`, whatever their phase."""
+        return [self.instances[n] for n in self.by_node.get(node, ()) if n in self.instances]
 
     def _table(self, kind: Kind) -> dict[str, BaseModel]:
         return getattr(self, kind)  # type: ignore[no-any-return]
@@ -226,9 +236,8 @@ class Repo:
                 if old is not None:
                     self.order[c.kind].discard(_key(old))
                 if c.kind == "instances" and isinstance(old, Instance):
-                    self.by_workload[old.workload].discard(op.name)
-                    if not self.by_workload[old.workload]:
-                        del self.by_workload[old.workload]
+                    _unindex(self.by_workload, old.workload, op.name)
+                    _unindex(self.by_node, old.node, op.name)
             else:
                 assert c.value is not None
                 table[op.name] = c.value
@@ -243,6 +252,10 @@ class Repo:
                     self.order[c.kind].add(_key(c.value))
                 if isinstance(c.value, Instance):
                     self.by_workload[c.value.workload].add(op.name)
+                    if isinstance(old, Instance) and old.node != c.value.node:
+                        _unindex(self.by_node, old.node, op.name)
+                    if c.value.node:
+                        self.by_node[c.value.node].add(op.name)
             for listener in self.listeners:
                 listener(c, old)
 
@@ -250,6 +263,14 @@ class Repo:
         """Refresh a cached object without a write (soft fields such as node usage)."""
         if isinstance(model, Node) and model.name in self.nodes:
             self.nodes[model.name] = model
+
+
+def _unindex(index: dict[str, set[str]], key: str, name: str) -> None:
+    names = index.get(key)
+    if names is not None:
+        names.discard(name)
+        if not names:
+            del index[key]
 
 
 def _moved(old: BaseModel, new: BaseModel) -> bool:

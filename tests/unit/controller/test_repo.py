@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orka.controller.repo import MAX_TXN_OPS, Change, Repo
 from orka.errors import Conflict, Unavailable
@@ -119,6 +121,58 @@ async def test_an_instance_written_over_by_another_of_its_name_moves_in_the_inde
     # A write that keeps the key leaves the index alone.
     await repo.mutate(lambda: [Change("instances", "w-0001", inst(1, created_at=1.0, node="n"))])
     assert len(repo.order["instances"]) == 3 and ("w", 1.0, "w-0001") in repo.order["instances"]
+
+
+def _grouped(instances: dict[str, Instance]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, i in instances.items():
+        if i.node:
+            out.setdefault(i.node, set()).add(name)
+    return out
+
+
+# (instance number, its node after the write; None deletes it), one commit per inner list.
+_writes = st.lists(
+    st.lists(
+        st.tuples(st.integers(0, 5), st.sampled_from([None, "", "node-a", "node-b", "node-c"])),
+        min_size=1,
+        max_size=4,
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=_writes)
+async def test_the_node_index_names_each_nodes_instances_through_binds_moves_and_deletes(
+    batches: list[list[tuple[int, str | None]]],
+) -> None:
+    """A node's re-registration reads its instances from `instances_on`: an instance missing
+    there would never be found gone from its node, one left behind would be marked lost on a
+    node it moved away from."""
+    store = MemoryStore()
+    await store.open()
+    try:
+        repo = Repo(store)
+        for batch in batches:
+            await repo.mutate(
+                lambda batch=batch: [
+                    Change("instances", f"w-{i:04d}", None if node is None else inst(i, node=node))
+                    for i, node in batch
+                ]
+            )
+            assert {n: set(names) for n, names in repo.by_node.items()} == _grouped(repo.instances)
+            for node in ("node-a", "node-b", "node-c"):
+                assert sorted(i.name for i in repo.instances_on(node)) == sorted(
+                    _grouped(repo.instances).get(node, set())
+                )
+        fresh = Repo(store)
+        await fresh.load()
+        assert dict(fresh.by_node) == _grouped(fresh.instances) == _grouped(repo.instances)
+        fresh.reset()
+        assert not fresh.by_node and fresh.instances_on("node-a") == []
+    finally:
+        await store.close()
 
 
 async def test_a_fenced_commit_stops_the_repo_at_once(store: MemoryStore) -> None:
