@@ -52,6 +52,27 @@ CACHE = Path(os.environ.get("ORKA_BENCH_CACHE", Path.home() / ".cache" / "orka-b
 SCRATCH_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
+def agents_nice() -> int:
+    """The nice level of simulated agents, from ORKA_BENCH_AGENTS_NICE (default 10)."""
+    text = os.environ.get("ORKA_BENCH_AGENTS_NICE", "10")
+    try:
+        value = int(text)
+    except ValueError:
+        raise SystemExit(f"ORKA_BENCH_AGENTS_NICE: not a whole number: {text!r}") from None
+    if not 0 <= value <= 19:
+        raise SystemExit(f"ORKA_BENCH_AGENTS_NICE: must be 0-19, got {value}")
+    return value
+
+
+# Simulated agents stand for machines of their own: in a cluster their CPU is not the one the
+# scheduler and the controller run on. Here they share the host's cores with those services,
+# so their processes run at this nice level and the services are served first, as they would
+# be with the agents elsewhere; the agents still get every cycle the services leave, and an
+# agent that could not keep up would show as a node leaving READY, which the benchmarks count.
+# 0 shares the cores evenly (ORKA_BENCH_AGENTS_NICE=0, or run_all.py --agents-nice 0).
+AGENTS_NICE = agents_nice()
+
+
 def node_name(i: int) -> str:
     return f"node-{i:05d}"
 
@@ -220,7 +241,10 @@ class AgentHost:
         labels: str = "",
     ) -> None:
         self.count = count
+        # `nice` execs the interpreter: the process's pid is the agent host's.
+        niced = ["nice", "-n", str(AGENTS_NICE)] if AGENTS_NICE else []
         args = [
+            *niced,
             PYTHON,
             str(Path(__file__).with_name("agent_host.py")),
             "--certs",

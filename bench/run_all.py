@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import PYTHON, last_json
+from bench.common import PYTHON, agents_nice, last_json
 
 HERE = Path(__file__).resolve().parent
 # Label -> script (bench_<script>.py) and the arguments of its full-size run. A smoke run
@@ -178,9 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     p.add_argument("--only", nargs="*", choices=list(BENCHES), help="run only these")
+    p.add_argument(
+        "--agents-nice",
+        type=int,
+        choices=range(20),
+        default=None,
+        metavar="0-19",
+        help="nice level of the simulated agents' processes (bench/common.py AGENTS_NICE; "
+        "default 10, 0: even with the services)",
+    )
     args = p.parse_args(argv)
+    if args.agents_nice is not None:
+        os.environ["ORKA_BENCH_AGENTS_NICE"] = str(args.agents_nice)
     start = time.perf_counter()
     info = machine()
+    info["agents_nice"] = agents_nice()
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     names = args.only or [n for n in BENCHES if not (args.smoke and n in FULL_ONLY)]
     results = {name: run_bench(name, args.smoke) for name in names}
