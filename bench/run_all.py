@@ -181,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--agents-nice",
         type=int,
-        choices=range(20),
         default=None,
         metavar="0-19",
         help="nice level of the simulated agents' processes (bench/common.py AGENTS_NICE; "

@@ -51,7 +51,8 @@ class HeartbeatPace:
     def retarget(self, nodes: int) -> bool:
         """Follow `nodes` connected ones; True when the interval moved (tell the agents)."""
         want = self.target(nodes)
-        return self._move(want, nodes, want >= self.interval * STEP or want <= self.interval / STEP)
+        moves = want >= self.interval * STEP or want <= self.interval / STEP
+        return moves and self._move(want, nodes)
 
     def opening(self, nodes: int, hints: list[float]) -> bool:
         """`retarget` while a term opens: `hints` are the intervals the `nodes` registered so
@@ -63,12 +64,10 @@ class HeartbeatPace:
         if hints:
             hinted = min(statistics.median_low(hints), self.target(nodes * OPENING_GROWTH))
             want = max(want, hinted)
-        return self._move(want, nodes, want >= self.interval * STEP, opening=True)
+        return want >= self.interval * STEP and self._move(want, nodes, opening=True)
 
-    def _move(self, want: float, nodes: int, moves: bool, opening: bool = False) -> bool:
-        """Take `want` as the interval if it `moves`; whether it did."""
-        if not moves:
-            return False
+    def _move(self, want: float, nodes: int, opening: bool = False) -> bool:
+        """Take `want` as the interval (and say so); True, for the callers' return."""
         log.info(
             "heartbeat interval",
             nodes=nodes,
