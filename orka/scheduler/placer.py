@@ -169,7 +169,7 @@ class Placer:
         snapshot = self.registry.snapshot()
         ranking = self.pipeline.rank(at.req, snapshot, limit=RANK_FIRST)
         at.passed_over = ranking.counted_rejections()
-        if at.passed_over is None and len(snapshot.nodes) <= EXPLAIN_NODES:
+        if at.passed_over is None and len(snapshot) <= EXPLAIN_NODES:
             # Counting is one filter pass over the nodes: cheap on a small cluster, where an
             # operator reads why a replica went where it did; skipped on a large one.
             at.passed_over = ranking.rejections

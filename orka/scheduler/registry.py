@@ -6,6 +6,7 @@ ever written to disk.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from orka.models import (
     Resources,
 )
 from orka.scheduler.index import SnapshotIndex, updated
-from orka.scheduler.snapshot import NodeView, PlacementRequest, Snapshot
+from orka.scheduler.snapshot import Layered, NodeView, PlacementRequest, Snapshot
 
 if TYPE_CHECKING:
     from orka.api import agent_pb2 as apb
@@ -254,8 +255,12 @@ class Registry:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeRecord] = {}
         self._snapshot: Snapshot | None = None
-        # Views of unchanged nodes are reused, so a reservation rebuilds one view, not all.
-        self._views: dict[str, NodeView] = {}
+        # Snapshots share `_base`, the views as of some earlier snapshot in registration order,
+        # and each copies `_since`, the views rebuilt after it (see Layered); a reservation
+        # rebuilds one view, not all. `_base` is replaced, never changed, once `_since` grows
+        # past _rebase_at: each snapshot then copies about the square root of the node count.
+        self._base: dict[str, NodeView] = {}
+        self._since: dict[str, NodeView] = {}
         # Nodes changed since the last snapshot; None when everything must be rebuilt.
         self._dirty: set[str] | None = set()
         self._last: Snapshot | None = None
@@ -280,30 +285,38 @@ class Registry:
         previous = self._last
         dirty = self._dirty
         if dirty is None:
-            self._views = {name: n.view() for name, n in self.nodes.items()}
+            self._base = {name: n.view() for name, n in self.nodes.items()}
+            self._since = {}
         else:
-            added = False
+            since, base = self._since, self._base
+            rebase = False
             for name in dirty:
                 rec = self.nodes.get(name)
-                if rec is None:
-                    self._views.pop(name, None)
+                if rec is None or name not in base:
+                    rebase = True  # a node came or went: the names change
+                    if rec is not None:
+                        since[name] = rec.view()
                 else:
-                    added = added or name not in self._views
-                    self._views[name] = rec.view()
-            if added:
-                # Snapshot order is registration order, whatever order the dirty set has.
-                self._views = {name: self._views[name] for name in self.nodes}
+                    since[name] = rec.view()
+            if rebase or len(since) > _rebase_at(len(base)):
+                # Registration order, whatever order the dirty set had.
+                self._base = {
+                    name: since.get(name) or base.get(name) or rec.view()
+                    for name, rec in self.nodes.items()
+                }
+                self._since = {}
+        views = Layered(self._base, dict(self._since))
         # Carry the index over when only a few nodes changed (copy-on-write), else index anew:
         # from the second snapshot on, so a registry built for one decision never pays for it.
-        views = dict(self._views)
         index: SnapshotIndex | None = None
         if previous is not None and previous.index is not None and dirty is not None:
-            old = [previous.by_name[n] for n in dirty if n in previous.by_name]
+            before = previous.by_name
+            old = [before[n] for n in dirty if n in before]
             new = [views[n] for n in dirty if n in views]
             index = updated(previous.index, old, new)
         elif previous is not None:
             index = SnapshotIndex.build(views.values())
-        snap = Snapshot.from_views(views, index)
+        snap = Snapshot.layered(views, index)
         self._dirty = set()
         self._snapshot = self._last = snap
         return snap
@@ -420,3 +433,8 @@ def _bound_ports(report: InstanceReport, hold: Hold | None) -> frozenset[fit.Hos
         return fit.NO_HOST_PORTS
     bound = frozenset((b.host_port, b.protocol) for b in report.ports if b.host_port)
     return bound - hold.host_ports if hold is not None else bound
+
+
+def _rebase_at(nodes: int) -> int:
+    """How many changed views a snapshot copies before the next one takes a new base."""
+    return max(16, math.isqrt(nodes))

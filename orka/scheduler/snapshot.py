@@ -2,15 +2,16 @@
 
 The node registry builds a new `Snapshot` whenever the cluster changes; the pipeline only ever
 reads it, so a decision can never see a half-applied heartbeat or reservation. Nothing in here
-changes after construction, not even a cache: what one decision works out lives in that
-decision's own context (orka.scheduler.pipeline.Decision). Everything here is
-a slots dataclass with plain attributes because the filters read them once per node per request.
+changes after construction (a snapshot makes its `nodes` tuple from its own views when first
+asked, the same every time): what one decision works out lives in that decision's own context
+(orka.scheduler.pipeline.Decision). Everything here has slots and plain attributes because the
+filters read them once per node per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import FrozenInstanceError, dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -78,47 +79,108 @@ class NodeView:
         return self.mem_allocatable - self.mem_used
 
 
-@dataclass(frozen=True, slots=True, weakref_slot=True)
+class Layered(Mapping[str, NodeView]):
+    """Views by name: `top`'s over `base`'s, in `base`'s order, with `base`'s names (`top`
+    only replaces). Whoever builds one hands over both dicts and changes neither after.
+
+    The registry's snapshots share one base and each copies only the views changed since it
+    was taken: a reservation changes one node, and copying every view for each of thousands
+    of reservations a second was most of what a snapshot cost on a large cluster."""
+
+    __slots__ = ("_base", "_top")
+
+    def __init__(self, base: dict[str, NodeView], top: dict[str, NodeView]) -> None:
+        self._base = base
+        self._top = top
+
+    def __getitem__(self, name: str) -> NodeView:
+        view = self._top.get(name)
+        return self._base[name] if view is None else view
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def views(self) -> tuple[NodeView, ...]:
+        top = self._top
+        if not top:
+            return tuple(self._base.values())
+        return tuple(top.get(name) or view for name, view in self._base.items())
+
+
 class Snapshot:
-    nodes: tuple[NodeView, ...]
+    """The nodes one decision ranks: immutable once built. `by_name` maps names to views;
+    `nodes` is the same views in order (registration order, from the registry), made when
+    first asked for: the indexed ranking reads only the index, so most decisions never do."""
+
+    __slots__ = ("__weakref__", "_nodes", "by_name", "index")
+
     # The index of these nodes (orka.scheduler.index) when whoever built the snapshot had one:
     # the registry carries it over from the previous snapshot change by change. Derived from
-    # `nodes`, so it is left out of comparisons.
-    index: SnapshotIndex | None = field(default=None, repr=False, compare=False)
-    by_name: Mapping[str, NodeView] = field(init=False, repr=False, compare=False)
+    # the nodes, so it is left out of comparisons.
+    index: SnapshotIndex | None
+    by_name: Mapping[str, NodeView]
 
-    def __post_init__(self) -> None:
-        nodes = tuple(self.nodes)
+    def __init__(self, nodes: Iterable[NodeView], index: SnapshotIndex | None = None) -> None:
+        nodes = tuple(nodes)
         by_name = {n.name: n for n in nodes}
         if len(by_name) != len(nodes):
             # Ties are broken by node name, so a duplicate would make rankings ambiguous.
             raise ValueError("snapshot node names must be unique")
-        object.__setattr__(self, "nodes", nodes)
-        object.__setattr__(self, "by_name", MappingProxyType(by_name))
+        _set(self, "_nodes", nodes)
+        _set(self, "by_name", MappingProxyType(by_name))
+        _set(self, "index", index)
 
     @classmethod
     def of(cls, nodes: Iterable[NodeView], index: SnapshotIndex | None = None) -> Snapshot:
         return cls(tuple(nodes), index)
 
     @classmethod
-    def from_views(
-        cls, by_name: dict[str, NodeView], index: SnapshotIndex | None = None
-    ) -> Snapshot:
-        """A snapshot of `by_name`'s views in its order, taking ownership of the dict.
-
-        The caller hands over a dict nobody else will change (names are unique by construction),
-        so the per-node checks and the name map of the constructor are skipped: this is the
-        registry's path, which builds one snapshot per reservation.
-        """
+    def layered(cls, by_name: Layered, index: SnapshotIndex | None = None) -> Snapshot:
+        """A snapshot of `by_name` (names are unique by construction): the registry's path,
+        one snapshot per reservation, so it skips the constructor's checks and copies."""
         snap = object.__new__(cls)
-        set_ = object.__setattr__
-        set_(snap, "nodes", tuple(by_name.values()))
-        set_(snap, "by_name", MappingProxyType(by_name))
-        set_(snap, "index", index)
+        _set(snap, "_nodes", None)
+        _set(snap, "by_name", by_name)
+        _set(snap, "index", index)
         return snap
 
+    @property
+    def nodes(self) -> tuple[NodeView, ...]:
+        nodes: tuple[NodeView, ...] | None = self._nodes
+        if nodes is None:
+            by_name = self.by_name
+            assert isinstance(by_name, Layered)
+            nodes = by_name.views()
+            _set(self, "_nodes", nodes)
+        return nodes
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"a snapshot is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"a snapshot is immutable: cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Snapshot):
+            return NotImplemented
+        return self.nodes == other.nodes
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Snapshot(nodes={self.nodes!r})"
+
     def __len__(self) -> int:
-        return len(self.nodes)
+        return len(self.by_name)
+
+
+_set = object.__setattr__
 
 
 @dataclass(frozen=True, slots=True)

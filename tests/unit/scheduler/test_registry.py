@@ -6,6 +6,8 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orka import fit
 from orka.models import (
@@ -629,3 +631,55 @@ def test_a_change_of_health_alone_is_a_change_to_pass_on() -> None:
     failing = report(health=HealthState.UNHEALTHY, health_message="refused", health_changed_at=20)
     assert reg.apply_report(rec, failing, RES) is True
     assert reg.apply_report(rec, failing.model_copy(update={"health_message": "404"}), RES)
+
+
+# ---- snapshots share views: every one shows the registry as it was when taken ----
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["reserve", "release", "add", "remove", "everything", "look"]),
+            st.integers(0, 39),
+        ),
+        max_size=120,
+    )
+)
+def test_each_snapshot_shows_the_records_as_they_were_when_it_was_taken(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Whatever order of reservations, releases, nodes coming and going and full rebuilds,
+    a snapshot equals one built afresh from every record at that moment, in registration
+    order, and no later change shows through an earlier snapshot (they share views)."""
+    reg = Registry()
+    taken: list[tuple[Any, tuple[Any, ...]]] = []
+    for i in range(20):
+        _, rec = registry_with(name=f"n{i:02d}")
+        reg.nodes[rec.name] = rec
+        reg.changed(rec)
+    for step, (what, k) in enumerate(steps):
+        name = f"n{k:02d}"
+        rec = reg.nodes.get(name)
+        if what == "reserve" and rec is not None:
+            reg.try_reserve(rec, request(instance=f"i{step}", cpu_millis=10), 5)
+        elif what == "release" and rec is not None and rec.holds:
+            reg.release(rec, next(iter(rec.holds)))
+        elif what == "add" and rec is None:
+            _, rec = registry_with(name=name)
+            reg.nodes[name] = rec
+            reg.changed(rec)
+        elif what == "remove" and rec is not None:
+            del reg.nodes[name]
+            reg.changed(rec)
+        elif what == "everything":
+            reg.changed()
+        snap = reg.snapshot()
+        fresh = tuple(r.view() for r in reg.nodes.values())
+        assert snap.nodes == fresh
+        assert dict(snap.by_name) == {v.name: v for v in fresh}
+        assert list(snap.by_name) == list(reg.nodes)
+        taken.append((snap, fresh))
+    for snap, fresh in taken:
+        assert snap.nodes == fresh
+        assert tuple(snap.by_name[v.name] for v in fresh) == fresh

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from orka.scheduler.snapshot import Snapshot
+from orka.scheduler.snapshot import Layered, Snapshot
 from tests.unit.scheduler.builders import node, request
 
 
@@ -58,13 +58,17 @@ def test_free_resources() -> None:
     assert (n.cpu_free, n.mem_free) == (700, 6)
 
 
-def test_from_views_equals_constructed_snapshot() -> None:
-    a, b = node(name="a"), node(name="b", cpu_used=100)
-    views = {"b": b, "a": a}
-    snap = Snapshot.from_views(views)
-    assert snap == Snapshot((b, a))
-    assert snap.nodes == (b, a)
-    assert dict(snap.by_name) == {"a": a, "b": b}
+def test_a_layered_snapshot_equals_the_constructed_one() -> None:
+    a, b, b2 = node(name="a"), node(name="b", cpu_used=100), node(name="b", cpu_used=200)
+    snap = Snapshot.layered(Layered({"b": b, "a": a}, {"b": b2}))
+    # The base's order, the top's views.
+    assert snap == Snapshot((b2, a))
+    assert snap.nodes == (b2, a)
+    assert len(snap) == 2
+    assert dict(snap.by_name) == {"a": a, "b": b2}
+    assert "b" in snap.by_name and "c" not in snap.by_name
     assert snap.index is None
     with pytest.raises(TypeError):
         snap.by_name["c"] = a  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.index = None  # type: ignore[misc]
