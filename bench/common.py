@@ -193,7 +193,8 @@ class Services:
         return self
 
     def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.work / f"{name}.log", "wb")
+        # Appended: a service started again (a restart benchmark) logs after its predecessor.
+        log = open(self.work / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [PYTHON, "-m", "orka.cli.main", *args],
             cwd=ROOT,

@@ -298,12 +298,17 @@ class Registry:
                         since[name] = rec.view()
                 else:
                     since[name] = rec.view()
-            if rebase or len(since) > _rebase_at(len(base)):
+            if rebase:
                 # Registration order, whatever order the dirty set had.
                 self._base = {
                     name: since.get(name) or base.get(name) or rec.view()
                     for name, rec in self.nodes.items()
                 }
+                self._since = {}
+            elif len(since) > _rebase_at(len(base)):
+                # The same names: a copy keeps their order (and is a fraction of the above).
+                self._base = base = dict(base)
+                base.update(since)
                 self._since = {}
         views = Layered(self._base, dict(self._since))
         # Carry the index over when only a few nodes changed (copy-on-write), else index anew:

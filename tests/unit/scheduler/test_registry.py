@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -636,22 +637,34 @@ def test_a_change_of_health_alone_is_a_change_to_pass_on() -> None:
 # ---- snapshots share views: every one shows the registry as it was when taken ----
 
 
+@pytest.mark.parametrize("rebase_at", [None, 2], ids=["real-bound", "rebase-often"])
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["reserve", "release", "add", "remove", "everything", "look"]),
-            st.integers(0, 39),
+            st.sampled_from([*["reserve"] * 3, "release", "add", "remove", "everything", "look"]),
+            st.integers(0, 29),
         ),
+        min_size=20,
         max_size=120,
-    )
+    ),
 )
 def test_each_snapshot_shows_the_records_as_they_were_when_it_was_taken(
-    steps: list[tuple[str, int]],
+    rebase_at: int | None, steps: list[tuple[str, int]]
 ) -> None:
     """Whatever order of reservations, releases, nodes coming and going and full rebuilds,
     a snapshot equals one built afresh from every record at that moment, in registration
-    order, and no later change shows through an earlier snapshot (they share views)."""
+    order, and no later change shows through an earlier snapshot (they share views). With
+    `rebase_at`, snapshots take a new base after that many changed views (most runs of changes
+    end in a node coming or going before the real bound)."""
+    if rebase_at is None:
+        _follow(steps)
+    else:
+        with mock.patch("orka.scheduler.registry._rebase_at", lambda nodes: rebase_at):
+            _follow(steps)
+
+
+def _follow(steps: list[tuple[str, int]]) -> None:
     reg = Registry()
     taken: list[tuple[Any, tuple[Any, ...]]] = []
     for i in range(20):
