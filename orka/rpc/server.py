@@ -12,15 +12,16 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
-from cryptography import x509
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orka.errors import Invalid, OrkaError, trailing_metadata, wire_message
+from orka.errors import Invalid, OrkaError, Unauthenticated, trailing_metadata, wire_message
 from orka.rpc import own_cert
 from orka.rpc.revocation_check import RevocationInterceptor
 from orka.rpc.wrapping import WrappingInterceptor, replace_behaviour
+from orka.security import peer_cert
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
+from orka.security.peer_cert import PEERS
 from orka.security.tls import TlsFiles, server_credentials
 
 log = structlog.get_logger("orka.rpc")
@@ -271,11 +272,11 @@ class Auditor(Protocol):
     def record(self, call: Call) -> None: ...
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=PEERS)
 def _serial(pem: bytes) -> str:
     try:
-        return format(x509.load_pem_x509_certificate(pem).serial_number, "X")
-    except ValueError:
+        return format(peer_cert.load(pem).serial_number, "X")
+    except Unauthenticated:
         return ""
 
 

@@ -10,6 +10,7 @@ import grpc
 from cryptography import x509
 
 from orka.errors import Invalid, PermissionDenied, Unauthenticated
+from orka.security import peer_cert
 from orka.security.ca import (
     ROLES,
     SERVING_ROLES,
@@ -18,6 +19,7 @@ from orka.security.ca import (
     spiffe_uri,
     validate_name,
 )
+from orka.security.peer_cert import PEERS
 from orka.security.revocation import REVOCATIONS
 
 # gRPC's auth-context key for the verified peer certificate (PEM).
@@ -65,15 +67,11 @@ def identity_from_cert(cert: x509.Certificate) -> Identity:
     return Identity(role=role, name=name)
 
 
-# Every RPC re-reads the peer cert; peers are few, so caching the parse is cheap and saves an
-# ASN.1 decode per call. Failures raise and so are never cached.
-@functools.lru_cache(maxsize=1024)
+# Every RPC re-reads the peer cert: kept per peer (orka.security.peer_cert), so a call costs
+# no ASN.1 decode. Failures raise and so are never cached.
+@functools.lru_cache(maxsize=PEERS)
 def identity_from_pem(pem: bytes) -> Identity:
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-    except ValueError as e:
-        raise Unauthenticated(f"peer certificate does not parse: {e}") from None
-    return identity_from_cert(cert)
+    return identity_from_cert(peer_cert.load(pem))
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> Identity:

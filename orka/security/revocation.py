@@ -28,6 +28,8 @@ import structlog
 from cryptography import x509
 
 from orka.errors import Invalid, Unauthenticated, trailing_metadata
+from orka.security import peer_cert
+from orka.security.peer_cert import PEERS
 
 log = structlog.get_logger("orka.security")
 
@@ -71,14 +73,9 @@ def serials_of(crl: x509.CertificateRevocationList) -> frozenset[int]:
     return frozenset(entry.serial_number for entry in crl)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=PEERS)
 def _serial(pem: bytes) -> int:
-    # Same caching argument as identity_from_pem: few peers, one parse each. The chain was
-    # verified by the handshake, so the PEM parses (identity_from_pem reports it if not).
-    try:
-        return x509.load_pem_x509_certificate(pem).serial_number
-    except ValueError:
-        raise Unauthenticated("peer certificate does not parse") from None
+    return peer_cert.load(pem).serial_number
 
 
 class Guard(Protocol):

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from orka.errors import Invalid, PermissionDenied, Unauthenticated
+from orka.security import peer_cert
 from orka.security.ca import cert_pem, create_ca, issue_leaf
 from orka.security.identity import (
     Identity,
@@ -158,3 +159,24 @@ async def test_peer_identity_registers_the_call_for_cutting(tmp_path: Path) -> N
     finally:
         REVOCATIONS.forget(crl)
     assert aborted == [(grpc.StatusCode.UNAUTHENTICATED, "certificate revoked", REVOKED_DETAILS)]
+
+
+def test_a_call_parses_its_peer_certificate_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The revocation check (the serial) and the identity of one call share one parse, and a
+    peer's later calls parse nothing: at thousands of agents registering at once, each
+    registration used to parse the certificate twice."""
+    pem = cert_pem(issue_leaf(create_ca(), "agent", "node-parse-once").cert)
+    parses: list[bytes] = []
+    real = x509.load_pem_x509_certificate
+
+    def counting(data: bytes) -> x509.Certificate:
+        parses.append(data)
+        return real(data)
+
+    monkeypatch.setattr(peer_cert.x509, "load_pem_x509_certificate", counting)
+    ctx = _context({"x509_pem_cert": [pem]})
+    REVOCATIONS.admit(pem, ctx)  # what the interceptor does first
+    assert peer_identity(ctx) == Identity("agent", "node-parse-once")
+    assert parses == [pem]
+    assert peer_identity(_context({"x509_pem_cert": [bytes(pem)]})).name == "node-parse-once"
+    assert parses == [pem]

@@ -1,0 +1,30 @@
+"""A peer's certificate as gRPC hands it over (PEM), parsed once for every check of a call.
+
+A call is checked twice: the revocation interceptor reads the certificate's serial, then the
+handler its identity (orka.security.identity). Each kept its own cache of parses, and at
+thousands of agents registering at once (a scheduler taking over) every registration missed
+both and parsed the certificate twice. The parse is now shared, and what each check keeps is
+small (a serial, an identity) and sized for a large cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from cryptography import x509
+
+from orka.errors import Unauthenticated
+
+# Peers whose serial and identity are kept: every agent of a large cluster, and its
+# controllers and admins. An entry is the PEM (under 1 KiB) and a small value.
+PEERS = 8192
+
+
+# Only the checks of one call need the parsed certificate, back to back.
+@functools.lru_cache(maxsize=64)
+def load(pem: bytes) -> x509.Certificate:
+    """The parsed certificate; Unauthenticated if it does not parse (never cached)."""
+    try:
+        return x509.load_pem_x509_certificate(pem)
+    except ValueError as e:
+        raise Unauthenticated(f"peer certificate does not parse: {e}") from None
