@@ -151,13 +151,14 @@ class Repo:
         return self._revisions.get((kind, name), 0)
 
     def instances_of(self, workload: str) -> list[Instance]:
-        return [
-            self.instances[n] for n in self.by_workload.get(workload, ()) if n in self.instances
-        ]
+        return self._indexed(self.by_workload, workload)
 
     def instances_on(self, node: str) -> list[Instance]:
         """The instances bound to `node`, whatever their phase."""
-        return [self.instances[n] for n in self.by_node.get(node, ()) if n in self.instances]
+        return self._indexed(self.by_node, node)
+
+    def _indexed(self, index: dict[str, set[str]], key: str) -> list[Instance]:
+        return [self.instances[n] for n in index.get(key, ()) if n in self.instances]
 
     def _table(self, kind: Kind) -> dict[str, BaseModel]:
         return getattr(self, kind)  # type: ignore[no-any-return]

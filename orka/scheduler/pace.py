@@ -52,7 +52,9 @@ class HeartbeatPace:
         """Follow `nodes` connected ones; True when the interval moved (tell the agents)."""
         want = self.target(nodes)
         moves = want >= self.interval * STEP or want <= self.interval / STEP
-        return moves and self._move(want, nodes)
+        if moves:
+            self._move(want, nodes)
+        return moves
 
     def opening(self, nodes: int, hints: list[float]) -> bool:
         """`retarget` while a term opens: `hints` are the intervals the `nodes` registered so
@@ -64,10 +66,13 @@ class HeartbeatPace:
         if hints:
             hinted = min(statistics.median_low(hints), self.target(nodes * OPENING_GROWTH))
             want = max(want, hinted)
-        return want >= self.interval * STEP and self._move(want, nodes, opening=True)
+        moves = want >= self.interval * STEP
+        if moves:
+            self._move(want, nodes, opening=True)
+        return moves
 
-    def _move(self, want: float, nodes: int, opening: bool = False) -> bool:
-        """Take `want` as the interval (and say so); True, for the callers' return."""
+    def _move(self, want: float, nodes: int, opening: bool = False) -> None:
+        """Take `want` as the interval, and say so."""
         log.info(
             "heartbeat interval",
             nodes=nodes,
@@ -76,7 +81,6 @@ class HeartbeatPace:
             opening=opening,
         )
         self.interval = want
-        return True
 
     def tell(self, nodes: Iterable[NodeRecord]) -> int:
         """Send the interval to each connected node; how many were told. A longer interval

@@ -300,10 +300,7 @@ class Registry:
                     since[name] = rec.view()
             if rebase:
                 # Registration order, whatever order the dirty set had.
-                self._base = {
-                    name: since.get(name) or base.get(name) or rec.view()
-                    for name, rec in self.nodes.items()
-                }
+                self._base = {name: since.get(name) or base[name] for name in self.nodes}
                 self._since = {}
             elif len(since) > _rebase_at(len(base)):
                 # The same names: a copy keeps their order (and is a fraction of the above).
