@@ -175,6 +175,8 @@ class Controller:
             ttl=self.config.election_ttl,
             info={"address": advertise},
         )
+        # The repo stops writing when the lease is known lost, not when step_down gets its turn.
+        self.election.on_lost.append(self._stop_writing)
         self.leadership = Leadership(self.election, self._lead, self._step_down)
         task = asyncio.create_task(self.leadership.run(), name="leadership")
         task.add_done_callback(self._child_done)
@@ -234,10 +236,13 @@ class Controller:
             self._tasks.append(task)
         await self._set_serving(True)
 
-    async def _step_down(self) -> None:
-        """A term ends (lease lost, or shutdown): stop writing at once, then stop the rest."""
+    def _stop_writing(self) -> None:
         self.repo.writable = False
         self.repo.fence = None
+
+    async def _step_down(self) -> None:
+        """A term ends (lease lost, or shutdown): stop writing at once, then stop the rest."""
+        self._stop_writing()
         await self._set_serving(False)
         tasks, self._tasks = self._tasks, []
         for t in tasks:

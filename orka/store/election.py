@@ -63,6 +63,9 @@ class Election(ABC):
         self.followed: dict[str, Any] | None = None
         # Set when leadership ends without resign(): the holder must stop acting at once.
         self.lost = asyncio.Event()
+        # Called the moment leadership is known lost, before any task waiting on `lost` runs:
+        # whatever must not outlive the term (a repo's writes) ends here, not a turn later.
+        self.on_lost: list[Callable[[], None]] = []
         self.lease_id: int | None = None
 
     @abstractmethod
@@ -102,7 +105,12 @@ class Election(ABC):
         """A write carrying our fence failed: someone else leads. Stop acting as leader now."""
         if self.is_leader:
             log.warning("fenced: our election key is gone or another's", election=self.name)
+        self._lose()
+
+    def _lose(self) -> None:
         self.is_leader = False
+        for hook in self.on_lost:
+            hook()
         self.lost.set()
 
 
@@ -214,8 +222,7 @@ class LeaseElection(Election):
             reason = await self._refresh_in_thread(keeper, lease)
         if self.is_leader:
             log.warning("leadership lost", election=self.name, reason=reason)
-        self.is_leader = False
-        self.lost.set()
+        self._lose()
 
     async def _refresh_in_thread(self, store: LeaseKeeper, lease: int) -> str:
         """`_refresh` on the refresher thread's event loop, fed this loop's progress."""

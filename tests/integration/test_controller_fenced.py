@@ -57,3 +57,27 @@ async def test_a_fenced_write_lands_nothing_and_ends_the_term_at_once(
             await eventually(condition(lambda: leader.is_leader), timeout=10)
     finally:
         await c.stop()
+
+
+async def test_the_repo_stops_writing_in_the_turn_the_lease_is_known_lost(
+    certs_dir: Path, tmp_path: Path, etcd: EtcdCluster, etcd_prefix: str
+) -> None:
+    c = Cluster(certs_dir, tmp_path)
+    await c.start(agents=0, store_url=etcd.url + etcd_prefix, runtimes=["fake"])
+    try:
+        leader = c.controller
+        assert leader is not None and leader.is_leader and leader.election is not None
+        assert leader.repo.writable and leader.repo.fence is not None
+        # No await between the loss and the checks: step_down has not had a turn yet, and
+        # a plan started now must still be refused (the fence alone would let it try).
+        leader.election.fenced()
+        assert not leader.is_leader
+        assert not leader.repo.writable and leader.repo.fence is None
+        with pytest.raises(NotLeader):
+            await leader.repo.mutate(lambda: [])
+        # The key is still ours, so the next campaign wins again: a second term, writing.
+        assert leader.leadership is not None and leader.leadership.terms == 1
+        await eventually(condition(lambda: leader.leadership.terms == 2), timeout=10)  # type: ignore[union-attr]
+        assert leader.is_leader and leader.repo.writable
+    finally:
+        await c.stop()
