@@ -109,9 +109,12 @@ class Election(ABC):
 
     def _lose(self) -> None:
         self.is_leader = False
-        for hook in self.on_lost:
-            hook()
-        self.lost.set()
+        try:
+            for hook in self.on_lost:
+                hook()
+        finally:
+            # Even past a failing hook: the term's waiter must still step down.
+            self.lost.set()
 
 
 class LocalElection(Election):

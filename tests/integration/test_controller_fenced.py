@@ -68,6 +68,8 @@ async def test_the_repo_stops_writing_in_the_turn_the_lease_is_known_lost(
         leader = c.controller
         assert leader is not None and leader.is_leader and leader.election is not None
         assert leader.repo.writable and leader.repo.fence is not None
+        assert leader.leadership is not None
+        terms = leader.leadership.terms
         # No await between the loss and the checks: step_down has not had a turn yet, and
         # a plan started now must still be refused (the fence alone would let it try).
         leader.election.fenced()
@@ -75,9 +77,8 @@ async def test_the_repo_stops_writing_in_the_turn_the_lease_is_known_lost(
         assert not leader.repo.writable and leader.repo.fence is None
         with pytest.raises(NotLeader):
             await leader.repo.mutate(lambda: [])
-        # The key is still ours, so the next campaign wins again: a second term, writing.
-        assert leader.leadership is not None and leader.leadership.terms == 1
-        await eventually(condition(lambda: leader.leadership.terms == 2), timeout=10)  # type: ignore[union-attr]
+        # The key is still ours, so the next campaign wins again: a new term, writing.
+        await eventually(condition(lambda: leader.leadership.terms == terms + 1), timeout=10)  # type: ignore[union-attr]
         assert leader.is_leader and leader.repo.writable
     finally:
         await c.stop()
