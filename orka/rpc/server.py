@@ -21,7 +21,6 @@ from orka.rpc.revocation_check import RevocationInterceptor
 from orka.rpc.wrapping import WrappingInterceptor, replace_behaviour
 from orka.security import peer_cert
 from orka.security.identity import PEER_CERT_KEY, Identity, identity_from_pem, require_role
-from orka.security.peer_cert import PEERS
 from orka.security.tls import TlsFiles, server_credentials
 
 log = structlog.get_logger("orka.rpc")
@@ -272,10 +271,9 @@ class Auditor(Protocol):
     def record(self, call: Call) -> None: ...
 
 
-@functools.lru_cache(maxsize=PEERS)
 def _serial(pem: bytes) -> str:
     try:
-        return format(peer_cert.load(pem).serial_number, "X")
+        return format(peer_cert.serial(pem), "X")
     except Unauthenticated:
         return ""
 

@@ -4,7 +4,8 @@ A call is checked twice: the revocation interceptor reads the certificate's seri
 handler its identity (orka.security.identity). Each kept its own cache of parses, and at
 thousands of agents registering at once (a scheduler taking over) every registration missed
 both and parsed the certificate twice. The parse is now shared, and what each check keeps is
-small (a serial, an identity) and sized for a large cluster.
+small (a serial, an identity) and sized for a large cluster. The serial is kept here, once
+for the revocation check and the audit record alike.
 """
 
 from __future__ import annotations
@@ -28,3 +29,9 @@ def load(pem: bytes) -> x509.Certificate:
         return x509.load_pem_x509_certificate(pem)
     except ValueError as e:
         raise Unauthenticated(f"peer certificate does not parse: {e}") from None
+
+
+@functools.lru_cache(maxsize=PEERS)
+def serial(pem: bytes) -> int:
+    """The certificate's serial number; Unauthenticated if it does not parse (never cached)."""
+    return load(pem).serial_number

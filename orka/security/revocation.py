@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ from cryptography import x509
 
 from orka.errors import Invalid, Unauthenticated, trailing_metadata
 from orka.security import peer_cert
-from orka.security.peer_cert import PEERS
 
 log = structlog.get_logger("orka.security")
 
@@ -73,11 +71,6 @@ def serials_of(crl: x509.CertificateRevocationList) -> frozenset[int]:
     return frozenset(entry.serial_number for entry in crl)
 
 
-@functools.lru_cache(maxsize=PEERS)
-def _serial(pem: bytes) -> int:
-    return peer_cert.load(pem).serial_number
-
-
 class Guard(Protocol):
     """Told of each CRL that revokes something new (a server watching its own certificate)."""
 
@@ -111,7 +104,7 @@ class Revocations:
 
     def admit(self, pem: bytes, context: grpc.aio.ServicerContext) -> None:
         """Refuse a revoked peer; remember an admitted call so a later revocation can cut it."""
-        serial = _serial(pem)
+        serial = peer_cert.serial(pem)
         if serial in self.revoked:
             raise Unauthenticated(REVOKED)
         try:
