@@ -275,11 +275,12 @@ def run_mutmut(
                 cmd, cwd=module.work, env=env(), check=False, stdout=out, stderr=errors
             )
         text = output.read_text(errors="replace")
-        # mutmut's first step runs the module's tests once without mutants ("stats"); a test
-        # that fails there failed on its own, not because of a mutant (the pytest stage ran it
-        # too): say which, and run once more, so one timing flake under the mutation stage's
-        # slower tracing does not decide a score.
-        if done.returncode != 0 and "failed to collect stats" in text and attempt == 1:
+        # mutmut's first steps run the module's tests without mutants ("stats", then a "clean
+        # test"); a test that fails there failed on its own, not because of a mutant (the
+        # pytest stage ran it too): say which, and run once more, so one timing flake under
+        # the mutation stage's slower tracing does not decide a score.
+        unmutated = ("failed to collect stats", "Failed to run clean test")
+        if done.returncode != 0 and any(t in text for t in unmutated) and attempt == 1:
             print(f"==> {module.short}: the run without mutants failed; again", flush=True)
             print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
             continue
