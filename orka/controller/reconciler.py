@@ -63,12 +63,6 @@ KEEP_FINISHED = 5
 FINISHED_RETENTION = 3600.0
 # Incremental passes plan only changed workloads; a full pass runs at least this often.
 FULL_PASS_EVERY = 2.0
-# After a pass, what the cluster reports (an instance RUNNING, a node lost) gathers this long
-# before the next pass (the idea of Kubernetes' --endpoint-updates-batch-period): a pass looks
-# at every instance of each workload it plans, and in a burst of placements the reports come
-# a few per message, so a pass per message repeats those looks many times over. A request
-# (`kick`) does not wait.
-BATCH_PERIOD = 0.1
 # Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 # Phases that keep a workload from being settled (`_settled`): finished, or waited for (the
@@ -176,9 +170,6 @@ class Reconciler:
         # there, so their records are history like any other finished instance.
         self._gone_from_node: set[str] = set()
         self._dirty = asyncio.Event()
-        # Set by a request, or when the batch period after a pass is over: the next pass may go.
-        self._go = asyncio.Event()
-        self.batch_period = BATCH_PERIOD
         self._stops_sent: dict[str, float] = {}
         self._starts_sent: dict[str, float] = {}
         self._cleanup_sent: dict[tuple[str, str], float] = {}
@@ -203,12 +194,6 @@ class Reconciler:
         self.activity = ActivityLog()
 
     def kick(self) -> None:
-        """Plan now: a request waits on it (a batch period under way ends)."""
-        self._dirty.set()
-        self._go.set()
-
-    def soon(self) -> None:
-        """Plan within the batch period: the cluster reported a change."""
         self._dirty.set()
 
     def _on_change(self, change: Change, old: object) -> None:
@@ -236,7 +221,6 @@ class Reconciler:
                 finally:
                     tick.cancel()
                 self._dirty.clear()
-                self._go.clear()
                 try:
                     await self.reconcile_once()
                 except asyncio.CancelledError:
@@ -245,23 +229,10 @@ class Reconciler:
                     self._full_due = True
                     log.exception("reconcile pass failed")
                     await asyncio.sleep(0.5)
-                    continue
-                await self._batch()
         finally:
             self._listening = False
             with contextlib.suppress(ValueError):
                 self.repo.listeners.remove(self._on_change)
-
-    async def _batch(self) -> None:
-        """Let what the cluster reports gather for the batch period, unless a request
-        came (during the pass or now)."""
-        if self.batch_period <= 0 or self._go.is_set():
-            return
-        timer = asyncio.get_running_loop().call_later(self.batch_period, self._go.set)
-        try:
-            await self._go.wait()
-        finally:
-            timer.cancel()
 
     def _next_scope(self) -> set[str] | None:
         now = time.monotonic()
@@ -584,7 +555,7 @@ class Reconciler:
 
     def _wake(self, workload: str) -> None:
         self._changed_workloads.add(workload)
-        self.soon()
+        self.kick()
 
     def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do but move the rollout's
@@ -877,7 +848,7 @@ class Reconciler:
         if freed:
             self.queue.cluster_changed()
         if changes or freed:
-            self.soon()
+            self.kick()
 
 
 class LossDecision(enum.Enum):

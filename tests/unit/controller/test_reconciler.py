@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import re
 import time
@@ -749,9 +748,7 @@ async def test_report_of_running_updates_phase(env: Env) -> None:
     a = env.inst("web-a")
     assert a.phase is P.RUNNING
     assert a.started_at == 5.0
-    # A pass is due, within the batch period: a report is not a request.
     assert env.rec._dirty.is_set()
-    assert not env.rec._go.is_set()
     assert env.link.commands == []
 
 
@@ -1640,57 +1637,6 @@ async def test_run_listens_passes_on_each_kick_and_tick_and_outlives_a_failed_pa
     ticks = [d for d, cb in timers if cb == rec._dirty.set]
     assert len(ticks) >= 3 and set(ticks) == {1.0}
     assert (rec._listening, rec._on_change in env.repo.listeners) == (False, False)
-
-
-async def test_reports_wait_out_the_batch_period_and_a_request_does_not(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What the cluster reports (`soon`) is planned one batch period after the last pass, with
-    whatever else came meanwhile; a request (`kick`) is planned at once, even in the period."""
-    rec = env.rec
-    rec.batch_period = 60.0  # longer than the test: only a kick can end it
-    passes: list[set[str]] = []
-    passed = asyncio.Event()
-
-    async def reconcile_once() -> None:
-        passes.append(set(rec._changed_workloads))
-        rec._changed_workloads.clear()
-        rec._full_due = False
-        passed.set()
-
-    monkeypatch.setattr(rec, "reconcile_once", reconcile_once)
-
-    async def next_pass(count: int) -> None:
-        while len(passes) < count:
-            passed.clear()
-            await asyncio.wait_for(passed.wait(), 5)
-
-    task = asyncio.create_task(rec.run())
-    try:
-        rec.kick()
-        await next_pass(1)
-        # Two reports in the period after that pass: no pass for them yet.
-        for name in ("a", "b"):
-            rec._changed_workloads.add(name)
-            rec.soon()
-            for _ in range(20):
-                await asyncio.sleep(0)
-        assert len(passes) == 1
-        rec.kick()  # a request: the period ends, both reports are planned with it
-        await next_pass(2)
-        assert passes[1] == {"a", "b"}
-        # A short period ends on its own.
-        rec.batch_period = 0.01
-        rec.kick()  # ends the long one under way
-        await next_pass(3)
-        rec._changed_workloads.add("d")
-        rec.soon()
-        await next_pass(4)
-        assert passes[3] == {"d"}
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 # ---- planning: each step looks at every instance ----
