@@ -1,11 +1,10 @@
 """A peer's certificate as gRPC hands it over (PEM), parsed once for every check of a call.
 
-A call is checked twice: the revocation interceptor reads the certificate's serial, then the
-handler its identity (orka.security.identity). Each kept its own cache of parses, and at
-thousands of agents registering at once (a scheduler taking over) every registration missed
-both and parsed the certificate twice. The parse is now shared, and what each check keeps is
-small (a serial, an identity) and sized for a large cluster. The serial is kept here, once
-for the revocation check and the audit record alike.
+A call is checked more than once: the revocation interceptor and the audit record read the
+certificate's serial, the handler its identity (orka.security.identity). When thousands of
+agents register at once (a scheduler taking over), a parse per check would be paid several
+times per registration; so the checks share one parse, and each keeps only a small value (the
+serial here, the identity there) in caches sized for a large cluster.
 """
 
 from __future__ import annotations
