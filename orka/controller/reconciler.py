@@ -32,11 +32,11 @@ from orka.controller.commands import (
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
+from orka.controller.tally import Tally
 from orka.controller.volume_plan import Ordinals, one_at_a_time
 from orka.errors import Invalid, OrkaError
 from orka.models import (
     TERMINAL_PHASES,
-    HealthState,
     Instance,
     InstancePhase,
     InstanceReason,
@@ -65,9 +65,6 @@ FINISHED_RETENTION = 3600.0
 FULL_PASS_EVERY = 2.0
 # Node states in which the node's instances are lost (and replaced elsewhere).
 _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
-# Phases that keep a workload from being settled (`_settled`): finished, or waited for (the
-# wait's end is a step-1 decision).
-_UNSETTLED_PHASES = TERMINAL_PHASES | {InstancePhase.DISCONNECTED}
 # A workload whose instances fail is re-placed with backoff: after the n-th failure in a row
 # the next replacement waits CRASH_BACKOFF_START * 2**(n-1) seconds, at most CRASH_BACKOFF_MAX,
 # counted from when the failed instance finished. A replacement that then runs for
@@ -187,6 +184,14 @@ class Reconciler:
         self._reloads_seen = repo.reloads
         # The workloads the current pass looks at; None: all of them.
         self._scope: set[str] | None = None
+        # While listening: each workload's instances counted (Tally), moved as each instance
+        # is written, so planning a workload whose few instances changed does not look at
+        # all of them again; made afresh from the repo on first use and by each full pass.
+        self._tallies: dict[str, Tally] = {}
+        # Nodes whose instances keep their workloads from being settled: draining, leaving,
+        # lost or departed. Counted by each full pass (a node's change makes the next pass
+        # full) and moved as nodes are written.
+        self._unsettling: set[str] = set()
         # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
         self.crashes: dict[str, CrashBackoff] = {}
         self.clock: Callable[[], float] = time.time
@@ -201,16 +206,45 @@ class Reconciler:
             inst = change.value if change.value is not None else old
             if isinstance(inst, Instance):
                 self._changed_workloads.add(inst.workload)
+                tally = self._tallies.get(inst.workload)
+                if tally is not None:
+                    if isinstance(old, Instance):
+                        tally.remove(old)
+                    if isinstance(change.value, Instance):
+                        tally.add(change.value)
         elif change.kind == "workloads":
             self._changed_workloads.add(change.name)
+            if change.value is None:
+                self._tallies.pop(change.name, None)
         else:
             self._full_due = True  # a node: its instances span any number of workloads
+            if change.kind == "nodes":
+                node = change.value
+                if isinstance(node, Node) and _unsettling(node):
+                    self._unsettling.add(change.name)
+                else:
+                    self._unsettling.discard(change.name)
+
+    def _tally(self, workload: str, insts: Iterable[Instance]) -> Tally:
+        """The tally of `workload`, whose instances in the repo are `insts`: the one kept up
+        to date while listening, else counted now."""
+        if not self._listening:
+            return Tally.of(insts)
+        tally = self._tallies.get(workload)
+        if tally is None:
+            tally = self._tallies[workload] = Tally.of(insts)
+        return tally
+
+    def recount_nodes(self) -> None:
+        """Count afresh which nodes unsettle their workloads (`_unsettling`)."""
+        self._unsettling = {n.name for n in self.repo.nodes.values() if _unsettling(n)}
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self.repo.listeners.append(self._on_change)
         self._listening = True
         self._full_due = True
+        self._tallies = {}
         try:
             while True:
                 # A timer rather than wait_for: on Python 3.11 wait_for can swallow a
@@ -231,6 +265,7 @@ class Reconciler:
                     await asyncio.sleep(0.5)
         finally:
             self._listening = False
+            self._tallies = {}
             with contextlib.suppress(ValueError):
                 self.repo.listeners.remove(self._on_change)
 
@@ -246,6 +281,8 @@ class Reconciler:
             self._reloads_seen = self.repo.reloads
             self._last_full = now
             self._changed_workloads = set()
+            # A full pass counts afresh: whatever a count missed lasts one period at most.
+            self._tallies = {}
             return None
         scope, self._changed_workloads = self._changed_workloads, set()
         return scope
@@ -291,6 +328,8 @@ class Reconciler:
         changes: list[Change] = []
         now = self.clock()
         scope = self._scope
+        if scope is None:
+            self.recount_nodes()
         names = list(self.repo.workloads) if scope is None else sorted(scope)
         for name in names:
             w = self.repo.workloads.get(name)
@@ -300,7 +339,8 @@ class Reconciler:
             if w.deleting:
                 changes += self._plan_delete(w, insts)
             else:
-                changes += self._plan_workload(w, insts, now)
+                tally = self._tally(name, insts.values())
+                changes += self._plan_workload(w, insts, now, tally)
         if scope is not None:
             return changes
         for name in [n for n in self.crashes if n not in self.repo.workloads]:
@@ -338,38 +378,48 @@ class Reconciler:
             changes += volumes.workload_removed(self.repo, w, time.time())
         return changes
 
-    def _plan_workload(self, w: Workload, insts: dict[str, Instance], now: float) -> list[Change]:
+    def _plan_workload(
+        self, w: Workload, insts: dict[str, Instance], now: float, tally: Tally | None = None
+    ) -> list[Change]:
         """The writes that move one live workload toward its spec, step by step; each step sees
-        what the steps before it wrote."""
-        if self._settled(w, insts):
+        what the steps before it wrote. `tally`, when given, counts `insts`."""
+        if tally is None:
+            tally = Tally.of(insts.values())
+        if self._settled(w, tally):
             crash = None
             if w.name in self.crashes:
                 crash = self._crash_streak(w, insts, now)  # a settled one may end its streak
             if w.rollout.state is not RolloutState.PROGRESSING:
-                return self._status_change(w, w, insts.values(), now)
+                return self._status_change(w, w, tally, now)
             # Every instance is of the current revision: nothing to replace, scale or forget,
             # only the rollout's state may move (its instances turn ready, or fail).
             step = WorkloadStep(w, insts, now)
-            self._roll(step, crash)
-            return step.changes + self._status_change(
-                w, step.workload, step.current().values(), now
-            )
+            self._roll(step, crash, tally)
+            if step.current() is not insts:  # a rollback adopted instances
+                tally = Tally.of(step.current().values())
+            return step.changes + self._status_change(w, step.workload, tally, now)
         step = WorkloadStep(w, insts, now)
         self._lose_on_gone_nodes(step)
         _release_replaced(step)
         crash = self._crash_streak(w, step.current(), now)
         self._drain_replacements(step, crash)
-        rolling = self._roll(step, crash)
+        rolling = self._roll(step, crash, tally)
         done = _completed(step.workload, step.current())
         if not rolling:
             _scale(step, done, crash)
         self._forget_finished(step, done)
-        return step.changes + self._status_change(w, step.workload, step.current().values(), now)
+        current = step.current()
+        if current is not insts:
+            tally = Tally.of(current.values())
+        return step.changes + self._status_change(w, step.workload, tally, now)
 
-    def _roll(self, step: WorkloadStep, crash: CrashBackoff | None) -> bool:
+    def _roll(
+        self, step: WorkloadStep, crash: CrashBackoff | None, tally: Tally | None = None
+    ) -> bool:
         """Step 3b. The rolling update (orka/controller/rollout.py): advances the rollout's state
         (a rollback changes the workload) and replaces outdated instances within its bounds.
-        True while outdated instances remain: the rollout, not scaling, sets the count then."""
+        True while outdated instances remain: the rollout, not scaling, sets the count then.
+        `tally` counts the step's instances, when the steps before wrote none."""
         may_add = crash is None or step.now >= crash.not_before
         current = step.current()
 
@@ -385,7 +435,9 @@ class Reconciler:
             return step.fresh(w, ordinals.take())
 
         taken: dict[int, Ordinals] = {}
-        out = rollout.plan_rollout(step.workload, current, step.now, may_add, fresh)
+        if current is not step.insts:
+            tally = None  # the steps before wrote some: counted anew from `current`
+        out = rollout.plan_rollout(step.workload, current, step.now, may_add, fresh, tally)
         step.workload = out.workload
         for inst in out.puts:
             if crash is not None and inst.name not in step.insts:
@@ -557,38 +609,24 @@ class Reconciler:
         self._changed_workloads.add(workload)
         self.kick()
 
-    def _settled(self, w: Workload, insts: dict[str, Instance]) -> bool:
+    def _settled(self, w: Workload, tally: Tally) -> bool:
         """True when steps 1-5 of `_plan_workload` have nothing to do but move the rollout's
         state: as many instances as replicas, none finished, DISCONNECTED, stopping, replaced or
         of an old generation, none on a node that is lost, departed or draining. Most workloads
-        are so on most passes (a full pass looks at every one), and one loop tells, where the
-        steps take one or more each."""
-        if len(insts) != w.spec.replicas:
+        are so on most passes (a full pass looks at every one), and the tally tells at once,
+        where the steps take one or more looks at each instance."""
+        if tally.size != w.spec.replicas:
             return False
         if w.rollout.revision != w.generation:
             return False  # a rollout to start
-        generation = w.generation
-        for i in insts.values():
-            if (
-                i.phase in _UNSETTLED_PHASES
-                or i.desired_stop
-                or i.replaced_by
-                or i.generation != generation
-            ):
-                return False
-            if i.node:
-                node = self._node(i.node)
-                if node is not None and (node.draining or node.leaving or node.state in _NODE_GONE):
-                    return False
-        return True
+        if not tally.all_of(w.generation):
+            return False
+        return not (self._unsettling and tally.on_any(self._unsettling))
 
-    def _status_change(
-        self, old: Workload, w: Workload, insts: Iterable[Instance], now: float
-    ) -> list[Change]:
+    def _status_change(self, old: Workload, w: Workload, tally: Tally, now: float) -> list[Change]:
         """The write of `w` (the workload as the pass left it: a rollback changes it) with its
-        status now, if it differs from the stored `old`."""
-        insts = list(insts)
-        status = self._status(w, insts, now)
+        status now, if it differs from the stored `old`; `tally` counts its instances."""
+        status = self._status(w, tally, now)
         crash = self.crashes.get(w.name)
         if crash is not None and now < crash.not_before and not status.message:
             status.message = (
@@ -607,43 +645,27 @@ class Reconciler:
         node = self._node(inst.node)
         return node is not None and node.state is NodeState.READY
 
-    def _status(self, w: Workload, insts: Iterable[Instance], now: float) -> WorkloadStatus:
-        placed = running = healthy = updated = ready = 0
-        min_ready = w.spec.update.min_ready_seconds
-        unplaced: list[Instance] = []
-        for i in insts:
-            if i.terminal or i.desired_stop or i.replaced_by:
-                continue
-            if i.node:
-                placed += 1
-            if i.generation == w.generation:
-                updated += 1
-                ready += rollout.is_ready(i, min_ready, now)
-            if i.phase is InstancePhase.RUNNING:
-                running += 1
-                if i.health is HealthState.HEALTHY:
-                    healthy += 1
-            if i.phase is InstancePhase.PENDING and i.message:
-                unplaced.append(i)
+    def _status(self, w: Workload, tally: Tally, now: float) -> WorkloadStatus:
         # Oldest first, so the reasons keep a stable order from one pass to the next.
+        unplaced = tally.unplaced_oldest_first()
         reasons: list[str] = []
-        for i in sorted(unplaced, key=lambda i: (i.created_at, i.name)):
+        for i in unplaced:
             if i.message not in reasons:
                 reasons.append(i.message)
         message = ""
         if reasons:
-            message = f"{w.spec.replicas - placed} replica(s) not placed"
+            message = f"{w.spec.replicas - tally.placed} replica(s) not placed"
         return WorkloadStatus(
             desired=w.spec.replicas,
-            placed=placed,
-            running=running,
-            healthy=healthy,
+            placed=tally.placed,
+            running=tally.running,
+            healthy=tally.healthy,
             unschedulable_reasons=reasons,
             # Parked by the placement queue: refused by every node for unresolvable reasons.
             unschedulable_unresolvable=any(i.name in self.queue.parked for i in unplaced),
             message=message,
-            updated=updated,
-            ready=ready,
+            updated=tally.updated(w.generation),
+            ready=tally.ready(w.spec.update.min_ready_seconds, now, w.generation),
         )
 
     # ---- commands to nodes ----
@@ -979,6 +1001,12 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
 def _stop(inst: Instance, reason: InstanceReason, successor: str = "") -> Instance:
     """Stamped with the wall time the stop is decided (the pass's `now` may be a test clock)."""
     return inst.stop(reason, time.time(), successor)
+
+
+def _unsettling(node: Node) -> bool:
+    """Whether the node's instances keep their workloads from being settled: they are to move
+    (draining, leaving) or be lost (the node is)."""
+    return node.draining or node.leaving or node.state in _NODE_GONE
 
 
 def _node_changed(old: Node, new: Node) -> bool:

@@ -17,12 +17,14 @@ one stopped: the counts it compares against (progress) are the stored status's.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
 
+from orka.controller.tally import Tally, active, age, is_ready
 from orka.controller.volume_plan import one_at_a_time
 from orka.errors import Conflict, Invalid
 from orka.etags import new_workload_etag
@@ -30,7 +32,6 @@ from orka.models import (
     MAX_REVISION_BYTES,
     MAX_REVISIONS,
     ROLLOUT_DONE,
-    HealthState,
     Instance,
     InstancePhase,
     InstanceReason,
@@ -143,74 +144,36 @@ def rollback_spec(w: Workload, revision: int) -> tuple[WorkloadSpec, int]:
 # ---- one pass over one workload ----
 
 
-def is_ready(inst: Instance, min_ready: float, now: float) -> bool:
-    """RUNNING and HEALTHY for `min_ready` seconds (since it started, or turned healthy)."""
-    if inst.phase is not InstancePhase.RUNNING or inst.health is not HealthState.HEALTHY:
-        return False
-    since = max(inst.started_at or 0.0, inst.health_changed_at or 0.0)
-    return now - since >= min_ready
-
-
-def ready_in(inst: Instance, min_ready: float, now: float) -> float | None:
-    """Seconds until a RUNNING and HEALTHY instance counts as ready; None if it is not on its
-    way (or already is)."""
-    if inst.phase is not InstancePhase.RUNNING or inst.health is not HealthState.HEALTHY:
-        return None
-    since = max(inst.started_at or 0.0, inst.health_changed_at or 0.0)
-    left = since + min_ready - now
-    return left if left > 0 else None
-
-
-def failing(inst: Instance) -> str:
-    """Why a new instance shows its revision does not work ("" when it does not): it failed,
-    restarted (exits at once, crash loop) or its health check fails."""
-    if inst.phase is InstancePhase.FAILED and not inst.desired_stop:
-        return f"instance {inst.name} failed: {inst.message or inst.reason or 'no reason given'}"
-    if inst.restarts > 0 and not inst.desired_stop:
-        return f"instance {inst.name} restarted {inst.restarts} time(s): {inst.message}".rstrip(
-            ": "
-        )
-    if inst.phase is InstancePhase.RUNNING and inst.health is HealthState.UNHEALTHY:
-        return f"instance {inst.name} is unhealthy: {inst.health_message or 'check failed'}"
-    return ""
-
-
-@dataclass
 class View:
-    """A workload's instances as a rollout sees them."""
+    """A workload's instances as a rollout sees them: counted by their tally, and listed only
+    when a step needs the instances themselves (replacing outdated ones)."""
 
-    new: list[Instance]  # active, of the current generation
-    old: list[Instance]  # active, of an older one
-    ready_new: int
-    ready_old: int
-    failure: str  # why the current revision's instances fail, "" if they do not
-    wake_in: float | None = None  # when the next instance turns ready
+    def __init__(
+        self, w: Workload, insts: Iterable[Instance], now: float, tally: Tally | None = None
+    ) -> None:
+        self._insts = insts
+        self._generation = g = w.generation
+        t = Tally.of(insts) if tally is None else tally
+        min_ready = w.spec.update.min_ready_seconds
+        self.updated = t.updated(g)  # active, of the current generation
+        self.outdated = t.outdated(g)  # active, of an older one
+        self.ready_new = t.ready(min_ready, now, g)
+        self.ready_old = t.ready(min_ready, now) - self.ready_new
+        # Why the current revision's instances fail, "" if they do not.
+        self.failure = t.failure(g, w.rollout.started_at)
+        self.wake_in = t.wake_in(min_ready, now)  # when the next instance turns ready
 
     @property
     def ready(self) -> int:
         return self.ready_new + self.ready_old
 
+    @functools.cached_property
+    def new(self) -> list[Instance]:
+        return [i for i in self._insts if active(i) and i.generation == self._generation]
 
-def view(w: Workload, insts: Iterable[Instance], now: float) -> View:
-    min_ready = w.spec.update.min_ready_seconds
-    started = w.rollout.started_at
-    out = View([], [], 0, 0, "")
-    for i in insts:
-        if i.generation == w.generation and not out.failure and i.created_at >= started:
-            out.failure = failing(i)
-        if i.terminal or i.desired_stop or i.replaced_by:
-            continue
-        ready = is_ready(i, min_ready, now)
-        if i.generation == w.generation:
-            out.new.append(i)
-            out.ready_new += ready
-        else:
-            out.old.append(i)
-            out.ready_old += ready
-        left = ready_in(i, min_ready, now)
-        if left is not None and (out.wake_in is None or left < out.wake_in):
-            out.wake_in = left
-    return out
+    @functools.cached_property
+    def old(self) -> list[Instance]:
+        return [i for i in self._insts if active(i) and i.generation != self._generation]
 
 
 @dataclass
@@ -229,10 +192,12 @@ def plan_rollout(
     now: float,
     may_add: bool,
     new_instance: Callable[[Workload], Instance],
+    tally: Tally | None = None,
 ) -> Outcome:
     """One pass: advance the rollout's state, roll back if it failed and may, then replace
-    outdated instances within the bounds. `may_add` is False while a crash backoff runs."""
-    v = view(w, insts.values(), now)
+    outdated instances within the bounds. `may_add` is False while a crash backoff runs;
+    `tally`, when given, counts `insts`."""
+    v = View(w, insts.values(), now, tally)
     rollout = _transition(w, v, now)
     out = Outcome(w.model_copy(update={"rollout": rollout}) if rollout != w.rollout else w)
     out.wake_in = v.wake_in
@@ -244,8 +209,8 @@ def plan_rollout(
             out.workload = back
             out.puts += adopt(back, insts.values())
             merged = {**insts, **{i.name: i for i in out.puts}}
-            v = view(back, merged.values(), now)
-    if out.workload.rollout.state is RolloutState.PROGRESSING and v.old:
+            v = View(back, merged.values(), now)
+    if out.workload.rollout.state is RolloutState.PROGRESSING and v.outdated:
         out.puts += _replace(out.workload, v, now, may_add, new_instance)
     return out
 
@@ -263,18 +228,18 @@ def _transition(w: Workload, v: View, now: float) -> Rollout:
     spec = w.spec
     if v.failure:
         return _step(w, r, RolloutState.FAILED, v.failure, now)
-    updated, ready = len(v.new), v.ready_new
+    updated, ready = v.updated, v.ready_new
     if (updated, ready) != (w.status.updated, w.status.ready) and not (updated == 0 and ready == 0):
         # Progress: pushes the deadline on.
         r = r.model_copy(
             update={"progress_at": now, "deadline": now + spec.update.progress_deadline_seconds}
         )
     canary = min(spec.update.canary, spec.replicas)
-    if canary and not r.promoted and v.old and ready >= canary:
+    if canary and not r.promoted and v.outdated and ready >= canary:
         return _step(
             w, r, RolloutState.AWAITING_PROMOTION, f"{ready} canary instance(s) ready", now
         )
-    if not v.old and updated == spec.replicas and ready == spec.replicas:
+    if not v.outdated and updated == spec.replicas and ready == spec.replicas:
         done = RolloutState.ROLLED_BACK if r.rollback_of else RolloutState.COMPLETE
         message = f"rolled back from revision {r.rollback_of}" if r.rollback_of else ""
         return _step(w, r, done, message, now)
@@ -353,7 +318,7 @@ def _replace(
     target_new = replicas
     if u.canary and not w.rollout.promoted:
         target_new = min(u.canary, replicas)
-    new_count = len(v.new)
+    new_count = v.updated
     old = []
     for inst in v.old:
         if inst.phase is InstancePhase.PENDING and new_count < target_new:
@@ -371,7 +336,7 @@ def _replace(
     # that new instances still starting count against the budget too.
     budget = active - min_available - (new_count - v.ready_new)
     stops: list[Instance] = []
-    for inst in sorted(unready_old, key=_age):
+    for inst in sorted(unready_old, key=age):
         if budget <= 0 or surplus <= 0:
             break
         stops.append(inst)
@@ -379,7 +344,7 @@ def _replace(
         surplus -= 1
     # Then ready ones, oldest first, while enough others stay ready.
     spare = v.ready - min_available
-    for inst in sorted(ready_old, key=_age):
+    for inst in sorted(ready_old, key=age):
         if spare <= 0 or surplus <= 0:
             break
         stops.append(inst)
@@ -392,10 +357,6 @@ def _replace(
     if may_add:
         puts += [new_instance(w) for _ in range(max(0, room))]
     return puts
-
-
-def _age(inst: Instance) -> tuple[float, str]:
-    return (inst.created_at, inst.name)
 
 
 # ---- what users ask (the API) ----

@@ -39,6 +39,7 @@ from orka.controller.reconciler import (
     new_instance,
 )
 from orka.controller.repo import Change, Repo
+from orka.controller.tally import Tally
 from orka.errors import AlreadyExists, Unavailable
 from orka.models import (
     HealthState,
@@ -700,13 +701,14 @@ async def test_a_settled_workload_plans_what_the_full_steps_plan(env: Env) -> No
     for _ in range(3000):
         w, insts, nodes = random_state(rng)
         env.repo.nodes = nodes
-        if not env.rec._settled(w, insts):
+        env.rec.recount_nodes()
+        if not env.rec._settled(w, Tally.of(insts.values())):
             unsettled += 1
             continue
         settled += 1
         now = time.time()
         fast = env.rec._plan_workload(w, insts, now)
-        env.rec._settled = lambda w, insts: False  # type: ignore[method-assign]
+        env.rec._settled = lambda w, tally: False  # type: ignore[method-assign]
         try:
             full = env.rec._plan_workload(w, insts, now)
         finally:
@@ -1286,6 +1288,56 @@ async def test_an_incremental_pass_plans_sends_and_queues_only_what_changed(
     assert sent(env.link.commands) == [("n1", "stop", "b-stop", "scaled down")]
     assert set(env.rec._stops_sent) == {"b-stop"}
     assert set(env.queue.pending) == {i.name for i in env.of("a") + active(env.of("b"))}
+
+
+async def test_the_kept_tallies_count_what_the_repo_holds_after_every_write(
+    env: Env, fake_time: FakeTime
+) -> None:
+    """Incremental passes plan from tallies moved by each write; after passes and writes of
+    every sort (new instances, reports, scale-down stops, deletes, a drain), each kept tally
+    equals a fresh count of its workload's instances, and the planned statuses follow."""
+    listen(env)
+    rec = env.rec
+
+    def check() -> None:
+        assert rec._tallies  # the passes below plan from kept tallies, not fresh ones
+        for name, kept in rec._tallies.items():
+            assert kept == Tally.of(env.repo.instances_of(name)), name
+
+    await env.put(node("n1"), node("n2"), workload("a", replicas=3), workload("b", replicas=2))
+    await rec.reconcile_once()  # full: counts afresh, then creates five instances
+    check()
+    a1, a2, a3 = env.of("a")
+    await env.put(
+        a1.model_copy(update={"node": "n1", "phase": P.SCHEDULED}),
+        a2.model_copy(update={"node": "n2", "phase": P.SCHEDULED}),
+    )
+    await rec.reconcile_once()
+    check()
+    await feed(
+        env,
+        [
+            report_update("n1", status_pb(a1.name, started_at=time.time())),
+            report_update("n2", status_pb(a2.name, phase=pb.Instance.FAILED, exit_code=1)),
+        ],
+    )
+    check()
+    await rec.reconcile_once()  # a2 failed: a replacement (after its backoff)
+    check()
+    await env.put(workload("a", replicas=1))
+    await rec.reconcile_once()  # scaled down: stops
+    check()
+    status = env.repo.workloads["a"].status
+    assert (status.desired, status.placed, status.running) == (1, 1, 1)
+    await env.repo.mutate(lambda: [Change("instances", a3.name, None)])
+    await rec.reconcile_once()
+    check()
+    await env.put(node("n1", draining=True))  # the next pass is full, and counts afresh
+    await rec.reconcile_once()
+    check()
+    assert rec._unsettling == {"n1"}
+    await env.put(node("n1"))
+    assert rec._unsettling == set()
 
 
 @pytest.mark.parametrize("why", ["node", "reload", "not listening", "failed pass"])

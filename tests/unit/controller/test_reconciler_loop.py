@@ -22,6 +22,7 @@ from orka.controller.reconciler import (
     new_instance,
 )
 from orka.controller.repo import Change
+from orka.controller.tally import Tally
 from orka.models import InstanceReason, NodeState, Resources, WorkloadStatus
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
@@ -321,7 +322,7 @@ def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) 
     w = workload("web", replicas=1)
     insts = [inst("web-a", P.RUNNING)]
     env.rec.crashes["web"] = CrashBackoff(failures=2, not_before=50.0, last_error="exit code 1")
-    waiting = env.rec._status_change(w, w, insts, 49.99)
+    waiting = env.rec._status_change(w, w, Tally.of(insts), 49.99)
     assert [(c.kind, c.name) for c in waiting] == [("workloads", "web")]
     assert waiting[0].value.updated_at == 49.99
     assert waiting[0].value.status == WorkloadStatus(
@@ -336,7 +337,7 @@ def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) 
             " replaced with backoff, up to 300s"
         ),
     )
-    done = env.rec._status_change(w, w, insts, 50.0)
+    done = env.rec._status_change(w, w, Tally.of(insts), 50.0)
     assert done[0].value.status == WorkloadStatus(
         desired=1, placed=1, running=1, healthy=1, updated=1, ready=1
     )
