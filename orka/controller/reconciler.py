@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import secrets
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -91,11 +91,39 @@ class CrashBackoff:
         return min(CRASH_BACKOFF_START * 2 ** max(0, self.failures - 1), CRASH_BACKOFF_MAX)
 
 
+class WorkloadInstances(Mapping[str, Instance]):
+    """A workload's instances by name, as the repo holds them, gathered only when a step
+    reads them: a settled workload is planned from its tally alone, and gathering thousands of
+    instances for each of the few that changed was most of a pass in a burst."""
+
+    def __init__(self, repo: Repo, workload: str) -> None:
+        self._repo = repo
+        self._workload = workload
+        self._by_name: dict[str, Instance] | None = None
+
+    def _all(self) -> dict[str, Instance]:
+        if self._by_name is None:
+            self._by_name = {i.name: i for i in self._repo.instances_of(self._workload)}
+        return self._by_name
+
+    def __getitem__(self, name: str) -> Instance:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._all()
+
+
 class WorkloadStep:
     """One workload's planning pass: its instances as the steps so far left them, and the
     writes they planned. Each step reads `current()` and writes with `put`."""
 
-    def __init__(self, workload: Workload, insts: dict[str, Instance], now: float) -> None:
+    def __init__(self, workload: Workload, insts: Mapping[str, Instance], now: float) -> None:
         self.workload = workload
         self.insts = insts
         self.now = now
@@ -117,7 +145,7 @@ class WorkloadStep:
     def __contains__(self, name: object) -> bool:
         return name in self.insts or name in self._drawn
 
-    def current(self) -> dict[str, Instance]:
+    def current(self) -> Mapping[str, Instance]:
         # Most passes change nothing here: the workload's own table stands as is.
         return {**self.insts, **self._updated} if self._updated else self.insts
 
@@ -179,11 +207,16 @@ class Reconciler:
         # changed, the cache was reloaded). Without the listener every pass is full.
         self._listening = False
         self._changed_workloads: set[str] = set()
+        # And the instances written since: an incremental pass checks only their commands
+        # and queueing (`_in_scope`).
+        self._changed_instances: set[str] = set()
         self._full_due = True
         self._last_full = -1e9
         self._reloads_seen = repo.reloads
-        # The workloads the current pass looks at; None: all of them.
+        # The workloads the current pass looks at; None: all of them. And the instances
+        # written before it began whose commands it checks.
         self._scope: set[str] | None = None
+        self._scope_instances: set[str] = set()
         # While listening: each workload's instances counted (Tally), moved as each instance
         # is written, so planning a workload whose few instances changed does not look at
         # all of them again; made afresh from the repo on first use and by each full pass.
@@ -206,6 +239,7 @@ class Reconciler:
             inst = change.value if change.value is not None else old
             if isinstance(inst, Instance):
                 self._changed_workloads.add(inst.workload)
+                self._changed_instances.add(inst.name)
                 tally = self._tallies.get(inst.workload)
                 if tally is not None:
                     if isinstance(old, Instance):
@@ -225,14 +259,14 @@ class Reconciler:
                 else:
                     self._unsettling.discard(change.name)
 
-    def _tally(self, workload: str, insts: Iterable[Instance]) -> Tally:
+    def _tally(self, workload: str, insts: Mapping[str, Instance]) -> Tally:
         """The tally of `workload`, whose instances in the repo are `insts`: the one kept up
         to date while listening, else counted now."""
         if not self._listening:
-            return Tally.of(insts)
+            return Tally.of(insts.values())
         tally = self._tallies.get(workload)
         if tally is None:
-            tally = self._tallies[workload] = Tally.of(insts)
+            tally = self._tallies[workload] = Tally.of(insts.values())
         return tally
 
     def recount_nodes(self) -> None:
@@ -281,20 +315,25 @@ class Reconciler:
             self._reloads_seen = self.repo.reloads
             self._last_full = now
             self._changed_workloads = set()
+            self._changed_instances = set()
             # A full pass counts afresh: whatever a count missed lasts one period at most.
             self._tallies = {}
             return None
         scope, self._changed_workloads = self._changed_workloads, set()
+        self._scope_instances, self._changed_instances = self._changed_instances, set()
         return scope
 
     def _in_scope(self) -> list[Instance]:
+        """The instances whose commands (stop) and queueing this pass checks: every one in a
+        full pass; in an incremental one, those written since the last pass began and by
+        this pass. A command follows from an instance's own record (a stop asked for) or
+        from time (a resend, a node back: full passes), never from the rest of its
+        workload, whose every instance a burst would otherwise look at after each report."""
         if self._scope is None:
             return list(self.repo.instances.values())
         # The pass's own writes (stops, new instances) are in the changed set by now.
-        out: list[Instance] = []
-        for w in self._scope | self._changed_workloads:
-            out += self.repo.instances_of(w)
-        return out
+        names = self._scope_instances | self._changed_instances
+        return [self.repo.instances[n] for n in names if n in self.repo.instances]
 
     async def reconcile_once(self) -> None:
         self._removals = []
@@ -313,6 +352,7 @@ class Reconciler:
             raise
         finally:
             self._scope = None
+            self._scope_instances = set()
 
     # ---- planning ----
 
@@ -335,11 +375,11 @@ class Reconciler:
             w = self.repo.workloads.get(name)
             if w is None:
                 continue
-            insts = {i.name: i for i in self.repo.instances_of(name)}
+            insts = WorkloadInstances(self.repo, name)
             if w.deleting:
                 changes += self._plan_delete(w, insts)
             else:
-                tally = self._tally(name, insts.values())
+                tally = self._tally(name, insts)
                 changes += self._plan_workload(w, insts, now, tally)
         if scope is not None:
             return changes
@@ -358,7 +398,7 @@ class Reconciler:
     def _node(self, name: str) -> Node | None:
         return self.repo.nodes.get(name)
 
-    def _plan_delete(self, w: Workload, insts: dict[str, Instance]) -> list[Change]:
+    def _plan_delete(self, w: Workload, insts: Mapping[str, Instance]) -> list[Change]:
         changes: list[Change] = []
         remaining = 0
         for inst in insts.values():
@@ -379,7 +419,7 @@ class Reconciler:
         return changes
 
     def _plan_workload(
-        self, w: Workload, insts: dict[str, Instance], now: float, tally: Tally | None = None
+        self, w: Workload, insts: Mapping[str, Instance], now: float, tally: Tally | None = None
     ) -> list[Change]:
         """The writes that move one live workload toward its spec, step by step; each step sees
         what the steps before it wrote. `tally`, when given, counts `insts`."""
@@ -403,7 +443,8 @@ class Reconciler:
         _release_replaced(step)
         crash = self._crash_streak(w, step.current(), now)
         self._drain_replacements(step, crash)
-        rolling = self._roll(step, crash, tally)
+        self._roll(step, crash, tally)
+        rolling = _outdated_left(step)
         done = _completed(step.workload, step.current())
         if not rolling:
             _scale(step, done, crash)
@@ -415,10 +456,9 @@ class Reconciler:
 
     def _roll(
         self, step: WorkloadStep, crash: CrashBackoff | None, tally: Tally | None = None
-    ) -> bool:
+    ) -> None:
         """Step 3b. The rolling update (orka/controller/rollout.py): advances the rollout's state
         (a rollback changes the workload) and replaces outdated instances within its bounds.
-        True while outdated instances remain: the rollout, not scaling, sets the count then.
         `tally` counts the step's instances, when the steps before wrote none."""
         may_add = crash is None or step.now >= crash.not_before
         current = step.current()
@@ -445,11 +485,6 @@ class Reconciler:
             step.put(inst)
         if out.wake_in is not None:
             self._wake_at(step.workload.name, out.wake_in)
-        generation = step.workload.generation
-        return any(
-            i.generation != generation and not (i.terminal or i.desired_stop or i.replaced_by)
-            for i in step.current().values()
-        )
 
     def _lose_on_gone_nodes(self, step: WorkloadStep) -> None:
         """Step 1. An instance on a lost or departed node runs nowhere the controller can see:
@@ -499,7 +534,7 @@ class Reconciler:
             step.put(succ)
             step.put(inst.hand_over(succ.name))
 
-    def _draining(self, current: dict[str, Instance]) -> list[Instance]:
+    def _draining(self, current: Mapping[str, Instance]) -> list[Instance]:
         """The bound instances on a draining node that have no successor yet, oldest first.
         They are few, so they alone are sorted, not the whole workload each pass."""
         todo = []
@@ -539,7 +574,7 @@ class Reconciler:
             step.changes.append(self._forget(inst))
 
     def _crash_streak(
-        self, w: Workload, insts: dict[str, Instance], now: float
+        self, w: Workload, insts: Mapping[str, Instance], now: float
     ) -> CrashBackoff | None:
         """Count the workload's newly failed instances into its streak, end the streak when a
         replacement has run long enough; the streak, or None when there is none."""
@@ -926,6 +961,16 @@ def _unplaced_successor(
     return best
 
 
+def _outdated_left(step: WorkloadStep) -> bool:
+    """Whether outdated instances remain after the rollout's step: the rollout, not scaling,
+    sets the count then."""
+    generation = step.workload.generation
+    return any(
+        i.generation != generation and not (i.terminal or i.desired_stop or i.replaced_by)
+        for i in step.current().values()
+    )
+
+
 def _release_replaced(step: WorkloadStep) -> None:
     """Step 2. An instance being replaced (drain, rolling update) stops once its successor
     runs, not before, so the workload never has fewer running than it had. A successor that
@@ -940,7 +985,7 @@ def _release_replaced(step: WorkloadStep) -> None:
                 step.put(_stop(inst, InstanceReason.REPLACED, successor=succ.name))
 
 
-def _completed(w: Workload, current: dict[str, Instance]) -> list[Instance]:
+def _completed(w: Workload, current: Mapping[str, Instance]) -> list[Instance]:
     """The instances that finished their replica's work for good: succeeded, or failed under
     restart policy NEVER. They count toward the replicas, so none is started in their place."""
     return [

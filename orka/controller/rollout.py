@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -188,7 +188,7 @@ class Outcome:
 
 def plan_rollout(
     w: Workload,
-    insts: dict[str, Instance],
+    insts: Mapping[str, Instance],
     now: float,
     may_add: bool,
     new_instance: Callable[[Workload], Instance],

@@ -132,37 +132,49 @@ async def test_an_incremental_pass_plans_and_commands_only_the_changed_workloads
     b_run = inst("b-run", workload="b", desired_stop=True, message="scaled down")
     await quietly(env, workload("b", replicas=2), b_run)
     env.queue.pending.clear()
+    (a_first,) = env.of("a")
     await env.put(workload("a", replicas=2))
     clock.now += 0.5
     await env.rec.reconcile_once()
     assert len(env.of("a")) == 2
     assert len(env.of("b")) == 2  # the pending one and b-run: nothing new
     assert env.link.commands == []
-    assert sorted(env.queue.pending) == sorted(i.name for i in env.of("a"))
-    # The full pass catches up with b.
+    # Queued: a's new instance; its first, unchanged, waits for a full pass like b's.
+    assert list(env.queue.pending) == [i.name for i in env.of("a") if i != a_first]
+    # The full pass catches up with b, and queues every pending instance.
     clock.now += 2.0
     await env.rec.reconcile_once()
     assert len(env.of("b")) == 3
     assert env.link.commands == [command_to_pb(stop_command("n1", "b-run", "scaled down"))]
+    pending = [i for w in ("a", "b") for i in env.of(w) if i.phase is P.PENDING]
+    assert sorted(env.queue.pending) == sorted(i.name for i in pending)
 
 
-async def test_an_incremental_pass_queues_the_pending_instances_of_every_workload_in_scope(
+async def test_an_incremental_pass_queues_the_pending_instances_written_since_the_last(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Even when the pass itself writes nothing (settled workloads)."""
+    """Whatever their workload, and even when the pass itself writes nothing (settled
+    workloads); a workload's record changing does not look at its instances again."""
     clock = FakeMonotonic(monkeypatch)
     listen(env)
     await env.put(workload("a", replicas=1), workload("b", replicas=1))
     await env.rec.reconcile_once()
-    pending = sorted(i.name for w in ("a", "b") for i in env.of(w))
+    clock.now += 0.1
+    await env.rec.reconcile_once()  # the first pass's own writes
+    (a1,) = env.of("a")
+    (b1,) = env.of("b")
     env.queue.pending.clear()
-    # Both touched (a label each, status kept), neither needs a write.
+    # Both touched (a label each, status kept), neither needs a write; b's instance too.
     await env.put(
-        *(env.repo.workloads[n].model_copy(update={"labels": {"x": "1"}}) for n in ("a", "b"))
+        *(env.repo.workloads[n].model_copy(update={"labels": {"x": "1"}}) for n in ("a", "b")),
+        b1.model_copy(update={"message": "1 node: cordoned"}),
     )
     clock.now += 0.5
     await env.rec.reconcile_once()
-    assert sorted(env.queue.pending) == pending
+    assert list(env.queue.pending) == [b1.name]
+    clock.now += 2.0
+    await env.rec.reconcile_once()  # full
+    assert sorted(env.queue.pending) == sorted([a1.name, b1.name])
 
 
 async def test_a_pass_queues_only_pending_instances_not_being_stopped(env: Env) -> None:
