@@ -14,8 +14,8 @@ too, next to the counts that must agree with it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from sortedcontainers import SortedList
 
@@ -104,14 +104,14 @@ class Tally:
         self.size = 0
         # Every instance by generation, and the names of those that keep the workload from
         # being settled by their own state (finished, DISCONNECTED, stopping, replaced).
-        self.generations: Counter[int] = Counter()
+        self.generations: dict[int, int] = {}
         self.troubled: set[str] = set()
         # Every bound instance by node (whether one sits on a draining or lost node).
-        self.nodes: Counter[str] = Counter()
+        self.nodes: dict[str, int] = {}
         # Instances that show their revision fails (`failing`), by name.
         self.failing: dict[str, Instance] = {}
         # Active instances: by generation, bound, RUNNING, RUNNING and HEALTHY.
-        self.active: Counter[int] = Counter()
+        self.active: dict[int, int] = {}
         self.placed = 0
         self.running = 0
         self.healthy = 0
@@ -143,25 +143,31 @@ class Tally:
         self._count(inst, -1)
 
     def _count(self, inst: Instance, sign: int) -> None:
+        # Every write moves a tally twice (the old record out, the new in): the rules of
+        # `active`, `failing` and UNSETTLED_PHASES are spelled out here rather than called.
+        phase = inst.phase
+        stopping = inst.desired_stop
+        finished = phase in TERMINAL_PHASES
         self.size += sign
         _bump(self.generations, inst.generation, sign)
         if inst.node:
             _bump(self.nodes, inst.node, sign)
-        if inst.phase in UNSETTLED_PHASES or inst.desired_stop or inst.replaced_by:
+        if finished or stopping or inst.replaced_by or phase is InstancePhase.DISCONNECTED:
             _mark(self.troubled, inst.name, sign)
-        if failing(inst):
+        if ((phase is InstancePhase.FAILED or inst.restarts > 0) and not stopping) or (
+            phase is InstancePhase.RUNNING and inst.health is HealthState.UNHEALTHY
+        ):
             _keep(self.failing, inst, sign)
-        if not active(inst):
-            return
+        if finished or stopping or inst.replaced_by:
+            return  # not active
         _bump(self.active, inst.generation, sign)
         if inst.node:
             self.placed += sign
-        if inst.phase is InstancePhase.RUNNING:
+        if phase is InstancePhase.RUNNING:
             self.running += sign
             if inst.health is HealthState.HEALTHY:
                 self.healthy += sign
-                since = ready_since(inst)
-                assert since is not None
+                since = max(inst.started_at or 0.0, inst.health_changed_at or 0.0)
                 sorted_since = self.since.get(inst.generation)
                 if sign > 0:
                     if sorted_since is None:
@@ -171,7 +177,7 @@ class Tally:
                     sorted_since.remove(since)
                     if not sorted_since:
                         del self.since[inst.generation]
-        elif inst.phase is InstancePhase.PENDING and inst.message:
+        elif phase is InstancePhase.PENDING and inst.message:
             _keep(self.unplaced, inst, sign)
 
     # ---- what a pass reads ----
@@ -243,12 +249,12 @@ def _prefix(
     return k
 
 
-def _bump(counter: Counter[int] | Counter[str], key: int | str, sign: int) -> None:
-    n = counter[key] + sign  # type: ignore[index]
+def _bump(counts: dict[Any, int], key: object, sign: int) -> None:
+    n = counts.get(key, 0) + sign
     if n:
-        counter[key] = n  # type: ignore[index]
+        counts[key] = n
     else:
-        del counter[key]  # type: ignore[arg-type]
+        del counts[key]
 
 
 def _mark(names: set[str], name: str, sign: int) -> None:
