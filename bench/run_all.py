@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 BENCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "echo": ("echo", ()),
     "decisions": ("decisions", ()),
+    # The controller's reconcile passes alone over a burst's writes (in-process, no services).
+    "reconcile": ("reconcile", ()),
     "placement": ("placement", ()),
     # Placement at the heartbeat benchmark's node count (issue 18: >= 1,500 /s, no node
     # leaving READY), where retries that ranked every node once overran the scheduler.

@@ -35,6 +35,7 @@ def test_run_all_smoke() -> None:
     assert set(results) == {
         "echo",
         "decisions",
+        "reconcile",
         "placement",
         "heartbeat",
         "healing",
@@ -77,6 +78,11 @@ def test_run_all_smoke() -> None:
     assert echo["messages_per_s"] > 0 and echo["payload_bytes"] > 0
 
     # Smoke sizes: 100 nodes, 100 requests; every request fits somewhere.
+    # Every instance of the 5 x 20 reached its workload's status, through passes that each
+    # wrote some (one creates, one per binding batch, one per report batch).
+    (reconcile,) = results["reconcile"]["runs"]
+    assert (reconcile["workloads"], reconcile["replicas"], reconcile["complete"]) == (5, 20, True)
+    assert reconcile["passes"] == 1 + 1 + 5 and reconcile["status_writes"] > 0
     decisions = results["decisions"]
     assert (decisions["nodes"], decisions["requests"]) == (100, 100)
     assert set(decisions["results"]) == {"spread", "binpack"}
