@@ -167,7 +167,7 @@ class Tally:
             self.running += sign
             if inst.health is HealthState.HEALTHY:
                 self.healthy += sign
-                since = max(inst.started_at or 0.0, inst.health_changed_at or 0.0)
+                since = ready_since(inst)
                 sorted_since = self.since.get(inst.generation)
                 if sign > 0:
                     if sorted_since is None:

@@ -3,6 +3,7 @@ and as a plain look at each record (the per-instance rules are the reference).""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import given, settings
@@ -160,3 +161,56 @@ def test_the_ready_count_follows_the_rule_where_float_rounding_moves_the_edge() 
         left = [ready_in(i, min_ready, NOW) for i in insts]
         assert t.wake_in(min_ready, NOW) == min((x for x in left if x is not None), default=None)
     assert t.ready(0.1, NOW) == sum(NOW - s >= 0.1 for s in since)
+
+
+def running(name: str, since: float | None, **kw: Any) -> Instance:
+    kw.setdefault("health", HealthState.HEALTHY)
+    return Instance(name=name, workload="web", phase=InstancePhase.RUNNING, started_at=since, **kw)
+
+
+def test_ready_and_its_wait_count_by_the_rule_on_both_sides_of_a_rounded_edge() -> None:
+    """At 3.3 s, `now - min_ready` rounds below the exact edge for 2.9 and 0.7: the values just
+    above it are ready (2.9) or no longer waiting (0.7) by the rule itself, and are counted so;
+    an instance that never reported a start counts from 0."""
+    now = 3.3
+    for min_ready in (2.9, 0.7, 0.0):
+        edge = now - min_ready
+        since = [edge, math.nextafter(edge, math.inf), math.nextafter(edge, -math.inf), now, 0.1]
+        insts = [running(f"i{k}", s) for k, s in enumerate(since)] + [running("never", None)]
+        t = Tally.of(insts)
+        values = [*since, 0.0]
+        assert t.ready(min_ready, now) == sum(now - s >= min_ready for s in values), min_ready
+        left = [s + min_ready - now for s in values]
+        assert t.wake_in(min_ready, now) == min((x for x in left if x > 0), default=None)
+    # Written out: both values past the rounded edge of 2.9 are ready, the start-less one too.
+    t = Tally.of([running("a", math.nextafter(now - 2.9, math.inf)), running("b", None)])
+    assert t.ready(2.9, now) == 2
+    assert Tally.of([running("a", now)]).ready(0.0, now) == 1  # ready from its first moment
+    # And the other way: at NOW, `NOW - 0.3` rounds to a value that is not yet 0.3 s old by
+    # the rule, so of it and an older one, only the older is ready.
+    edge = NOW - 0.3
+    assert NOW - edge < 0.3
+    t = Tally.of([running("a", edge), running("b", edge - 1.0)])
+    assert t.ready(0.3, NOW) == 1
+
+
+def test_a_failing_revision_is_named_by_its_oldest_failing_instance() -> None:
+    def failed(name: str, created_at: float, **kw: Any) -> Instance:
+        return Instance(name=name, workload="web", created_at=created_at, **kw)
+
+    t = Tally.of(
+        [
+            failed("c", 70.0, phase=InstancePhase.RUNNING, restarts=2, message="exit code 3"),
+            failed("b", 60.0, phase=InstancePhase.FAILED, reason="Error"),
+            failed("a", 40.0, phase=InstancePhase.FAILED),  # before the rollout began
+            running("d", 1.0, created_at=80.0, health=HealthState.UNHEALTHY),
+        ]
+    )
+    assert t.failure(1, since=STARTED) == "instance b failed: Error"
+    assert t.failure(1, since=65.0) == "instance c restarted 2 time(s): exit code 3"
+    assert t.failure(1, since=75.0) == "instance d is unhealthy: check failed"
+    assert t.failure(1, since=90.0) == t.failure(2, since=0.0) == ""
+    assert failing(failed("e", 1.0, phase=InstancePhase.FAILED)) == (
+        "instance e failed: no reason given"
+    )
+    assert failing(failed("f", 1.0, restarts=1)) == "instance f restarted 1 time(s)"
