@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -149,9 +149,9 @@ class View:
     when a step needs the instances themselves (replacing outdated ones)."""
 
     def __init__(
-        self, w: Workload, insts: Iterable[Instance], now: float, tally: Tally | None = None
+        self, w: Workload, insts: Collection[Instance], now: float, tally: Tally | None = None
     ) -> None:
-        self._insts = insts
+        self._insts = insts  # read again by `new` and `old`: a collection, not an iterator
         self._generation = g = w.generation
         t = Tally.of(insts) if tally is None else tally
         min_ready = w.spec.update.min_ready_seconds
