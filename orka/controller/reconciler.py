@@ -32,7 +32,7 @@ from orka.controller.commands import (
 from orka.controller.link import SchedulerLink
 from orka.controller.placement import PlacementQueue
 from orka.controller.repo import Change, Repo
-from orka.controller.tally import Tally
+from orka.controller.tally import Tally, active
 from orka.controller.volume_plan import Ordinals, one_at_a_time
 from orka.errors import Invalid, OrkaError
 from orka.models import (
@@ -539,7 +539,7 @@ class Reconciler:
         They are few, so they alone are sorted, not the whole workload each pass."""
         todo = []
         for inst in current.values():
-            if inst.terminal or inst.desired_stop or inst.replaced_by:
+            if not active(inst):
                 continue
             if inst.phase not in (InstancePhase.PENDING, InstancePhase.DISCONNECTED):
                 node = self._node(inst.node)
@@ -965,10 +965,7 @@ def _outdated_left(step: WorkloadStep) -> bool:
     """Whether outdated instances remain after the rollout's step: the rollout, not scaling,
     sets the count then."""
     generation = step.workload.generation
-    return any(
-        i.generation != generation and not (i.terminal or i.desired_stop or i.replaced_by)
-        for i in step.current().values()
-    )
+    return any(i.generation != generation and active(i) for i in step.current().values())
 
 
 def _release_replaced(step: WorkloadStep) -> None:
