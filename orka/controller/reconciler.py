@@ -73,6 +73,13 @@ _NODE_GONE = (NodeState.LOST, NodeState.LEFT)
 CRASH_BACKOFF_START = 1.0
 CRASH_BACKOFF_MAX = 300.0
 CRASH_HEALTHY_RUN = 60.0
+# While instances move, a workload's status counts (placed, running, healthy, updated, ready)
+# are written at most this often: a burst reports each instance three times, and every report
+# would otherwise rewrite its workload. A new reason or message, a settled count (all of them
+# at `replicas`) and any other change to the workload are written at once; a count held back
+# is written by a pass this much after the last write at the latest.
+STATUS_COUNTS_EVERY = 0.25
+_COUNT_FIELDS = ("placed", "running", "healthy", "updated", "ready")
 
 
 @dataclass
@@ -225,6 +232,10 @@ class Reconciler:
         # lost or departed. Counted by each full pass (a node's change makes the next pass
         # full) and moved as nodes are written.
         self._unsettling: set[str] = set()
+        # While listening: when each workload's status was last written (monotonic), and the
+        # workloads with a held-back count waiting for their pass (STATUS_COUNTS_EVERY).
+        self._status_written: dict[str, float] = {}
+        self._status_held: set[str] = set()
         # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
         self.crashes: dict[str, CrashBackoff] = {}
         self.clock: Callable[[], float] = time.time
@@ -250,6 +261,7 @@ class Reconciler:
             self._changed_workloads.add(change.name)
             if change.value is None:
                 self._tallies.pop(change.name, None)
+                self._status_written.pop(change.name, None)
         else:
             self._full_due = True  # a node: its instances span any number of workloads
             if change.kind == "nodes":
@@ -300,6 +312,8 @@ class Reconciler:
         finally:
             self._listening = False
             self._tallies = {}
+            self._status_written = {}
+            self._status_held = set()
             with contextlib.suppress(ValueError):
                 self.repo.listeners.remove(self._on_change)
 
@@ -385,6 +399,8 @@ class Reconciler:
             return changes
         for name in [n for n in self.crashes if n not in self.repo.workloads]:
             del self.crashes[name]
+        for name in [n for n in self._status_written if n not in self.repo.workloads]:
+            del self._status_written[name]
         # Instances whose workload record is gone (should not happen; heal it anyway).
         for inst in list(self.repo.instances.values()):
             if inst.workload not in self.repo.workloads:
@@ -631,14 +647,17 @@ class Reconciler:
                 return crash
         return crash
 
-    def _wake_at(self, workload: str, delay: float) -> None:
-        """Plan `workload` again when its backoff ends: an incremental pass only looks at
-        workloads that changed, and a full one may be up to FULL_PASS_EVERY away."""
+    def _wake_at(
+        self, workload: str, delay: float, wake: Callable[[str], None] | None = None
+    ) -> None:
+        """Plan `workload` again when its backoff ends (or call `wake` with it): an
+        incremental pass only looks at workloads that changed, and a full one may be up to
+        FULL_PASS_EVERY away."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        loop.call_later(max(0.0, delay) + 0.01, self._wake, workload)
+        loop.call_later(max(0.0, delay) + 0.01, wake or self._wake, workload)
 
     def _wake(self, workload: str) -> None:
         self._changed_workloads.add(workload)
@@ -668,11 +687,36 @@ class Reconciler:
                 f"{crash.failures} instance failure(s) in a row (the last: {crash.last_error});"
                 f" replaced with backoff, up to {CRASH_BACKOFF_MAX:.0f}s"
             )
-        if status == w.status and w is old:
-            return []
+        if w is old:
+            if status == w.status or self._hold_counts(w, status):
+                return []
+        if self._listening:
+            self._status_written[w.name] = time.monotonic()
         return [
             Change("workloads", w.name, w.model_copy(update={"status": status, "updated_at": now}))
         ]
+
+    def _hold_counts(self, w: Workload, status: WorkloadStatus) -> bool:
+        """True when `status` differs from `w`'s stored one only in counts that have not
+        settled, and the last write was less than STATUS_COUNTS_EVERY ago: the write waits
+        for a pass (woken for it) that much after the last one."""
+        if not self._listening or not _counts_only(w.status, status) or _counts_settled(status):
+            return False
+        if w.name in self._status_held:
+            return True  # its pass is due already
+        last = self._status_written.get(w.name)
+        if last is None:
+            return False
+        left = last + STATUS_COUNTS_EVERY - time.monotonic()
+        if left <= 0:
+            return False
+        self._status_held.add(w.name)
+        self._wake_at(w.name, left, self._counts_due)
+        return True
+
+    def _counts_due(self, workload: str) -> None:
+        self._status_held.discard(workload)
+        self._wake(workload)
 
     def _node_unsettled(self, inst: Instance) -> bool:
         if not inst.node or inst.name in self._gone_from_node:
@@ -1038,6 +1082,16 @@ def _scale(step: WorkloadStep, done: list[Instance], crash: CrashBackoff | None)
             )[:-missing]
         for inst in extras:
             step.put(_stop(inst, InstanceReason.SCALED_DOWN))
+
+
+def _counts_only(stored: WorkloadStatus, status: WorkloadStatus) -> bool:
+    """True when the two statuses differ in their counts (`_COUNT_FIELDS`) alone."""
+    return stored.model_copy(update={f: getattr(status, f) for f in _COUNT_FIELDS}) == status
+
+
+def _counts_settled(status: WorkloadStatus) -> bool:
+    """True when every count has reached the replicas wanted: the end of a move, shown at once."""
+    return all(getattr(status, f) == status.desired for f in _COUNT_FIELDS)
 
 
 def _stop(inst: Instance, reason: InstanceReason, successor: str = "") -> Instance:

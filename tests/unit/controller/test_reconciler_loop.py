@@ -23,7 +23,7 @@ from orka.controller.reconciler import (
 )
 from orka.controller.repo import Change
 from orka.controller.tally import Tally
-from orka.models import InstanceReason, NodeState, Resources, WorkloadStatus
+from orka.models import HealthState, InstanceReason, NodeState, Resources, WorkloadStatus
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
 __all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
@@ -354,3 +354,63 @@ def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) 
         desired=1, placed=1, running=1, healthy=1, updated=1, ready=1
     )
     assert done[0].value.updated_at == 50.0
+
+
+def counts(env: Env, name: str = "web") -> tuple[int, int, int, list[str]]:
+    s = env.repo.workloads[name].status
+    return s.placed, s.running, s.ready, s.unschedulable_reasons
+
+
+async def test_status_counts_in_motion_are_written_at_most_once_a_period(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    listen(env)
+    up = {"phase": P.RUNNING, "health": HealthState.HEALTHY}
+    await env.put(node("n1"), workload(replicas=3))
+    await env.put(*(inst(f"web-{c}", P.SCHEDULED) for c in "abc"))
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 0, 0, [])
+    # A count moves within STATUS_COUNTS_EVERY of the last write: held, its pass woken later.
+    clock.now += 0.1
+    await env.set_inst("web-a", **up)
+    env.rec._dirty.clear()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 0, 0, [])
+    assert env.rec._status_held == {"web"}
+    # And while it is held.
+    clock.now += 0.05
+    await env.set_inst("web-b", **up)
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 0, 0, [])
+    await asyncio.wait_for(env.rec._dirty.wait(), 5.0)
+    # Woken when the period ends (the rest of it, 0.15 s), not at once.
+    assert loop.time() - start >= 0.15
+    assert env.rec._status_held == set()
+    assert env.rec._changed_workloads == {"web"}
+    clock.now += 0.11  # the period's end, as the wake-up comes (a little after)
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 2, 2, [])
+    # A new reason is written at once, within the period, and so is its end.
+    clock.now += 0.01
+    await env.set_inst("web-c", phase=P.PENDING, node="", message="1 node: cordoned")
+    await env.rec.reconcile_once()
+    assert counts(env) == (2, 2, 2, ["1 node: cordoned"])
+    clock.now += 0.01
+    await env.set_inst("web-c", phase=P.SCHEDULED, node="n1", message="")
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 2, 2, [])
+    # So are the counts once all of them reach the replicas wanted.
+    clock.now += 0.01
+    await env.set_inst("web-c", **up)
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 3, 3, [])
+    assert env.rec._status_held == set()
+    # Not listening (a pass run on its own): every change at once.
+    env.rec._listening = False
+    clock.now += 0.01
+    await env.set_inst("web-a", phase=P.SCHEDULED)
+    await env.rec.reconcile_once()
+    assert counts(env) == (3, 2, 2, [])
