@@ -687,20 +687,24 @@ class Reconciler:
                 f"{crash.failures} instance failure(s) in a row (the last: {crash.last_error});"
                 f" replaced with backoff, up to {CRASH_BACKOFF_MAX:.0f}s"
             )
-        if w is old:
-            if status == w.status or self._hold_counts(w, status):
-                return []
+        if w is old and status == w.status:
+            return []
+        if self._hold_counts(old, w, status):
+            return []
         if self._listening:
             self._status_written[w.name] = time.monotonic()
         return [
             Change("workloads", w.name, w.model_copy(update={"status": status, "updated_at": now}))
         ]
 
-    def _hold_counts(self, w: Workload, status: WorkloadStatus) -> bool:
-        """True when `status` differs from `w`'s stored one only in counts that have not
-        settled, and the last write was less than STATUS_COUNTS_EVERY ago: the write waits
-        for a pass (woken for it) that much after the last one."""
+    def _hold_counts(self, old: Workload, w: Workload, status: WorkloadStatus) -> bool:
+        """True when `w` with `status` differs from the stored `old` only in status counts
+        that have not settled (and the rollout progress they made), and the last write was
+        less than STATUS_COUNTS_EVERY ago: the write waits for a pass (woken for it) that
+        much after the last one."""
         if not self._listening or not _counts_only(w.status, status) or _counts_settled(status):
+            return False
+        if w is not old and not rollout.progress_only(old, w):
             return False
         if w.name in self._status_held:
             return True  # its pass is due already

@@ -58,6 +58,15 @@ def runs_same(a: WorkloadSpec, b: WorkloadSpec) -> bool:
     return a.model_copy(update=keep) == b
 
 
+def progress_only(old: Workload, new: Workload) -> bool:
+    """Whether `new` is `old` with only its rollout's progress moved on (`progress_at` and the
+    deadline after it): a write that may wait with the status counts that moved it, since each
+    pass finds the same progress again until the counts are stored."""
+    r = new.rollout
+    moved = old.rollout.model_copy(update={"progress_at": r.progress_at, "deadline": r.deadline})
+    return moved == r and old.model_copy(update={"rollout": r}) == new
+
+
 def first_revision(w: Workload, who: str) -> Workload:
     """A new workload: revision 1, its rollout under way until its instances are ready."""
     rev = Revision(revision=w.generation, created_at=w.created_at, created_by=who)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from orka.controller import reconciler as rmod
+from orka.controller import rollout
 from orka.controller.commands import stop_command
 from orka.controller.link import command_to_pb
 from orka.controller.reconciler import (
@@ -23,7 +24,14 @@ from orka.controller.reconciler import (
 )
 from orka.controller.repo import Change
 from orka.controller.tally import Tally
-from orka.models import HealthState, InstanceReason, NodeState, Resources, WorkloadStatus
+from orka.models import (
+    HealthState,
+    InstanceReason,
+    NodeState,
+    Resources,
+    RolloutState,
+    WorkloadStatus,
+)
 from tests.unit.controller.test_reconciler import Env, P, env, inst, node, workload
 
 __all__ = ["env"]  # the fixture, imported from the reconciler's planning tests
@@ -414,3 +422,45 @@ async def test_status_counts_in_motion_are_written_at_most_once_a_period(
     await env.set_inst("web-a", phase=P.SCHEDULED)
     await env.rec.reconcile_once()
     assert counts(env) == (3, 2, 2, [])
+
+
+async def test_rollout_progress_waits_with_the_counts_that_made_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeMonotonic(monkeypatch)
+    listen(env)
+    up = {"phase": P.RUNNING, "health": HealthState.HEALTHY}
+    # New: its first rollout runs until its instances are ready.
+    w = rollout.first_revision(workload(replicas=3, created_at=time.time()), "test")
+    await env.put(node("n1"), w)
+    await env.rec.reconcile_once()
+    names = [i.name for i in env.of()]
+    for name in names:
+        await env.set_inst(name, phase=P.SCHEDULED, node="n1")
+    clock.now += 0.3
+    await env.rec.reconcile_once()
+    before = env.repo.workloads["web"]
+    assert before.rollout.state is RolloutState.PROGRESSING
+    assert (before.status.placed, before.status.ready) == (3, 0)
+    # An instance turns ready: progress for the rollout, held with the counts.
+    clock.now += 0.1
+    await env.set_inst(names[0], **up)
+    await env.rec.reconcile_once()
+    assert env.repo.workloads["web"] is before
+    assert env.rec._status_held == {"web"}
+    env.rec._dirty.clear()
+    await asyncio.wait_for(env.rec._dirty.wait(), 5.0)  # woken when the period ends
+    clock.now += 0.2
+    await env.rec.reconcile_once()
+    after = env.repo.workloads["web"]
+    assert after.status.ready == 1
+    assert after.rollout.progress_at > before.rollout.progress_at
+    assert after.rollout.state is RolloutState.PROGRESSING
+    # A rollout step is written at once, within the period: the deadline passed.
+    clock.now += 0.01
+    stalled = after.rollout.model_copy(update={"deadline": time.time() - 1})
+    await env.put(after.model_copy(update={"rollout": stalled}))
+    await env.rec.reconcile_once()
+    failed = env.repo.workloads["web"]
+    assert failed.rollout.state is RolloutState.FAILED
+    assert failed.rollout.message.startswith("no progress for 600s")

@@ -249,6 +249,23 @@ def test_progress_pushes_the_deadline_on() -> None:
     assert out.workload.rollout.deadline == NOW + 600
 
 
+def test_progress_only_tells_a_moved_deadline_from_any_other_change() -> None:
+    w = workload(spec(), deadline=NOW + 5)
+    w = w.model_copy(update={"status": WorkloadStatus(updated=1, ready=0)})
+    out = run(w, [*(inst(1) for _ in range(6)), inst(2)])
+    assert out.workload is not w
+    assert rollout.progress_only(w, out.workload) is True
+    assert rollout.progress_only(w, w) is True
+    r = out.workload.rollout
+    for other in (
+        w.model_copy(update={"rollout": r.model_copy(update={"state": S.FAILED})}),
+        w.model_copy(update={"rollout": r.model_copy(update={"message": "m"})}),
+        w.model_copy(update={"rollout": r, "generation": 3}),
+        w.model_copy(update={"rollout": r, "spec": spec(replicas=7)}),
+    ):
+        assert rollout.progress_only(w, other) is False
+
+
 @pytest.mark.parametrize(
     ("rollback_of", "final"), [(0, S.COMPLETE), (2, S.ROLLED_BACK)], ids=["update", "rollback"]
 )
