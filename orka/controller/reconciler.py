@@ -75,9 +75,10 @@ CRASH_BACKOFF_MAX = 300.0
 CRASH_HEALTHY_RUN = 60.0
 # While instances move, a workload's status counts (placed, running, healthy, updated, ready)
 # are written at most this often: a burst reports each instance three times, and every report
-# would otherwise rewrite its workload. A new reason or message, a settled count (all of them
-# at `replicas`) and any other change to the workload are written at once; a count held back
-# is written by a pass this much after the last write at the latest.
+# would otherwise rewrite its workload. The rollout progress the counts show (its deadline
+# pushed on) waits with them; a new reason or message, settled counts (all of them at
+# `replicas`), a rollout step and any other change to the workload are written at once; a
+# count held back is written by a pass this much after the last write at the latest.
 STATUS_COUNTS_EVERY = 0.25
 _COUNT_FIELDS = ("placed", "running", "healthy", "updated", "ready")
 
