@@ -233,8 +233,9 @@ class Reconciler:
         # lost or departed. Counted by each full pass (a node's change makes the next pass
         # full) and moved as nodes are written.
         self._unsettling: set[str] = set()
-        # While listening: when each workload's status was last written (monotonic), and the
-        # workloads with a held-back count waiting for their pass (STATUS_COUNTS_EVERY).
+        # While listening: when each workload's status was last written (monotonic; a full
+        # pass forgets deleted workloads), and the workloads with a held-back count waiting
+        # for their pass (STATUS_COUNTS_EVERY).
         self._status_written: dict[str, float] = {}
         self._status_held: set[str] = set()
         # Workloads whose instances keep failing: their replacements wait (CrashBackoff).
@@ -262,7 +263,6 @@ class Reconciler:
             self._changed_workloads.add(change.name)
             if change.value is None:
                 self._tallies.pop(change.name, None)
-                self._status_written.pop(change.name, None)
         else:
             self._full_due = True  # a node: its instances span any number of workloads
             if change.kind == "nodes":
@@ -710,9 +710,7 @@ class Reconciler:
         if w.name in self._status_held:
             return True  # its pass is due already
         last = self._status_written.get(w.name)
-        if last is None:
-            return False
-        left = last + STATUS_COUNTS_EVERY - time.monotonic()
+        left = 0.0 if last is None else last + STATUS_COUNTS_EVERY - time.monotonic()
         if left <= 0:
             return False
         self._status_held.add(w.name)

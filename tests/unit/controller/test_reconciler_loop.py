@@ -364,6 +364,10 @@ def test_status_shows_the_backoff_until_it_ends_and_stamps_the_update(env: Env) 
     assert done[0].value.updated_at == 50.0
 
 
+# What an agent reports of an instance that started, without a health check.
+UP = {"phase": P.RUNNING, "health": HealthState.HEALTHY}
+
+
 def counts(env: Env, name: str = "web") -> tuple[int, int, int, list[str]]:
     s = env.repo.workloads[name].status
     return s.placed, s.running, s.ready, s.unschedulable_reasons
@@ -374,14 +378,13 @@ async def test_status_counts_in_motion_are_written_at_most_once_a_period(
 ) -> None:
     clock = FakeMonotonic(monkeypatch)
     listen(env)
-    up = {"phase": P.RUNNING, "health": HealthState.HEALTHY}
     await env.put(node("n1"), workload(replicas=3))
     await env.put(*(inst(f"web-{c}", P.SCHEDULED) for c in "abc"))
     await env.rec.reconcile_once()
     assert counts(env) == (3, 0, 0, [])
     # A count moves within STATUS_COUNTS_EVERY of the last write: held, its pass woken later.
     clock.now += 0.1
-    await env.set_inst("web-a", **up)
+    await env.set_inst("web-a", **UP)
     env.rec._dirty.clear()
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -390,7 +393,7 @@ async def test_status_counts_in_motion_are_written_at_most_once_a_period(
     assert env.rec._status_held == {"web"}
     # And while it is held.
     clock.now += 0.05
-    await env.set_inst("web-b", **up)
+    await env.set_inst("web-b", **UP)
     await env.rec.reconcile_once()
     assert counts(env) == (3, 0, 0, [])
     await asyncio.wait_for(env.rec._dirty.wait(), 5.0)
@@ -412,7 +415,7 @@ async def test_status_counts_in_motion_are_written_at_most_once_a_period(
     assert counts(env) == (3, 2, 2, [])
     # So are the counts once all of them reach the replicas wanted.
     clock.now += 0.01
-    await env.set_inst("web-c", **up)
+    await env.set_inst("web-c", **UP)
     await env.rec.reconcile_once()
     assert counts(env) == (3, 3, 3, [])
     assert env.rec._status_held == set()
@@ -429,7 +432,6 @@ async def test_rollout_progress_waits_with_the_counts_that_made_it(
 ) -> None:
     clock = FakeMonotonic(monkeypatch)
     listen(env)
-    up = {"phase": P.RUNNING, "health": HealthState.HEALTHY}
     # New: its first rollout runs until its instances are ready.
     w = rollout.first_revision(workload(replicas=3, created_at=time.time()), "test")
     await env.put(node("n1"), w)
@@ -444,7 +446,7 @@ async def test_rollout_progress_waits_with_the_counts_that_made_it(
     assert (before.status.placed, before.status.ready) == (3, 0)
     # An instance turns ready: progress for the rollout, held with the counts.
     clock.now += 0.1
-    await env.set_inst(names[0], **up)
+    await env.set_inst(names[0], **UP)
     await env.rec.reconcile_once()
     assert env.repo.workloads["web"] is before
     assert env.rec._status_held == {"web"}
