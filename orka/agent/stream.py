@@ -206,6 +206,7 @@ class Stream:
         reg.instances.extend(_status_of(inst) for inst in self.instances.values())
         reg.unreachable.extend(self.targets.unreachable())
         reg.heartbeat_interval.FromNanoseconds(round(self.interval * 1e9))
+        reg.registers_again = True
         return apb.AgentMessage(register=reg)
 
     def heartbeat_message(self) -> apb.AgentMessage:
@@ -376,6 +377,11 @@ class Stream:
         self._unsent_events.clear()
         await call.write(self.register_message())
         first = await call.read()
+        if first is not grpc.aio.EOF and first.WhichOneof("body") == "register_again":
+            # A standby held this stream while the active scheduler was gone, and leads now:
+            # it wants what this node holds now, not what it held when the stream opened.
+            await call.write(self.register_message())
+            first = await call.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "registered":
             raise Invalid("scheduler did not acknowledge the registration")
         self.interval = _interval(first.registered.heartbeat_interval) or self.interval

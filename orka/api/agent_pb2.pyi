@@ -188,18 +188,24 @@ class NodeInfo(_message.Message):
     def __init__(self, capacity: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., allocatable: _Optional[_Union[_controller_pb2.Resources, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., drivers: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., pool: _Optional[str] = ..., volume_backends: _Optional[_Iterable[str]] = ..., volume_capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node", "instances", "volumes", "unreachable", "heartbeat_interval")
+    __slots__ = ("node", "instances", "volumes", "unreachable", "heartbeat_interval", "registers_again")
     NODE_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    REGISTERS_AGAIN_FIELD_NUMBER: _ClassVar[int]
     node: NodeInfo
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeStatus]
     unreachable: _containers.RepeatedScalarFieldContainer[str]
     heartbeat_interval: _duration_pb2.Duration
-    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    registers_again: bool
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., volumes: _Optional[_Iterable[_Union[VolumeStatus, _Mapping]]] = ..., unreachable: _Optional[_Iterable[str]] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., registers_again: _Optional[bool] = ...) -> None: ...
+
+class RegisterAgain(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("usage", "allocated", "instances", "sent_at")
@@ -330,7 +336,7 @@ class SchedulerBatch(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[SchedulerMessage, _Mapping]]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply", "provision_volume", "delete_volume", "pace", "session_open", "session_input")
+    __slots__ = ("registered", "offer", "start", "stop", "release", "batch", "leave_reply", "provision_volume", "delete_volume", "pace", "register_again", "session_open", "session_input")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +347,7 @@ class SchedulerMessage(_message.Message):
     PROVISION_VOLUME_FIELD_NUMBER: _ClassVar[int]
     DELETE_VOLUME_FIELD_NUMBER: _ClassVar[int]
     PACE_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_AGAIN_FIELD_NUMBER: _ClassVar[int]
     SESSION_OPEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_INPUT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
@@ -353,9 +360,10 @@ class SchedulerMessage(_message.Message):
     provision_volume: ProvisionVolume
     delete_volume: DeleteVolume
     pace: Pace
+    register_again: RegisterAgain
     session_open: SessionOpen
     session_input: SessionInput
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., offer: _Optional[_Union[Offer, _Mapping]] = ..., start: _Optional[_Union[StartInstance, _Mapping]] = ..., stop: _Optional[_Union[StopInstance, _Mapping]] = ..., release: _Optional[_Union[ReleaseOffer, _Mapping]] = ..., batch: _Optional[_Union[SchedulerBatch, _Mapping]] = ..., leave_reply: _Optional[_Union[LeaveReply, _Mapping]] = ..., provision_volume: _Optional[_Union[ProvisionVolume, _Mapping]] = ..., delete_volume: _Optional[_Union[DeleteVolume, _Mapping]] = ..., pace: _Optional[_Union[Pace, _Mapping]] = ..., register_again: _Optional[_Union[RegisterAgain, _Mapping]] = ..., session_open: _Optional[_Union[SessionOpen, _Mapping]] = ..., session_input: _Optional[_Union[SessionInput, _Mapping]] = ...) -> None: ...
 
 class PlaceRequest(_message.Message):
     __slots__ = ("items", "leader_term")

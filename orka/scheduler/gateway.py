@@ -11,7 +11,7 @@ import grpc
 import structlog
 
 from orka.api import agent_pb2 as apb
-from orka.errors import Invalid, PermissionDenied
+from orka.errors import Invalid, NotLeader, PermissionDenied
 from orka.models import TERMINAL_PHASES, InstancePhase, InstanceReport, NodeState
 from orka.rpc import convert, convert_volumes
 from orka.rpc.frames import drain
@@ -61,12 +61,26 @@ class Gateway:
         self._waiting: dict[str, AgentSession] = {}
         # Logs, exec and console sessions on the agents' streams (orka/scheduler/streams.py).
         self.sessions = SessionRelay(registry)
+        # Set when this gateway's term ends: a registration arriving after that (its stream
+        # was opened, or asked to register again, just before) is refused, not kept in a
+        # registry no part of the scheduler looks at any more.
+        self.term_over = False
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
         for node in self.registry:
             if node.session is not None:
                 node.session.close()
+
+    def stand_by(self, message: str) -> None:
+        """The term ended: every agent's stream ends with NOT_LEADER, and so does any
+        registration still on its way."""
+        self.term_over = True
+        for node in self.registry:
+            session = node.session
+            if session is not None and not session.closed:
+                session.error, session.error_type = message, NotLeader
+                session.close()
 
     async def connect(
         self, messages: AsyncIterator[apb.AgentMessage], node_name: str
@@ -105,11 +119,15 @@ class Gateway:
                 first = await anext(iterator)
             if first.WhichOneof("body") != "register":
                 raise Invalid("the first message on the agent stream must be register")
+            if self.term_over:
+                raise NotLeader("this scheduler is no longer active; reconnect to the active one")
             node = self._register(session, first.register)
             async for msg in iterator:
                 self._on_agent_message(node, session, msg)
         except (TimeoutError, StopAsyncIteration):
             pass
+        except NotLeader as err:
+            session.error, session.error_type = err.message, NotLeader
         except (Invalid, PermissionDenied) as err:
             log.warning("agent sent bad input", node=session.node, error=err.message)
             session.error = err.message

@@ -251,12 +251,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
         this term ends with NOT_LEADER, so agents and controllers look for the active one."""
         await self._set_serving(False)
         await self.term_parts.stop()
-        reason = NotLeader("this scheduler is no longer active; reconnect to the active one")
-        for node in self.registry:
-            session = node.session
-            if session is not None and not session.closed:
-                session.error, session.error_type = reason.message, NotLeader
-                session.close()
+        self.gateway.stand_by("this scheduler is no longer active; reconnect to the active one")
         self.feed.close()
         log.warning("scheduler standing by", term=self.term)
 
@@ -278,9 +273,8 @@ class Scheduler(apb_grpc.SchedulerServicer):
             return False
         return refusal.leader is None or refusal.leader in first.register.unreachable
 
-    async def _parked(self) -> NotLeader:
-        """Hold a refused agent until this scheduler leads (then tell it to register again,
-        here, at once: what it registered with may be stale by now) or until the active one's
+    async def _parked(self) -> NotLeader | None:
+        """Hold a refused agent until this scheduler leads (None) or until the active one's
         lease would have run out (then the refusal of that moment)."""
         assert self.leadership is not None
         self.held += 1
@@ -294,9 +288,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
             await self._require_active()
         except NotLeader as refusal:
             return refusal
-        return NotLeader(
-            "this scheduler has just become the active one; register again", leader=self.advertise
-        )
+        return None
 
     async def _require_term(self, term: int) -> None:
         """After a call that began in `term`: NotLeader if that term has ended meanwhile."""
@@ -351,6 +343,7 @@ class Scheduler(apb_grpc.SchedulerServicer):
     async def Connect(
         self, request_iterator: AsyncIterator[apb.AgentMessage], who: Identity
     ) -> AsyncIterator[apb.SchedulerMessage]:
+        first: apb.AgentMessage | None = None
         try:
             await self._require_active()
         except NotLeader as refusal:
@@ -358,7 +351,6 @@ class Scheduler(apb_grpc.SchedulerServicer):
             # after the stream has ended (a busy agent, a standby answering at once) sees the
             # write fail ("RPC already finished", INTERNAL) instead of this NOT_LEADER, and
             # would not know where to go.
-            first: apb.AgentMessage | None = None
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.config.register_timeout):
                     first = await anext(aiter(request_iterator))
@@ -366,7 +358,18 @@ class Scheduler(apb_grpc.SchedulerServicer):
                 raise
             if self.takeover is not None:
                 self.takeover.suspect(first.register.unreachable)
-            raise await self._parked() from None
+        if first is not None:
+            # Held, and this scheduler leads now: what the agent registered with may be stale
+            # by then, so it registers again, on this stream when it can.
+            still = await self._parked()
+            if still is not None:
+                raise still
+            if not first.register.registers_again:
+                raise NotLeader(
+                    "this scheduler has just become the active one; register again",
+                    leader=self.advertise,
+                )
+            yield apb.SchedulerMessage(register_again=apb.RegisterAgain())
         async for msg in self.gateway.connect(request_iterator, who.name):
             yield msg
 

@@ -259,8 +259,8 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
     # The active one stops answering but keeps its lease, and its address still accepts
     # connections (a wedged process: nothing proves it dead). The agent finds it gone and
     # tells the standby so when it registers there; the standby holds the stream instead of
-    # naming the dead one again and again, and the moment it takes over it tells the agent to
-    # register again, which it does at once.
+    # naming the dead one again and again, and the moment it takes over it asks the agent to
+    # register again on that same stream, which it does at once: no refusal at all.
     a, b = pair
     agent = fake_agent(certs_dir, tmp_path, a, b)
     silent: asyncio.Server | None = None
@@ -283,21 +283,63 @@ async def test_a_standby_holds_an_agent_whose_active_one_is_gone_until_it_takes_
             await asyncio.wait_for(agent.connected.wait(), 10)
             assert b.held == 0
             assert [n.name for n in b.registry] == ["node-2"]
-            refusals = [
-                e
+            ended = [
+                e["target"]
                 for e in logs
-                if e["event"] == "scheduler stream ended" and e.get("error_reason") == "NOT_LEADER"
+                if e["event"] in ("scheduler stream ended", "scheduler stream failed")
             ]
-            # One refusal: the standby's "register again" once it led, never the dead one's
-            # address over and over while it waited.
-            assert [(e["target"], "register again" in e["details"]) for e in refusals] == [
-                (addr(b), True)
-            ]
+            # The stream to the dead one, then none: never the dead one's address over and
+            # over while the standby waited, nor a refused stream once it led.
+            assert ended == [addr(a)]
+            registered = [e["scheduler"] for e in logs if e["event"] == "registered"]
+            assert registered == [addr(a), addr(b)]
             assert b.takeover.evicted == []  # an address that accepts is no proof of death
         finally:
             await agent.stop()
             if silent is not None:
                 silent.close()
+
+
+async def test_a_held_agent_registers_again_on_its_stream_with_what_it_holds_then(
+    pair: tuple[Scheduler, Scheduler], certs_dir: Path
+) -> None:
+    # Held while the active one was gone, the stream is asked for a new registration once the
+    # standby leads, and that one, not the first, is what the node is known by. An agent that
+    # does not say it answers RegisterAgain (an older one) is sent away to register again.
+    a, b = pair
+    async with (
+        channel(certs_dir, b, "agent", "node-2") as new_ch,
+        channel(certs_dir, b, "agent", "node-3") as old_ch,
+    ):
+        held = apb_grpc.SchedulerStub(new_ch).Connect()
+        await held.write(_register({"v": "first"}, [addr(a)], again=True))
+        older = apb_grpc.SchedulerStub(old_ch).Connect()
+        await older.write(_register({"v": "first"}, [addr(a)], again=False))
+        await eventually(lambda: asyncio.sleep(0, b.held == 2), timeout=10)
+
+        assert a.store is not None and a.election is not None
+        await a.store.revoke_lease(a.election.lease_id)
+        asked = await asyncio.wait_for(held.read(), 15)
+        assert asked.WhichOneof("body") == "register_again"
+        assert list(b.registry) == []  # nothing taken from the stale registration
+        await held.write(_register({"v": "second"}, [addr(a)], again=True))
+        reply = await asyncio.wait_for(held.read(), 10)
+        assert reply.WhichOneof("body") == "registered" and reply.registered.node == "node-2"
+        node = b.registry.get("node-2")
+        assert node is not None and node.labels["v"] == "second"
+
+        refusal = await refused(asyncio.wait_for(older.read(), 10))
+        assert refusal.leader == addr(b) and "register again" in refusal.message
+        assert [n.name for n in b.registry] == ["node-2"]
+        held.cancel()
+
+
+def _register(labels: dict[str, str], unreachable: list[str], again: bool) -> apb.AgentMessage:
+    return apb.AgentMessage(
+        register=apb.Register(
+            node=apb.NodeInfo(labels=labels), unreachable=unreachable, registers_again=again
+        )
+    )
 
 
 @pytest.mark.parametrize("ttl", [30])
