@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -36,6 +35,7 @@ from bench.common import (
     ROOT,
     Services,
     admin_channel,
+    cpu_seconds,
     emit,
     node_name,
     percentile,
@@ -64,13 +64,6 @@ def cli_certs(agents: int) -> Path:
     (path / "done").write_text(str(agents))
     print(f"# orka certs init: {agents} agents in {time.perf_counter() - start:.1f}s ({path})")
     return path
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    with contextlib.suppress(psutil.Error):
-        t = proc.cpu_times()
-        return float(t.user + t.system)
-    return 0.0
 
 
 def start_agent(

@@ -44,6 +44,7 @@ from bench.common import (
     Services,
     admin_channel,
     certs_dir,
+    cpu_seconds,
     emit,
     free_port,
     start_agents,
@@ -256,6 +257,14 @@ async def measure_standby(
     watcher = asyncio.create_task(watch())
     await asyncio.sleep(0.5)
     before, _ = await registrations(hosts)
+    # CPU seconds each side spends from the kill until every agent has registered again: on
+    # a shared host they spread less than the seconds on the clock.
+    procs = {
+        "scheduler": [psutil.Process(services.pid("scheduler-standby"))],
+        "controller": [psutil.Process(services.pid("controller"))],
+        "agents": [psutil.Process(h.proc.pid) for h in hosts],
+    }
+    cpu0 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
     active = services.procs["scheduler"]
     active.send_signal(signal.SIGKILL)
     killed_wall, killed = time.time(), time.monotonic()
@@ -267,6 +276,7 @@ async def measure_standby(
 
     # As in `measure`: the controller's view only once every agent has registered again.
     agents_registered = await registered_again()
+    cpu = {k: sum(cpu_seconds(p) for p in ps) - cpu0[k] for k, ps in procs.items()}
     await poll(lambda: agents_back(stub, nodes, killed_wall), 600, 0.1)
     back = time.monotonic() - killed
     await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))
@@ -280,6 +290,9 @@ async def measure_standby(
         "standby_failover_to_agents_registered_s": round(agents_registered, 2),
         "standby_failover_to_agents_back_s": round(back, 2),
         "standby_failover_to_placement_resumed_s": round(resumed, 2),
+        "standby_failover_cpu_scheduler_s": round(cpu["scheduler"], 2),
+        "standby_failover_cpu_controller_s": round(cpu["controller"], 2),
+        "standby_failover_cpu_agents_s": round(cpu["agents"], 2),
         "standby_failover_nodes_left_ready": len(left_ready),
     }
 

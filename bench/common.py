@@ -354,6 +354,14 @@ def workdir(name: str) -> Iterator[Path]:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def cpu_seconds(proc: psutil.Process) -> float:
+    """User and system CPU seconds `proc` has used (0 once it is gone)."""
+    with contextlib.suppress(psutil.Error):
+        t = proc.cpu_times()
+        return float(t.user + t.system)
+    return 0.0
+
+
 class CpuSampler:
     """CPU share (of one core) and peak RSS of one process over a window."""
 
