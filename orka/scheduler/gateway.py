@@ -61,10 +61,10 @@ class Gateway:
         self._waiting: dict[str, AgentSession] = {}
         # Logs, exec and console sessions on the agents' streams (orka/scheduler/streams.py).
         self.sessions = SessionRelay(registry)
-        # Set when this gateway's term ends: a registration arriving after that (its stream
-        # was opened, or asked to register again, just before) is refused, not kept in a
-        # registry no part of the scheduler looks at any more.
-        self.term_over = False
+        # Why this gateway's term ended (None while it lasts): a registration arriving after
+        # that (its stream was opened, or asked to register again, just before) is refused
+        # with it, not kept in a registry no part of the scheduler looks at any more.
+        self.ended: str | None = None
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
@@ -75,7 +75,7 @@ class Gateway:
     def stand_by(self, message: str) -> None:
         """The term ended: every agent's stream ends with NOT_LEADER, and so does any
         registration still on its way."""
-        self.term_over = True
+        self.ended = message
         for node in self.registry:
             session = node.session
             if session is not None and not session.closed:
@@ -119,8 +119,8 @@ class Gateway:
                 first = await anext(iterator)
             if first.WhichOneof("body") != "register":
                 raise Invalid("the first message on the agent stream must be register")
-            if self.term_over:
-                raise NotLeader("this scheduler is no longer active; reconnect to the active one")
+            if self.ended is not None:
+                raise NotLeader(self.ended)
             node = self._register(session, first.register)
             async for msg in iterator:
                 self._on_agent_message(node, session, msg)
