@@ -213,14 +213,17 @@ def fake_agent(certs: Path, tmp: Path, *schedulers: Scheduler) -> Agent:
     )
 
 
-def _connections_to(port: int) -> set[int]:
-    """Local ports of this host's TCP connections to `port` on loopback, in any state (a
-    closed one lingers in TIME_WAIT on the side that closed it: the agent's). gRPC dials
-    over IPv6 sockets, IPv4 addresses mapped."""
+def _connections_to(port: int, status: str | None = None) -> set[int]:
+    """Local ports of this host's TCP connections to `port` on loopback, in any state unless
+    `status` names one (a closed one lingers in TIME_WAIT on the side that closed it: the
+    agent's). gRPC dials over IPv6 sockets, IPv4 addresses mapped."""
     return {
         c.laddr.port
         for c in psutil.net_connections(kind="tcp")
-        if c.raddr and c.raddr.port == port and c.raddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")
+        if c.raddr
+        and c.raddr.port == port
+        and c.raddr.ip in ("127.0.0.1", "::ffff:127.0.0.1")
+        and (status is None or c.status == status)
     }
 
 
@@ -379,15 +382,18 @@ async def test_an_agent_is_connected_to_the_standby_before_it_fails_over_to_it(
     # Registered at the active scheduler, the agent also holds a connection to the standby
     # (no stream on it); the failover registers over that same connection, so the standby
     # pays no TLS handshake while it takes over. Same local port before and after: the
-    # same TCP connection.
+    # same TCP connection. Only established ones count: a first dial that failed (and was
+    # tried again after the short backoff set here) may linger in TIME_WAIT.
     monkeypatch.setattr("orka.agent.stream.WARM_EVERY", 0.05)
+    monkeypatch.setattr("orka.agent.stream.WARM_BACKOFF", 0.2)
     a, b = pair
     agent = fake_agent(certs_dir, tmp_path, a, b)
+    up = psutil.CONN_ESTABLISHED
     try:
         await agent.start()
         await asyncio.wait_for(agent.connected.wait(), 10)
-        await eventually(lambda: asyncio.sleep(0, len(_connections_to(b.port)) == 1), 10)
-        warm = _connections_to(b.port)
+        await eventually(lambda: asyncio.sleep(0, len(_connections_to(b.port, up)) == 1), 10)
+        warm = _connections_to(b.port, up)
         assert [n.name for n in a.registry] == ["node-2"]
         assert list(b.registry) == [] and b.held == 0  # connected, never asked
 
@@ -396,6 +402,6 @@ async def test_an_agent_is_connected_to_the_standby_before_it_fails_over_to_it(
         await eventually(lambda: _active(b), timeout=10)
         await eventually(lambda: asyncio.sleep(0, [n.name for n in b.registry] == ["node-2"]), 10)
         await asyncio.wait_for(agent.connected.wait(), 10)
-        assert _connections_to(b.port) == warm
+        assert _connections_to(b.port, up) == warm
     finally:
         await agent.stop()
