@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,12 +68,24 @@ async def test_a_check_runs_in_the_instances_context(cgroup_parent: str, outside
                 ),
                 0.5,
             )
-        assert await asyncio.to_thread(_running, marker) == []
+        assert await _gone(marker) == []
     finally:
         await driver.remove("web-0")
         await driver.close()
     with pytest.raises(NotFound):
         await driver.check_exec("web-0", spec.spec, ["true"])
+
+
+async def _gone(marker: str, timeout: float = 10.0) -> list[Path]:
+    """The processes whose command line starts with `marker` once they have all gone, or
+    those left after `timeout`: a killed process stays in /proc until the kernel has torn it
+    down."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = await asyncio.to_thread(_running, marker)
+        if not left or time.monotonic() >= deadline:
+            return left
+        await asyncio.sleep(0.05)
 
 
 def _running(marker: str) -> list[Path]:
