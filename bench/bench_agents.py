@@ -36,6 +36,7 @@ from bench.common import (
     Services,
     admin_channel,
     cpu_seconds,
+    cpu_totals,
     emit,
     node_name,
     percentile,
@@ -140,12 +141,12 @@ async def measure(
         "controller": [psutil.Process(services.pid("controller"))],
         "bench": [psutil.Process(os.getpid())],
     }
-    before = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+    before = cpu_totals(procs)
     try:
         start = time.time()
         await asyncio.gather(*(tracker.create(f"wl-{i:03d}", replicas) for i in range(workloads)))
         await tracker.wait(timeout)
-        after = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+        after = cpu_totals(procs)
         running = dict(tracker.running)
         if not running:
             raise RuntimeError(f"no instance RUNNING after {timeout}s")

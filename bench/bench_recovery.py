@@ -44,7 +44,7 @@ from bench.common import (
     Services,
     admin_channel,
     certs_dir,
-    cpu_seconds,
+    cpu_totals,
     emit,
     free_port,
     start_agents,
@@ -264,7 +264,7 @@ async def measure_standby(
         "controller": [psutil.Process(services.pid("controller"))],
         "agents": [psutil.Process(h.proc.pid) for h in hosts],
     }
-    cpu0 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+    cpu0 = cpu_totals(procs)
     active = services.procs["scheduler"]
     active.send_signal(signal.SIGKILL)
     killed_wall, killed = time.time(), time.monotonic()
@@ -276,7 +276,7 @@ async def measure_standby(
 
     # As in `measure`: the controller's view only once every agent has registered again.
     agents_registered = await registered_again()
-    cpu = {k: sum(cpu_seconds(p) for p in ps) - cpu0[k] for k, ps in procs.items()}
+    cpu = {k: v - cpu0[k] for k, v in cpu_totals(procs).items()}
     await poll(lambda: agents_back(stub, nodes, killed_wall), 600, 0.1)
     back = time.monotonic() - killed
     await stub.CreateWorkload(pb.CreateWorkloadRequest(spec=spec("probe", 1)))

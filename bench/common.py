@@ -362,6 +362,11 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return 0.0
 
 
+def cpu_totals(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """CPU seconds used so far by each named group of processes."""
+    return {name: sum(cpu_seconds(p) for p in group) for name, group in procs.items()}
+
+
 class CpuSampler:
     """CPU share (of one core) and peak RSS of one process over a window."""
 

@@ -68,19 +68,23 @@ class Gateway:
 
     def close(self) -> None:
         """End every agent's stream (the service is stopping)."""
-        for node in self.registry:
-            if node.session is not None:
-                node.session.close()
+        self._end_streams(None)
 
     def stand_by(self, message: str) -> None:
         """The term ended: every agent's stream ends with NOT_LEADER, and so does any
         registration still on its way."""
         self.ended = message
+        self._end_streams(message)
+
+    def _end_streams(self, not_leader: str | None) -> None:
+        """End every registered agent's stream, with NOT_LEADER and `not_leader` if given."""
         for node in self.registry:
             session = node.session
-            if session is not None and not session.closed:
-                session.error, session.error_type = message, NotLeader
-                session.close()
+            if session is None or session.closed:
+                continue
+            if not_leader is not None:
+                session.error, session.error_type = not_leader, NotLeader
+            session.close()
 
     async def connect(
         self, messages: AsyncIterator[apb.AgentMessage], node_name: str
