@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,6 +116,8 @@ if __name__ == "__main__":
     p.add_argument("--memory-bytes", type=int, default=64 << 30)
     p.add_argument("--labels", default="")
     # Structured logs go to stderr; stdout is the line protocol above.
-    log.configure(level="warning", service="bench-agents")
+    log.configure(
+        level=os.environ.get("ORKA_BENCH_AGENT_LOG_LEVEL", "warning"), service="bench-agents"
+    )
     gctune.tune()  # as `orka agent` does
     asyncio.run(main(p.parse_args()))
