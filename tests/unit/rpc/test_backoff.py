@@ -6,6 +6,8 @@ import asyncio
 import socket
 import time
 
+import pytest
+
 from orka.rpc import backoff
 
 
@@ -93,3 +95,83 @@ async def test_a_probe_tells_refused_from_accepted_from_no_answer() -> None:
     # A port nobody answers on within the timeout (a full listen backlog would do; a
     # non-routable address would leave loopback): 0 s is "no answer" before any reply.
     assert await backoff.probe(f"127.0.0.1:{port}", timeout=0) is None
+
+
+def test_delay_starts_at_the_base_for_attempt_zero_and_below() -> None:
+    top = lambda lo, hi: hi  # noqa: E731
+    assert [backoff.delay(n, 0.2, 5.0, top) for n in (-3, 0, 1)] == [0.2, 0.2, 0.4]
+
+
+@pytest.mark.parametrize(
+    ("target", "address"),
+    [
+        ("10.0.0.1:7444", ("10.0.0.1", 7444)),
+        ("[::1]:7444", ("::1", 7444)),
+        ("[fd00::1:2]:80", ("fd00::1:2", 80)),
+        (":7444", ("localhost", 7444)),
+        ("X1:80", ("X1", 80)),
+        ("host:abc", None),
+        ("host:", None),
+        ("7444", None),
+    ],
+)
+def test_host_port_splits_at_the_last_colon_and_unbrackets(
+    target: str, address: tuple[str, int] | None
+) -> None:
+    assert backoff.host_port(target) == address
+
+
+async def test_a_pause_of_nothing_on_a_listening_peer_waits_for_nothing() -> None:
+    port = free_port()
+    server = await _serve(port)
+    try:
+        start = time.monotonic()
+        assert await backoff.pause(0.0, f"127.0.0.1:{port}") is False
+        assert time.monotonic() - start < 0.9  # not rounded up to any minimum
+    finally:
+        server.close()
+
+
+async def test_a_pause_probes_at_its_interval_times_the_jitter() -> None:
+    port = free_port()
+    asked: list[tuple[float, float]] = []
+
+    def jitter(lo: float, hi: float) -> float:
+        asked.append((lo, hi))
+        return 4.0  # outside the real range: 0.1 s becomes 0.4 s between probes
+
+    async def listen_soon() -> asyncio.Server:
+        await asyncio.sleep(0.15)
+        return await _serve(port)
+
+    start = time.monotonic()
+    later = asyncio.create_task(listen_soon())
+    waited = await backoff.pause(5.0, f"127.0.0.1:{port}", probe_every=0.1, jitter=jitter)
+    elapsed = time.monotonic() - start
+    (await later).close()
+    assert waited is False
+    assert elapsed >= 0.4  # found at the probe after 0.4 s, not at one after 0.025 s
+    assert asked and set(asked) == {(0.5, 1.5)}
+
+
+def test_a_blocking_probe_tells_refused_from_accepted_from_no_answer() -> None:
+    port = free_port()
+    assert backoff.probe_blocking(f"127.0.0.1:{port}") is False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert backoff.probe_blocking(f"127.0.0.1:{port}") is True
+        # A timeout of 0 makes the socket non-blocking: the connect cannot complete at once.
+        assert backoff.probe_blocking(f"127.0.0.1:{port}", timeout=0) is None
+    assert backoff.probe_blocking("no-port-here") is None
+
+
+async def test_reachable_passes_its_timeout_on() -> None:
+    port = free_port()
+    server = await _serve(port)
+    try:
+        # A zero timeout ends the probe before its connection completes.
+        assert await backoff.reachable(f"127.0.0.1:{port}", timeout=0) is False
+        assert await backoff.reachable(f"127.0.0.1:{port}") is True
+    finally:
+        server.close()

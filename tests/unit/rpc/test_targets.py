@@ -191,5 +191,22 @@ def test_hint_reads_structured_details_not_prose() -> None:
 
 
 def test_needs_an_address() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^at least one address is required$"):
         Targets([])
+
+
+def test_failed_at_says_when_an_address_was_last_unreachable() -> None:
+    now = [100.0]
+    t = Targets([A, B], clock=lambda: now[0])
+    assert t.failed_at(A) is None
+    t.failed(rpc_error(Unavailable("refused")), BACKOFF)
+    assert (t.failed_at(A), t.failed_at(B)) == (100.0, None)
+    now[0] = 101.5
+    t.failed(not_leader(None), BACKOFF)  # B answered: alive, only not leading
+    assert (t.failed_at(A), t.failed_at(B)) == (100.0, None)
+    assert t.current == B  # A is down lately: B is asked again
+    t.failed(rpc_error(Unavailable("refused")), BACKOFF)
+    assert (t.failed_at(A), t.failed_at(B)) == (100.0, 101.5)
+    current = t.current
+    t.connected()
+    assert t.failed_at(current) is None
