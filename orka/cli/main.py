@@ -10,13 +10,12 @@ for usage errors too (argparse's convention, and a usage error applies nothing),
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
 import grpc
 
-from orka.cli import apply, certs, console, health, logs, resources, rollout, services, top, up
-from orka.cli import exec as exec_cmd
 from orka.cli.defaults import DEFAULT_IDENTITY, IDENTITY_HELP, UsageError, add_flag
 from orka.errors import MORE_VIOLATIONS, OrkaError, PermissionDenied
 
@@ -29,6 +28,56 @@ EXIT_INTERRUPTED = 130
 # `orka --controller X --certs D get nodes` (compose files and scripts put them there).
 GLOBAL_FLAGS = ("--controller", "--certs", "--data-dir")
 
+# The module of orka.cli that defines each command, in the order `orka --help` lists them.
+# A command line that names a command loads only that module: a service's start (a scheduler
+# restarted, an agent) or a CLI call then does not import every other command's dependencies
+# (`up`'s process runtime and psutil, `apply`'s YAML), about a fifth of a second of imports.
+COMMANDS: dict[str, str] = {
+    "up": "up",
+    "controller": "services",
+    "scheduler": "services",
+    "agent": "services",
+    "certs": "certs",
+    "apply": "apply",
+    "get": "resources",
+    "describe": "resources",
+    "delete": "resources",
+    "cordon": "resources",
+    "uncordon": "resources",
+    "drain": "resources",
+    "health": "health",
+    "rollout": "rollout",
+    "top": "top",
+    "logs": "logs",
+    "exec": "exec",
+    "console": "console",
+}
+
+
+def _split_at_command(
+    argv: list[str], commands: set[str] | dict[str, str]
+) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """The top-level flags before the command (each flag's name and its tokens), and the rest
+    of `argv` from the command (or the first token that is no flag) on."""
+    head: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name = token.split("=", 1)[0]
+        if token in commands or not token.startswith("-"):
+            return head, argv[i:]
+        takes_value = "=" not in token and name in (*GLOBAL_FLAGS, "--identity")
+        group = argv[i : i + 2] if takes_value else [token]
+        head.append((name, group))
+        i += len(group)
+    return head, []
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command `argv` names, or None (none given, or none Orka knows)."""
+    _, rest = _split_at_command(list(argv), COMMANDS)
+    return rest[0] if rest and rest[0] in COMMANDS else None
+
 
 def hoist_global_flags(argv: list[str], commands: set[str]) -> list[str]:
     """Move GLOBAL_FLAGS given before the command to the end, where the command parses them.
@@ -37,19 +86,7 @@ def hoist_global_flags(argv: list[str], commands: set[str]) -> list[str]:
     specific), so the one before is dropped. Flags the command does not take (say `--certs`
     for `orka up`) then fail as unknown, naming the flag.
     """
-    head: list[tuple[str, list[str]]] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        name = token.split("=", 1)[0]
-        if token in commands or not token.startswith("-"):
-            rest = argv[i:]
-            break
-        takes_value = "=" not in token and name in (*GLOBAL_FLAGS, "--identity")
-        group = argv[i : i + 2] if takes_value else [token]
-        head.append((name, group))
-        i += len(group)
+    head, rest = _split_at_command(argv, commands)
     before = [t for name, group in head if name not in GLOBAL_FLAGS for t in group]
     given_after = {t.split("=", 1)[0] for t in rest}
     hoisted = [
@@ -72,7 +109,9 @@ class OrkaParser(argparse.ArgumentParser):
         return super().parse_known_args(hoist_global_flags(argv, self.commands), namespace)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `orka` parser: with every command, or with `command` and the others of its module
+    only (enough to parse a command line that names it)."""
     parser = OrkaParser(
         prog="orka",
         description="Orka: a cluster control plane. Every flag also reads ORKA_<FLAG>.",
@@ -84,18 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
             flag, metavar="VALUE", default=argparse.SUPPRESS, help="also after the command"
         )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    up.register(sub)
-    services.register(sub)
-    certs.register(sub)
-    apply.register(sub)
-    resources.register(sub)
-    health.register(sub)
-    rollout.register(sub)
-    top.register(sub)
-    logs.register(sub)
-    exec_cmd.register(sub)
-    console.register(sub)
-    parser.commands = set(sub.choices)
+    modules = [COMMANDS[command]] if command is not None else dict.fromkeys(COMMANDS.values())
+    for module in modules:
+        importlib.import_module(f"orka.cli.{module}").register(sub)
+    parser.commands = set(COMMANDS)
     return parser
 
 
@@ -104,9 +135,10 @@ def _error(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    line = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(command_of(line))
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        args = parser.parse_args(line)
     except SystemExit as e:
         # argparse exits 2 on a usage error (after printing it) and 0 for --help.
         return e.code if isinstance(e.code, int) else EXIT_USAGE

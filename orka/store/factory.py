@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 from orka.errors import Invalid
 from orka.store.base import Store
-from orka.store.etcd import DEFAULT_PREFIX, EtcdStore
-from orka.store.memory import MemoryStore
-from orka.store.sqlite import SqliteStore
+
+if TYPE_CHECKING:
+    from orka.store.etcd import EtcdStore
+
+# Each kind of store is imported when a url names it: a scheduler running alone imports this
+# module but opens no store, and etcd's client alone is tens of milliseconds of a start.
 
 DEFAULT_DB_NAME = "orka.db"
 
@@ -63,6 +66,8 @@ def open_store(
     """
     text = url.strip()
     if not text:
+        from orka.store.sqlite import SqliteStore
+
         return SqliteStore(data_dir / DEFAULT_DB_NAME)
     try:
         parts = urlsplit(text)
@@ -70,10 +75,14 @@ def open_store(
         raise Invalid(f"store url {url!r}: {exc}; accepted: {ACCEPTED}") from exc
     scheme = parts.scheme.lower()
     if scheme == "sqlite":
+        from orka.store.sqlite import SqliteStore
+
         return SqliteStore(_sqlite_path(url, parts, data_dir))
     if scheme == "memory":
         if parts.netloc or parts.path or parts.query or parts.fragment:
             raise Invalid(f"store url {url!r}: memory:// takes no host, path or options")
+        from orka.store.memory import MemoryStore
+
         return MemoryStore()
     if scheme == "etcd":
         return _etcd(url, parts, etcd_ca, etcd_cert, etcd_key)
@@ -137,6 +146,8 @@ def _etcd(
             timeout = -1.0
         if not timeout > 0:
             raise Invalid(f"store url {url!r}: timeout must be a positive number of seconds")
+    from orka.store.etcd import DEFAULT_PREFIX, EtcdStore
+
     prefix = unquote(parts.path) if parts.path.strip("/") else DEFAULT_PREFIX
     try:
         return EtcdStore(endpoints, prefix, timeout=timeout, **tls)

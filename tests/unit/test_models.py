@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -207,3 +210,29 @@ def test_a_spec_never_shows_its_secret_values_in_a_repr_or_a_traceback() -> None
         RunSpec(instance="db-1", workload="db", spec=broken)
     assert "input_value=WorkloadSpec(name='db'" in str(info.value)
     assert "hunter2" not in str(info.value)
+
+
+def test_models_build_their_validators_on_first_use_and_validate_then() -> None:
+    # A fresh interpreter: this one has used most models already.
+    code = (
+        "import json, pydantic, orka.models as m\n"
+        "models = [v for v in vars(m).values() if isinstance(v, type)"
+        " and issubclass(v, m.Model) and v is not m.Model]\n"
+        "built = [c.__name__ for c in models if c.__pydantic_complete__]\n"
+        "m.Resources(cpu_millis=5)\n"
+        "try:\n"
+        "    m.Resources(cpu_millis=-1)\n"
+        "    refused = ''\n"
+        "except pydantic.ValidationError as e:\n"
+        "    refused = e.errors()[0]['loc'][0]\n"
+        "later = [c.__name__ for c in models if c.__pydantic_complete__]\n"
+        "print(json.dumps([len(models), built, later, refused]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    count, built, later, refused = json.loads(out.stdout)
+    assert count >= 25
+    assert built == []
+    assert later == ["Resources"]
+    assert refused == "cpu_millis"
