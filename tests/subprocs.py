@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from typing import Any
 
 
@@ -14,3 +15,11 @@ def reap(proc: subprocess.Popen[Any], grace: float, after_kill: float | None = N
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(after_kill)
+
+
+def fresh_python(code: str) -> str:
+    """What `code` prints when run by a new interpreter (this one has imported most of orka
+    already): for tests of what a process loads, and when."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout

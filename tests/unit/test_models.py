@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from orka.models import MAX_REPLICAS, Instance, InstancePhase, Resources, WorkloadSpec
+from tests.subprocs import fresh_python
 
 
 def spec(**overrides: Any) -> dict[str, Any]:
@@ -228,10 +227,8 @@ def test_models_build_their_validators_on_first_use_and_validate_then() -> None:
         "later = [c.__name__ for c in models if c.__pydantic_complete__]\n"
         "print(json.dumps([len(models), built, later, refused]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    count, built, later, refused = json.loads(out.stdout)
+    out = fresh_python(code)
+    count, built, later, refused = json.loads(out)
     assert count >= 25
     assert built == []
     assert later == ["Resources"]

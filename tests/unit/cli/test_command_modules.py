@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import subprocess
-import sys
 
 import pytest
 
 from orka.cli.main import COMMANDS, build_parser, command_of
+from tests.subprocs import fresh_python
 
 
 def test_each_module_registers_exactly_the_commands_the_table_gives_it() -> None:
@@ -64,10 +63,8 @@ def _loaded_by(argv: list[str]) -> set[str]:
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('orka.', 'yaml',"
         " 'aetcd', 'psutil')))))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    return set(json.loads(out.stdout.splitlines()[-1]))
+    out = fresh_python(code)
+    return set(json.loads(out.splitlines()[-1]))
 
 
 def test_a_service_start_loads_no_other_commands_module() -> None:
@@ -106,10 +103,8 @@ def test_a_scheduler_alone_loads_neither_etcds_client_nor_sqlite() -> None:
         "print(json.dumps([before, EtcdStore.__module__, SqliteStore.__module__,"
         " open_store.__module__]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    )
-    before, *modules = json.loads(out.stdout)
+    out = fresh_python(code)
+    before, *modules = json.loads(out)
     assert before == []
     # The package's names still resolve, on first use.
     assert modules == ["orka.store.etcd", "orka.store.sqlite", "orka.store.factory"]

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ from orka.runtime.containerd import ContainerdDriver
 from orka.runtime.fake import FakeDriver
 from orka.runtime.process import ProcessDriver
 from orka.runtime.registry import driver_class, make_driver
+from tests.subprocs import fresh_python
 
 
 @pytest.mark.parametrize(
@@ -44,7 +43,5 @@ def test_the_agent_loads_no_driver_it_is_not_configured_with() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('orka.runtime.')"
         " and m.rsplit('.', 1)[1] in ('process', 'containerd', 'libvirt', 'fake')))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout
+    out = fresh_python(code)
     assert out.strip() == "[]"
