@@ -290,10 +290,39 @@ def run_mutmut(
     )
     if done.returncode != 0 and not lacking:
         print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
+        if any(t in text for t in unmutated):
+            _show_unmutated_failures(module)
         sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
     print(f"==> {module.short}: {took:.0f} s", flush=True)
     return took
+
+
+def _show_unmutated_failures(module: Module) -> None:
+    """mutmut keeps the failing tests of its run without mutants to itself: run them once more
+    as it does (its copy, its pytest flags, its call tracing on) and print pytest's verdicts,
+    so a CI log names the test (one past the per-test timeout under tracing, say)."""
+    shared, _ = settings()
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *shared.get("pytest_add_cli_args", []),
+        "-rfE",
+        *module.tests,
+    ]
+    print(f"==> {module.short}: its tests without mutants, as mutmut ran them", flush=True)
+    done = subprocess.run(
+        cmd,
+        cwd=module.work / "mutants",
+        env={**env(), "MUTANT_UNDER_TEST": "stats"},
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.splitlines()
+    shown = [line for line in lines if line.startswith(("FAILED", "ERROR"))] or lines[-20:]
+    print("\n".join(f"  | {line}" for line in shown), flush=True)
 
 
 def _report(text: str) -> list[str]:

@@ -275,3 +275,29 @@ def test_a_changed_decorated_function_is_named_but_not_mutated(
     assert "not mutated (decorated): xǁBoxǁput" in out
     # put's recorded mutants are gone with it: x_top 1 of 2, take 4 of 4
     assert re.search(r"\b5/6\s+83\.3 %", out)
+
+
+def test_a_failed_run_without_mutants_names_the_failing_test(
+    mutation: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(mutation, "WORK", tmp_path)
+    monkeypatch.setattr(
+        mutation, "settings", lambda: ({"pytest_add_cli_args": ["-p", "no:cacheprovider"]}, {})
+    )
+    module = mutation.Module("orka/thing.py", ["tests/test_thing.py"], None)
+    tests = module.work / "mutants" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_thing.py").write_text(
+        "import os\n\n"
+        "def test_traced():\n"
+        "    assert os.environ['MUTANT_UNDER_TEST'] == 'stats'\n\n"
+        "def test_slow_under_tracing():\n"
+        "    assert 1 == 2\n"
+    )
+    mutation._show_unmutated_failures(module)
+    out = capsys.readouterr().out
+    assert "  | FAILED tests/test_thing.py::test_slow_under_tracing" in out
+    assert "test_traced" not in out
