@@ -267,7 +267,11 @@ def test_systemd_install_start_drain_restart_poweroff(machine: Machine) -> None:
         "orka-controller": lambda: health(
             machine, controller_port, "controller", "orka.v1.Controller"
         ),
-        "orka-agent": lambda: api_nodes(machine, controller_port),
+        # The agent is started once it registered with the scheduler; the controller hears of
+        # the node from the scheduler's feed a moment later: its first view of it is awaited.
+        "orka-agent": lambda: wait_for(
+            "node-1 in the controller", lambda: api_nodes(machine, controller_port), timeout=5.0
+        ),
     }
     expected = {
         "orka-scheduler": "SERVING",
