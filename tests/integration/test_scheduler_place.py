@@ -329,6 +329,29 @@ async def wide(tmp_path: Path) -> AsyncIterator[tuple[Scheduler, Path]]:
     await s.stop()
 
 
+def ranking_stages(scheduler: Scheduler) -> list[str]:
+    """The stage of each ranking the scheduler makes from now on, in order."""
+    stages: list[str] = []
+    rank = scheduler.pipeline.rank
+
+    def ranked(*args: Any, limit: int | None = None) -> Any:
+        ranking = rank(*args, limit=limit)
+        stages.append(ranking.stage)
+        return ranking
+
+    scheduler.pipeline.rank = ranked  # type: ignore[method-assign]
+    return stages
+
+
+async def place_four_in_zone_a(agents: list[Agent], controller: grpc.aio.Channel) -> Any:
+    """Start `agents`, then place four instances that select zone "a" in one Place."""
+    for a in agents:
+        await a.start()
+    selected = web(node_selector={"zone": "a"})
+    items = [apb.Assignment(instance=f"web-{n}", spec=selected) for n in range(4)]
+    return await apb_grpc.SchedulerStub(controller).Place(apb.PlaceRequest(items=items))
+
+
 async def test_a_small_cluster_says_why_nodes_were_passed_over_when_the_index_ranked(
     wide: tuple[Scheduler, Path],
 ) -> None:
@@ -341,21 +364,9 @@ async def test_a_small_cluster_says_why_nodes_were_passed_over_when_the_index_ra
         for n in range(1, RANK_FIRST + 3)
     ]
     controller = controller_channel(scheduler, certs_dir)
-    stages: list[str] = []
-    rank = scheduler.pipeline.rank
-
-    def ranked(*args: Any, limit: int | None = None) -> Any:
-        ranking = rank(*args, limit=limit)
-        stages.append(ranking.stage)
-        return ranking
-
-    scheduler.pipeline.rank = ranked  # type: ignore[method-assign]
+    stages = ranking_stages(scheduler)
     try:
-        for a in agents:
-            await a.start()
-        selected = web(node_selector={"zone": "a"})
-        items = [apb.Assignment(instance=f"web-{n}", spec=selected) for n in range(4)]
-        resp = await apb_grpc.SchedulerStub(controller).Place(apb.PlaceRequest(items=items))
+        resp = await place_four_in_zone_a(agents, controller)
         assert "indexed" in stages[1:]  # the case at hand
         for result in resp.results:
             assert result.node and result.node != f"node-{RANK_FIRST + 2}"
@@ -413,22 +424,10 @@ async def test_what_the_index_left_out_is_counted_up_to_explain_nodes(
         for name in names
     ]
     controller = controller_channel(scheduler, certs_dir)
-    stages: list[str] = []
-    rank = scheduler.pipeline.rank
-
-    def ranked(*args: Any, limit: int | None = None) -> Any:
-        ranking = rank(*args, limit=limit)
-        stages.append(ranking.stage)
-        return ranking
-
-    scheduler.pipeline.rank = ranked  # type: ignore[method-assign]
+    stages = ranking_stages(scheduler)
     try:
-        for a in agents:
-            await a.start()
-        selected = web(node_selector={"zone": "a"})
-        items = [apb.Assignment(instance=f"web-{n}", spec=selected) for n in range(4)]
-        resp = await apb_grpc.SchedulerStub(controller).Place(apb.PlaceRequest(items=items))
-        assert len(stages) == len(items) and "indexed" in stages  # one ranking each
+        resp = await place_four_in_zone_a(agents, controller)
+        assert len(stages) == 4 and "indexed" in stages  # one ranking each
         for stage, result in zip(stages, resp.results, strict=True):
             assert result.node and result.node != names[-1]
             counted = nodes <= EXPLAIN_NODES or stage == "exhaustive"
