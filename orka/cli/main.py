@@ -54,9 +54,7 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def _split_at_command(
-    argv: list[str], commands: set[str] | dict[str, str]
-) -> tuple[list[tuple[str, list[str]]], list[str]]:
+def _split_at_command(argv: list[str]) -> tuple[list[tuple[str, list[str]]], list[str]]:
     """The top-level flags before the command (each flag's name and its tokens), and the rest
     of `argv` from the command (or the first token that is no flag) on."""
     head: list[tuple[str, list[str]]] = []
@@ -64,7 +62,7 @@ def _split_at_command(
     while i < len(argv):
         token = argv[i]
         name = token.split("=", 1)[0]
-        if token in commands or not token.startswith("-"):
+        if token in COMMANDS or not token.startswith("-"):
             return head, argv[i:]
         takes_value = "=" not in token and name in (*GLOBAL_FLAGS, "--identity")
         group = argv[i : i + 2] if takes_value else [token]
@@ -75,18 +73,18 @@ def _split_at_command(
 
 def command_of(argv: Sequence[str]) -> str | None:
     """The command `argv` names, or None (none given, or none Orka knows)."""
-    _, rest = _split_at_command(list(argv), COMMANDS)
+    _, rest = _split_at_command(list(argv))
     return rest[0] if rest and rest[0] in COMMANDS else None
 
 
-def hoist_global_flags(argv: list[str], commands: set[str]) -> list[str]:
+def hoist_global_flags(argv: list[str]) -> list[str]:
     """Move GLOBAL_FLAGS given before the command to the end, where the command parses them.
 
     A flag given both before and after the command: the one after wins (it is the more
     specific), so the one before is dropped. Flags the command does not take (say `--certs`
     for `orka up`) then fail as unknown, naming the flag.
     """
-    head, rest = _split_at_command(argv, commands)
+    head, rest = _split_at_command(argv)
     before = [t for name, group in head if name not in GLOBAL_FLAGS for t in group]
     given_after = {t.split("=", 1)[0] for t in rest}
     hoisted = [
@@ -100,13 +98,11 @@ def hoist_global_flags(argv: list[str], commands: set[str]) -> list[str]:
 class OrkaParser(argparse.ArgumentParser):
     """The top-level parser: accepts GLOBAL_FLAGS before the command too."""
 
-    commands: set[str] = set()
-
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(hoist_global_flags(argv, self.commands), namespace)
+        return super().parse_known_args(hoist_global_flags(argv), namespace)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -126,7 +122,6 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     modules = [COMMANDS[command]] if command is not None else dict.fromkeys(COMMANDS.values())
     for module in modules:
         importlib.import_module(f"orka.cli.{module}").register(sub)
-    parser.commands = set(COMMANDS)
     return parser
 
 
