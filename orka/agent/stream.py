@@ -113,7 +113,6 @@ class Stream:
         pool: str = "",
         volumes: VolumeManager | None = None,
     ) -> None:
-        self.schedulers = schedulers
         self.targets = Targets(schedulers)
         self.pool = pool
         self.volumes = volumes
@@ -434,7 +433,7 @@ class Stream:
             msg = await outbox.get()
             if msg is None:
                 return
-            items, _ = drain(msg, outbox)
+            items, closed = drain(msg, outbox)
             has_beat = False
             for item in items:
                 body = item.WhichOneof("body")
@@ -452,6 +451,8 @@ class Stream:
                 await call.write(msg)
             else:
                 await call.write(apb.AgentMessage(batch=apb.AgentBatch(messages=items)))
+            if closed:  # the close marker came right behind what was just sent
+                return
 
     async def _heartbeats(self) -> None:
         """One heartbeat per interval, on a fixed schedule.

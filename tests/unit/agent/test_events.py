@@ -66,6 +66,12 @@ def change(agent: Agent, inst: Supervised, phase: InstancePhase, reason: str = "
     agent.runner.changed(inst)
 
 
+async def loop_turns(count: int) -> None:
+    """Let the event loop run `count` times (the writer takes what was queued)."""
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
 async def test_an_unsent_state_is_replaced_by_the_newest(tmp_path: Path) -> None:
     agent, inst, outbox = make_agent(tmp_path)
     change(agent, inst, InstancePhase.STARTING)
@@ -108,6 +114,63 @@ async def test_queued_messages_leave_in_one_batch_and_later_changes_are_new(
         await asyncio.sleep(0)
     assert len(call.written) == 2
     assert call.written[1].instance_status.phase == pb.Instance.FAILED
+    outbox.put_nowait(None)
+    await writer
+
+
+def failed_then_restarting(
+    tmp_path: Path,
+) -> tuple[Agent, Supervised, asyncio.Queue[apb.AgentMessage | None]]:
+    """An instance that failed and is starting again: two messages queued (a terminal state
+    is never replaced, so the restart's state is a message of its own)."""
+    agent, inst, outbox = make_agent(tmp_path)
+    change(agent, inst, InstancePhase.FAILED, "Error")
+    change(agent, inst, InstancePhase.STARTING)
+    return agent, inst, outbox
+
+
+async def test_a_terminal_state_and_the_next_leave_together_and_nothing_stays_unsent(
+    tmp_path: Path,
+) -> None:
+    agent, _, outbox = failed_then_restarting(tmp_path)
+    call = RecordingCall()
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
+    await loop_turns(3)
+    assert not writer.done()
+    phases = [m.instance_status.phase for m in call.written[0].batch.messages]
+    assert phases == [pb.Instance.FAILED, pb.Instance.STARTING]
+    assert agent.stream._unsent_events == {}
+    outbox.put_nowait(None)
+    await writer
+
+
+async def test_an_older_terminal_state_leaving_keeps_the_newer_one_replaceable(
+    tmp_path: Path,
+) -> None:
+    agent, inst, outbox = failed_then_restarting(tmp_path)
+    call = RecordingCall()
+    # The writer takes the terminal state alone, then its queue ends; the restart's state
+    # is still queued.
+    front: asyncio.Queue[apb.AgentMessage | None] = asyncio.Queue()
+    front.put_nowait(outbox.get_nowait())
+    front.put_nowait(None)
+    await asyncio.wait_for(agent.stream.writer(call, front), 10)  # type: ignore[arg-type]
+    assert [m.instance_status.phase for m in call.written] == [pb.Instance.FAILED]
+    # The queued STARTING is replaced by RUNNING, not followed by a message of its own.
+    change(agent, inst, InstancePhase.RUNNING)
+    assert [m.instance_status.phase for m in queued(outbox)] == [pb.Instance.RUNNING]
+
+
+async def test_a_frame_that_holds_a_heartbeat_gets_no_second(tmp_path: Path) -> None:
+    agent, _, outbox = make_agent(tmp_path)
+    loop = asyncio.get_running_loop()
+    agent.stream._next_beat = loop.time() + 0.1 * agent.stream.interval  # due soon
+    agent.stream.ack("c1", convert.ok_status())
+    agent.stream.send(agent.stream.heartbeat_message())
+    call = RecordingCall()
+    writer = asyncio.create_task(agent.stream.writer(call, outbox))  # type: ignore[arg-type]
+    await loop_turns(3)
+    assert [m.WhichOneof("body") for m in call.written[0].batch.messages] == ["ack", "heartbeat"]
     outbox.put_nowait(None)
     await writer
 

@@ -61,3 +61,9 @@ async def test_the_backoff_grows_over_dials_that_did_not_register(
     assert await attempts_for([True, False, False, False, True, False], monkeypatch) == [
         1, 2, 3, 4, 1, 2,
     ]  # fmt: skip
+
+
+async def test_the_first_dials_that_do_not_register_start_from_the_first_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert await attempts_for([False, False, True, False], monkeypatch) == [1, 2, 1, 2]

@@ -40,7 +40,7 @@ class EndedCall:
         return self._details
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
-        return grpc.aio.Metadata()
+        return grpc.aio.Metadata(("x-initial", "sent"))
 
     async def trailing_metadata(self) -> grpc.aio.Metadata:
         return grpc.aio.Metadata(("x-reason", "test"))
@@ -60,6 +60,7 @@ async def test_a_write_on_an_ended_stream_raises_the_streams_own_error() -> None
     err = info.value
     assert (err.code(), err.details()) == (grpc.StatusCode.UNAVAILABLE, "Socket closed")
     assert tuple(err.trailing_metadata()) == (("x-reason", "test"),)
+    assert tuple(err.initial_metadata()) == (("x-initial", "sent"),)
 
 
 async def test_a_write_on_a_stream_that_ended_ok_is_a_clean_end() -> None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 import structlog.testing
 
+from orka.agent import stream as stream_module
 from orka.agent.stream import Stream
 from tests.unit.agent.streams import BareStream
 
@@ -124,7 +125,86 @@ async def test_a_channel_that_cannot_be_made_is_tried_again_next_round() -> None
     stream = Flaky(["a:1", "b:1"], READY)
     with structlog.testing.capture_logs() as logs:
         await run_for(stream, 0.3)
-    assert [(e["event"], e["target"]) for e in logs] == [
-        ("could not keep a scheduler connection", "b:1")
+    assert [(e["event"], e["target"], e["error"]) for e in logs] == [
+        (
+            "could not keep a scheduler connection",
+            "b:1",
+            repr(OSError("certs: cannot read agent.key")),
+        )
     ]
     assert [c.dials for c in stream.made["b:1"]] == [1]
+
+
+async def test_a_failing_scheduler_is_dialled_again_after_a_backoff_that_grows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[int, float, float]] = []
+
+    def delay(attempt: int, base: float, cap: float) -> float:
+        asked.append((attempt, base, cap))
+        return 7.0
+
+    monkeypatch.setattr("orka.agent.stream.backoff.delay", delay)
+    stream = WarmStream(["a:1", "b:1", "c:1"], FAILED)
+    await stream._keep("b:1", 100.0)  # dialled: no channel yet
+    await stream._keep("b:1", 100.5)  # found failing: closed, a backoff of 7 s
+    assert [(c.dials, c.closed) for c in stream.made["b:1"]] == [(1, True)]
+    assert asked == [(1, stream_module.WARM_BACKOFF / 2, stream_module.WARM_MAX)]
+    await stream._keep("b:1", 107.4)  # not yet
+    assert len(stream.made["b:1"]) == 1
+    await stream._keep("b:1", 107.5)  # due: dialled again
+    assert [c.dials for c in stream.made["b:1"]] == [1, 1]
+    await stream._keep("b:1", 108.0)  # failing again: the next backoff is longer
+    assert [a for a, _, _ in asked] == [1, 2]
+    # Each address has its own count: c has not failed.
+    await stream._keep("c:1", 108.0)
+    assert stream._warm["c:1"].failures == 0 and stream._warm["b:1"].failures == 2
+    # Connected at last: the count starts over.
+    stream.state = READY
+    await stream._keep("b:1", 115.0)
+    await stream._keep("b:1", 115.5)
+    assert stream._warm["b:1"].failures == 0
+
+
+async def test_a_failure_of_the_connect_loop_there_counts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("orka.agent.stream.backoff.delay", lambda a, b, c: 7.0)
+    stream = WarmStream(["a:1", "b:1"], IDLE)
+    stream._channel("a:1")
+    stream.targets.failed(None, 0.0)  # the connect loop could not reach a: on to b
+    await stream._keep("a:1", 100.0)
+    assert [c.closed for c in stream.made["a:1"]] == [True]
+    assert stream._warm["a:1"].failures == 1
+    await stream._keep("a:1", 101.0)  # the same failure: not counted again
+    assert stream._warm["a:1"].failures == 1
+    await stream._keep("a:1", 107.0)  # its backoff over: dialled
+    assert [(c.dials, c.closed) for c in stream.made["a:1"]] == [(0, True), (1, False)]
+    # a answered the connect loop since: its idle channel is asked to connect, not closed.
+    stream.targets._down.pop("a:1")
+    await stream._keep("a:1", 108.0)
+    assert [(c.dials, c.closed) for c in stream.made["a:1"]] == [(0, True), (2, False)]
+    assert stream._warm["a:1"].failures == 1
+
+
+async def test_the_looks_are_jittered_around_warm_every(monkeypatch: pytest.MonkeyPatch) -> None:
+    spreads: list[tuple[float, float]] = []
+    slept: list[float] = []
+
+    def uniform(low: float, high: float) -> float:
+        spreads.append((low, high))
+        return 0.75
+
+    class Stop(Exception):
+        pass
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        raise Stop
+
+    monkeypatch.setattr(stream_module.random, "uniform", uniform)
+    monkeypatch.setattr(stream_module.asyncio, "sleep", sleep)
+    with pytest.raises(Stop):
+        await WarmStream(["a:1", "b:1"], READY)._keep_warm()
+    assert spreads == [(0.5, 1.5)]
+    assert slept == [pytest.approx(stream_module.WARM_EVERY * 0.75)]
