@@ -10,8 +10,10 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from orka.cli.parent_death import die_with_parent
 from tests.subprocs import reap
 
 ETCD = Path(os.environ.get("ORKA_TEST_ETCD", "/usr/bin/etcd"))
@@ -91,6 +94,15 @@ class EtcdMember:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            # A test process killed outright (mutmut's timeout, a SIGKILL) runs no teardown:
+            # its etcd goes with it rather than beating every 50 ms for the rest of the run.
+            # Only from the main thread: the signal comes when the forking thread exits, and
+            # a worker thread's may end before the test does.
+            preexec_fn=(
+                die_with_parent(signal.SIGKILL)
+                if threading.current_thread() is threading.main_thread()
+                else None
+            ),
         )
         log.close()
 
