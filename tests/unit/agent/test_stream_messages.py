@@ -276,7 +276,7 @@ async def test_heartbeats_keep_their_schedule_without_bursts(
     assert loop.time() - began >= 6 * 0.05 - 0.01
     # ...and each sleep lasts until the next beat is due, no longer.
     assert len(waits) >= 6
-    assert all(0.0 <= w <= 0.05 for w in waits), waits
+    assert all(0.0 <= w <= 0.05 + 1e-9 for w in waits), waits  # float sums of loop times
 
 
 async def test_a_beat_far_behind_goes_at_once_alone_and_the_schedule_resumes(
