@@ -277,12 +277,14 @@ def run_mutmut(
         text = output.read_text(errors="replace")
         # mutmut's first steps run the module's tests without mutants ("stats", then a "clean
         # test"); a test that fails there failed on its own, not because of a mutant (the
-        # pytest stage ran it too): say which, and run once more, so one timing flake under
+        # pytest stage ran it too): run them once more as mutmut did, to name a test that
+        # fails again (mutmut names none), then run mutmut again, so one timing flake under
         # the mutation stage's slower tracing does not decide a score.
         unmutated = ("failed to collect stats", "Failed to run clean test")
         if done.returncode != 0 and any(t in text for t in unmutated) and attempt == 1:
             print(f"==> {module.short}: the run without mutants failed; again", flush=True)
             print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
+            _show_unmutated_failures(module)
             continue
         break
     lacking = functions is not None and not any(
@@ -290,8 +292,6 @@ def run_mutmut(
     )
     if done.returncode != 0 and not lacking:
         print("\n".join(f"  | {line}" for line in _report(text)), flush=True)
-        if any(t in text for t in unmutated):
-            _show_unmutated_failures(module)
         sys.exit(f"error: mutmut run failed for {module.path} (exit {done.returncode})")
     took = time.monotonic() - start
     print(f"==> {module.short}: {took:.0f} s", flush=True)

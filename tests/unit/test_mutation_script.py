@@ -6,10 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -301,3 +303,35 @@ def test_a_failed_run_without_mutants_names_the_failing_test(
     out = capsys.readouterr().out
     assert "  | FAILED tests/test_thing.py::test_slow_under_tracing" in out
     assert "test_traced" not in out
+
+
+@pytest.fixture
+def flaky_mutmut(mutation: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The script's work folders under tmp_path, and `mutmut` its name."""
+    monkeypatch.setattr(mutation, "WORK", tmp_path)
+    monkeypatch.setattr(mutation, "mutmut_exe", lambda: "mutmut")
+
+
+@pytest.mark.usefixtures("flaky_mutmut")
+def test_a_first_failure_without_mutants_names_the_tests_and_runs_mutmut_again(
+    mutation: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = mutation.Module("orka/thing.py", ["tests/test_thing.py"], None)
+    module.work.mkdir(parents=True)
+    runs: list[list[str]] = []
+
+    def run(cmd: list[str], stdout: Any = None, **kwargs: Any) -> subprocess.CompletedProcess:
+        runs.append(cmd)
+        flaked = len(runs) == 1
+        stdout.write(b"failed to collect stats. runner returned 1\n" if flaked else b"done\n")
+        return subprocess.CompletedProcess(cmd, 1 if flaked else 0)
+
+    shown: list[str] = []
+    monkeypatch.setattr(mutation.subprocess, "run", run)
+    monkeypatch.setattr(mutation, "_show_unmutated_failures", lambda m: shown.append(m.path))
+    mutation.run_mutmut(module, ["orka.thing.*"], 2)
+    assert [cmd[:2] for cmd in runs] == [["mutmut", "run"], ["mutmut", "run"]]
+    assert shown == ["orka/thing.py"]
+    out = capsys.readouterr().out
+    assert "==> thing: the run without mutants failed; again" in out
+    assert "  | failed to collect stats. runner returned 1" in out
