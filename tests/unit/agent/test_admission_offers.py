@@ -61,7 +61,7 @@ def built(roots: list[Path], driver: str = "libvirt", send: Any = None, **node: 
     )
 
 
-def refusal_with_roots(tmp_path: Path, roots: list[Path], offered: WorkloadSpec) -> str | None:
+def refusal_with_roots(roots: list[Path], offered: WorkloadSpec) -> str | None:
     return built(roots).admit("vm-0", offered)
 
 
@@ -69,11 +69,11 @@ def test_a_file_outside_names_the_field_the_path_and_every_allowed_root(tmp_path
     roots = [tmp_path / "images", tmp_path / "kernels"]
     for root in roots:
         root.mkdir()
-    assert refusal_with_roots(tmp_path, roots, vm("/etc/shadow")) == (
+    assert refusal_with_roots(roots, vm("/etc/shadow")) == (
         f"spec.image: '/etc/shadow' is outside the paths this node allows"
         f" ({roots[0]}, {roots[1]}; agent flag --allowed-paths)"
     )
-    assert refusal_with_roots(tmp_path, [], vm("/etc/shadow")) == (
+    assert refusal_with_roots([], vm("/etc/shadow")) == (
         "spec.image: '/etc/shadow' is outside the paths this node allows"
         " (none; agent flag --allowed-paths)"
     )
@@ -81,7 +81,7 @@ def test_a_file_outside_names_the_field_the_path_and_every_allowed_root(tmp_path
 
 def test_a_long_path_is_cut_in_the_refusal(tmp_path: Path) -> None:
     long = "/" + "d" * 700
-    refusal = refusal_with_roots(tmp_path, [], vm("/img/disk.qcow2", kernel=long))
+    refusal = refusal_with_roots([], vm("/img/disk.qcow2", kernel=long))
     assert refusal is not None
     assert refusal.startswith("spec.image: '/img/disk.qcow2' is outside")
     allowed = built([Path("/img")])

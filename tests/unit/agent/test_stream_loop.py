@@ -156,8 +156,9 @@ async def loop_until(stream: Dials, turns: int) -> list[str]:
 
 @pytest.fixture
 def refusing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float, float]]:
-    """A port that refuses connections: probes say so, every pause ends saying so. Returns
-    the backoff's arguments, one entry per pause asked for."""
+    """A port that refused connections: every pause ends saying so (the probe that follows
+    says it listens, unless the test sets it: `probing`). Returns the backoff's arguments,
+    one entry per pause asked for."""
     delays: list[tuple[int, float, float]] = []
 
     def delay(attempt: int, base: float, cap: float) -> float:
@@ -168,8 +169,15 @@ def refusing(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float, float]]:
         await asyncio.sleep(0)
         return True
 
+    async def listening(target: str) -> bool:
+        # No real probe: these addresses are names, and resolving one is traffic off the
+        # machine. A test that cares what the probe says sets its own (`probing`).
+        await asyncio.sleep(0)
+        return True
+
     monkeypatch.setattr(stream_module.backoff, "delay", delay)
     monkeypatch.setattr(stream_module.backoff, "pause", pause)
+    monkeypatch.setattr(stream_module.backoff, "probe", listening)
     return delays
 
 
