@@ -61,8 +61,18 @@ class EtcdMember:
         client_url = f"http://{self.endpoint}"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = (self.data_dir.parent / f"{self.name}.log").open("ab")
+        # A test process killed outright (mutmut's timeout, a SIGKILL) runs no teardown: its
+        # etcd goes with it rather than beating every 50 ms for the rest of the run. Only from
+        # the main thread: the signal comes when the forking thread exits, and a worker
+        # thread's may end before the test does.
+        prefix = (
+            die_with_parent(signal.SIGKILL)
+            if threading.current_thread() is threading.main_thread()
+            else []
+        )
         self.process = subprocess.Popen(
             [
+                *prefix,
                 str(ETCD),
                 "--name",
                 self.name,
@@ -94,15 +104,6 @@ class EtcdMember:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            # A test process killed outright (mutmut's timeout, a SIGKILL) runs no teardown:
-            # its etcd goes with it rather than beating every 50 ms for the rest of the run.
-            # Only from the main thread: the signal comes when the forking thread exits, and
-            # a worker thread's may end before the test does.
-            preexec_fn=(
-                die_with_parent(signal.SIGKILL)
-                if threading.current_thread() is threading.main_thread()
-                else None
-            ),
         )
         log.close()
 

@@ -249,6 +249,8 @@ class Cluster:
         fd = _open_log(child.log)
         try:
             child.proc = await asyncio.create_subprocess_exec(
+                # Forked in the loop's thread, the main one: it lives as long as `orka up`.
+                *die_with_parent(child.death_signal),
                 sys.executable,
                 "-m",
                 "orka.cli.main",
@@ -257,8 +259,6 @@ class Cluster:
                 stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                # Forked in the loop's thread, the main one: it lives as long as `orka up`.
-                preexec_fn=die_with_parent(child.death_signal),
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         finally:
@@ -302,6 +302,12 @@ class Cluster:
                     await self.stop_requested.wait()
 
     async def start(self) -> None:
+        if not die_with_parent(signal.SIGTERM):
+            print(
+                "orka up: no setpriv (util-linux) here; if orka up is killed outright, "
+                "its services keep running",
+                flush=True,
+            )
         await self.spawn(self.scheduler)
         await self.spawn(self.controller)
         for agent in self.agent_children:
