@@ -76,3 +76,24 @@ def test_unprivileged_agent_runs_as_itself(monkeypatch: pytest.MonkeyPatch) -> N
         UserPolicy().resolve(spec("nobody"))
     with pytest.raises(IdentityRefused, match="group 'nogroup'"):
         UserPolicy().resolve(spec("", "nogroup"))
+
+
+@pytest.mark.usefixtures("as_root")
+def test_the_root_refusal_names_the_flag_that_allows_it() -> None:
+    with pytest.raises(IdentityRefused) as refused:
+        UserPolicy().resolve(spec("root"))
+    assert str(refused.value) == (
+        "user 'root' is root and this node does not allow root workloads"
+        " (the agent's --allow-root-workloads)"
+    )
+
+
+def test_an_unprivileged_agent_without_a_passwd_entry_goes_by_its_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(identity.os, "geteuid", lambda: 4242)
+    monkeypatch.setattr(identity.os, "getegid", lambda: 4343)
+    ident = UserPolicy().resolve(spec("4242"))
+    assert (ident.user, ident.uid, ident.gid, ident.switch) == ("4242", 4242, 4343, False)
+    with pytest.raises(IdentityRefused, match="the agent runs as '4242', not root"):
+        UserPolicy().resolve(spec("nobody"))
