@@ -80,10 +80,11 @@ def _document(node: str, entries: Iterable[str]) -> str:
 
 
 def encode_state(node: str, instances: Iterable[RecordSource]) -> str:
-    """AgentState's JSON text, the same as `AgentState(...).model_dump_json()` gives, without
-    building the models: the agent writes it on every (coalesced) change. The layout is the
-    model's: each record's fields are InstanceRecord's, read from the instance; only the few
-    status fields are encoded each time, the spec (most of the text) is spliced in."""
+    """AgentState's JSON, what `AgentState(...).model_dump_json()` gives (each record's fields
+    in another order), without building the models: the agent writes it on every (coalesced)
+    change. The fields are the model's: each record's are InstanceRecord's, read from the
+    instance; only the few status fields are encoded each time, the spec (most of the text)
+    is spliced in."""
     return _document(node, (_entry(inst, _status_values(inst)) for inst in instances))
 
 
