@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import code_pb2
 
 from orka.agent.logs import LogKeeper
-from orka.agent.sessions import Sessions
+from orka.agent.sessions import Session, Sessions
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
+from orka.runtime import logs as logfiles
+from orka.runtime.logs import SizeIndex
 
 
 def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
@@ -25,6 +30,12 @@ def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
     sent: list[apb.AgentMessage] = []
     sessions = Sessions(instances, sent.append, LogKeeper(instances, 1 << 20))  # type: ignore[arg-type]
     return sessions, sent, out
+
+
+def stamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
 
 
 def outputs(sent: list[apb.AgentMessage]) -> list[apb.SessionOutput]:
@@ -172,27 +183,15 @@ async def test_tail_lines_start_at_the_last_lines(tmp_path: Path) -> None:
 
 
 async def test_since_skips_a_file_not_written_since(tmp_path: Path) -> None:
-    import os
-    import time
-
-    from google.protobuf.timestamp_pb2 import Timestamp
-
     sessions, sent, _ = two_streams(tmp_path, b"old\n", b"new\n")
     now = time.time()
     os.utime(tmp_path / "stdout.log", (now - 3600, now - 3600))
-    since = Timestamp()
-    since.FromNanoseconds(int((now - 60) * 1e9))
+    since = stamp(now - 60)
     req = pb.ReadLogsRequest(instance="web-1", since_time=since)
     assert await read_all(sessions, sent, req) == {pb.LogChunk.STDERR: b"new\n"}
 
 
 async def test_since_and_tail_start_at_the_later_of_the_two(tmp_path: Path) -> None:
-    import time
-
-    from google.protobuf.timestamp_pb2 import Timestamp
-
-    from orka.runtime.logs import SizeIndex
-
     sessions, sent, _ = two_streams(tmp_path, b"1\n2\n3\n4\n", b"")
     out = tmp_path / "stdout.log"
     now = time.time()
@@ -200,8 +199,7 @@ async def test_since_and_tail_start_at_the_later_of_the_two(tmp_path: Path) -> N
     index = sessions.keeper.indexes[out] = SizeIndex()
     index.note(now - 3600, 4)
     index.note(now, 8)
-    since = Timestamp()
-    since.FromNanoseconds(int((now - 60) * 1e9))
+    since = stamp(now - 60)
     by_since = pb.ReadLogsRequest(instance="web-1", stream=pb.LogChunk.STDOUT, since_time=since)
     assert await read_all(sessions, sent, by_since) == {pb.LogChunk.STDOUT: b"3\n4\n"}
     sent.clear()
@@ -224,8 +222,6 @@ async def test_a_renaming_driver_has_its_older_file_read_first(tmp_path: Path) -
 
 
 def test_credit_adds_up_and_one_wakes_a_waiting_session() -> None:
-    from orka.agent.sessions import Session
-
     session = Session("s1", 0, lambda msg: None)
     session.grant(0)
     assert not session._credit_given.is_set()
@@ -236,32 +232,20 @@ def test_credit_adds_up_and_one_wakes_a_waiting_session() -> None:
 
 
 async def test_since_is_to_the_second(tmp_path: Path) -> None:
-    import time
-
-    from google.protobuf.timestamp_pb2 import Timestamp
-
-    from orka.runtime.logs import SizeIndex
-
     sessions, sent, _ = two_streams(tmp_path, b"1\n2\n3\n", b"")
     since_s = time.time() - 10
     index = sessions.keeper.indexes[tmp_path / "stdout.log"] = SizeIndex()
     index.note(since_s - 3, 0)
     index.note(since_s - 1, 2)  # "1\n" was written before `since`
-    since = Timestamp()
-    since.FromNanoseconds(int(since_s * 1e9))
+    since = stamp(since_s)
     req = pb.ReadLogsRequest(instance="web-1", stream=pb.LogChunk.STDOUT, since_time=since)
     assert await read_all(sessions, sent, req) == {pb.LogChunk.STDOUT: b"2\n3\n"}
 
 
 async def test_a_renaming_driver_has_its_older_file_in_since_and_tail(tmp_path: Path) -> None:
-    import time
-
-    from google.protobuf.timestamp_pb2 import Timestamp
-
     sessions, sent, _ = two_streams(tmp_path, b"c\n", b"", log_backup=".0")
     (tmp_path / "stdout.log.0").write_bytes(b"a\nb\n")
-    since = Timestamp()
-    since.FromNanoseconds(int((time.time() - 60) * 1e9))
+    since = stamp(time.time() - 60)
     by_since = pb.ReadLogsRequest(instance="web-1", stream=pb.LogChunk.STDOUT, since_time=since)
     assert await read_all(sessions, sent, by_since) == {pb.LogChunk.STDOUT: b"a\nb\nc\n"}
     sent.clear()
@@ -273,12 +257,6 @@ async def test_a_renaming_driver_has_its_older_file_in_since_and_tail(tmp_path: 
 async def test_a_tail_is_what_the_file_held_when_it_was_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, since_wins: bool
 ) -> None:
-    import time
-
-    from google.protobuf.timestamp_pb2 import Timestamp
-
-    from orka.runtime import logs as logfiles
-
     sessions, sent, _ = two_streams(tmp_path, b"1\n2\n3\n4\n", b"")
     out = tmp_path / "stdout.log"
     counted = logfiles.tail_position
@@ -295,8 +273,7 @@ async def test_a_tail_is_what_the_file_held_when_it_was_counted(
         index = sessions.keeper.indexes[out] = logfiles.SizeIndex()
         now = time.time()
         index.note(now - 3600, 4)
-        since = Timestamp()
-        since.FromNanoseconds(int((now - 60) * 1e9))
+        since = stamp(now - 60)
         req.since_time.CopyFrom(since)
     want = b"3\n4\n" if since_wins else b"2\n3\n4\n"
     assert await read_all(sessions, sent, req) == {pb.LogChunk.STDOUT: want}
@@ -306,8 +283,6 @@ async def test_a_tail_is_what_the_file_held_when_it_was_counted(
 async def test_the_reader_is_told_how_the_driver_rotates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backup: str | None, renamed: bool
 ) -> None:
-    from orka.runtime import logs as logfiles
-
     asked: list[tuple[str, bool]] = []
     real = logfiles.follow
 

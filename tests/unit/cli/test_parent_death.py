@@ -8,6 +8,7 @@ wait status.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -55,8 +56,6 @@ PARENT = textwrap.dedent(
 
 
 def _orphan_ends_with(sig: signal.Signals) -> str:
-    import json
-
     done = subprocess.run(
         [sys.executable, "-c", REAPER, PARENT, json.dumps(die_with_parent(sig))],
         capture_output=True,
