@@ -7,8 +7,7 @@ cluster is left behind holding the ports.
 util-linux's `setpriv --pdeathsig` sets the signal and execs the command, so no Python runs in
 the child between fork and exec. A `preexec_fn` would: CPython then runs the at-fork handlers
 of the parent's libraries, and gRPC's start its poller again in the child, where it meets the
-descriptors closed before exec and now and then kills the child (4 forks in 1,000 here, with
-one gRPC channel open in the parent).
+descriptors closed before exec and now and then kills the child before it becomes a service.
 """
 
 from __future__ import annotations
