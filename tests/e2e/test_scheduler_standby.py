@@ -156,10 +156,13 @@ async def test_active_scheduler_sigkill_under_load_fails_over_to_the_standby(
 
     # Placement load: a workload created every 0.2 s, before, across and after the kill.
     created: dict[str, int] = {}
+    # Stopped between creates, never during one: a create cancelled after the controller took
+    # it would leave a workload running that `created` does not list.
+    stop_loading = asyncio.Event()
 
     async def load() -> None:
         i = 0
-        while True:
+        while not stop_loading.is_set():
             name = f"load{i}"
             try:
                 await api.CreateWorkload(pb.CreateWorkloadRequest(spec=spec(name, 2)), timeout=10)
@@ -167,7 +170,8 @@ async def test_active_scheduler_sigkill_under_load_fails_over_to_the_standby(
                 raise AssertionError(f"create {name}: {err.code()} {err.details()}") from None
             created[name] = 2
             i += 1
-            await asyncio.sleep(0.2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_loading.wait(), 0.2)
 
     loader = asyncio.create_task(load())
     await asyncio.wait_for(events.connected.wait(), 10)
@@ -196,9 +200,8 @@ async def test_active_scheduler_sigkill_under_load_fails_over_to_the_standby(
     first_after = f"load{at_kill}"
     await eventually(lambda: settled(c, {**workloads, first_after: 2}), timeout=60)
     placed = time.monotonic() - killed
-    loader.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await loader
+    stop_loading.set()
+    await asyncio.wait_for(loader, 15)
     print(
         f"\nstandby failover: agents at the standby {back:.2f}s, "
         f"a workload created after the kill running {placed:.2f}s"
