@@ -12,6 +12,7 @@ descriptors closed before exec and now and then kills the child before it become
 
 from __future__ import annotations
 
+import functools
 import shutil
 import signal
 import sys
@@ -27,7 +28,13 @@ def die_with_parent(sig: signal.Signals) -> list[str]:
     `setpriv` (not Linux, or no util-linux): the command then outlives its parent, and the
     caller says so.
     """
-    setpriv = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    setpriv = _setpriv()
     if setpriv is None:
         return []
     return [setpriv, "--pdeathsig", sig.name.removeprefix("SIG"), "--"]
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    # Looked up once: `orka up` asks for every child it starts, on its event loop.
+    return shutil.which("setpriv") if sys.platform.startswith("linux") else None

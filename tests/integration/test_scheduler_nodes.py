@@ -31,6 +31,7 @@ from orka.rpc.place_reasons import reasons_from_pb
 from orka.scheduler.registry import NodeRecord
 from orka.scheduler.service import Scheduler, SchedulerConfig
 from orka.security.tls import TlsFiles
+from tests.waits import until
 
 MIB = 1 << 20
 # Agents here send no heartbeats: intervals long enough that none goes NOT_READY mid-test.
@@ -41,15 +42,6 @@ QUIET = {"heartbeat_interval": 5.0, "node_lost_after": 60.0, "offer_timeout": 1.
 def reasons_text(result: apb.PlaceResult) -> str:
     """The reasons as the controller shows them; "" when the instance was placed."""
     return fit.format_reasons(reasons_from_pb(result)) if result.reasons else ""
-
-
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
-    """Wait for `check()` to be truthy, letting the event loop run in between."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.01)
 
 
 class HandAgent:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from orka.models import (
     WorkloadSpec,
 )
 from orka.runtime.fake import FakeDriver
+from tests.waits import until
 
 U, H, X = HealthState.UNKNOWN, HealthState.HEALTHY, HealthState.UNHEALTHY
 
@@ -264,14 +264,6 @@ def _spec(port: int, policy: RestartPolicy = RestartPolicy.ALWAYS) -> WorkloadSp
     )
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.01)
-
-
 async def _no_backoff(delay: float) -> None:
     await asyncio.sleep(0)
 
@@ -293,11 +285,11 @@ async def test_an_unhealthy_instance_is_restarted_with_the_reason_and_becomes_he
     assert inst.checked
     inst.start()
     try:
-        await _until(lambda: inst.health is H)
+        await until(lambda: inst.health is H, 5.0)
         assert inst.phase is InstancePhase.RUNNING and inst.restarts == 0
         server.close()
         await server.wait_closed()
-        await _until(lambda: inst.restarts == 1)
+        await until(lambda: inst.restarts == 1, 5.0)
         unhealthy = [r for r in reports if r[2] is X]
         assert unhealthy and unhealthy[0][0] is InstancePhase.RUNNING
         assert unhealthy[0][3] == f"tcp connect to 127.0.0.1:{port}: Connection refused"
@@ -309,7 +301,7 @@ async def test_an_unhealthy_instance_is_restarted_with_the_reason_and_becomes_he
         )
         # Listening again, the restarted instance turns healthy.
         server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
-        await _until(lambda: inst.health is H and inst.phase is InstancePhase.RUNNING)
+        await until(lambda: inst.health is H and inst.phase is InstancePhase.RUNNING, 5.0)
         assert inst.restarts == 1 and inst.health_message == ""
     finally:
         await inst.stop(remove=True)
@@ -323,7 +315,7 @@ async def test_under_never_an_unhealthy_instance_keeps_running() -> None:
     )
     inst.start()
     try:
-        await _until(lambda: inst.health is X)
+        await until(lambda: inst.health is X, 5.0)
         await asyncio.sleep(0.3)
         assert inst.phase is InstancePhase.RUNNING and inst.restarts == 0
         assert inst.report().health is X
@@ -338,7 +330,7 @@ async def test_a_stopped_instance_stops_its_checker() -> None:
     port = await _closed_port()
     inst = Supervised("w-1", 1, _spec(port), FakeDriver(), lambda s: None, sleep=_no_backoff)
     inst.start()
-    await _until(lambda: inst.phase is InstancePhase.RUNNING)
+    await until(lambda: inst.phase is InstancePhase.RUNNING, 5.0)
     checker = inst._checker
     assert checker is not None and checker.running
     await inst.stop(remove=True)
@@ -378,7 +370,7 @@ async def test_an_exec_check_fails_on_a_nonzero_exit_with_its_output() -> None:
     inst = Supervised("w-1", 1, spec, driver, lambda s: None, sleep=_no_backoff)
     inst.start()
     try:
-        await _until(lambda: inst.health is X)
+        await until(lambda: inst.health is X, 5.0)
         assert inst.health_message == "exec test: exited with code 1: not ready yet"
         assert driver.commands[:2] == [["test", "-e", "ready"]] * 2
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from orka.models import (
 from orka.rpc import convert, convert_volumes
 from orka.runtime.base import RunSpec
 from orka.runtime.fake import STOPPED_EXIT_CODE, FakeDriver
+from tests.waits import until
 
 MI = 1 << 20
 
@@ -89,13 +89,6 @@ class Node:
     def start(self, name: str, s: WorkloadSpec, command_id: str = "c1") -> None:
         a = apb.Assignment(instance=name, generation=3, spec=convert.spec_to_pb(s))
         self.runner.on_start(apb.StartInstance(command_id=command_id, assignment=a))
-
-
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        # Polled: the runner's effects land in plain attributes, which signal nothing.
-        while not check():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
 
 
 def record(name: str, phase: InstancePhase, **fields: Any) -> InstanceRecord:

@@ -20,16 +20,28 @@ from orka.runtime import logs as logfiles
 from orka.runtime.logs import SizeIndex
 
 
-def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
-    out = tmp_path / "stdout.log"
-    err = tmp_path / "stderr.log"
-    out.write_bytes(b"x" * (100 << 10))  # four chunks
-    err.write_bytes(b"")
-    driver = SimpleNamespace(log_paths=lambda name: (out, err), log_backup=None, keeps_logs=True)
+def two_streams(
+    tmp_path: Path, out_data: bytes, err_data: bytes, **driver_fields: object
+) -> tuple[Sessions, list[apb.AgentMessage], SimpleNamespace]:
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    out.write_bytes(out_data)
+    err.write_bytes(err_data)
+
+    def log_paths(name: str) -> tuple[Path, Path]:
+        # The instance's own files, so a session asking for another's reads nothing.
+        return (out, err) if name == "web-1" else (tmp_path / "other.log", tmp_path / "other.err")
+
+    fields = {"log_paths": log_paths, "log_backup": None, "keeps_logs": True}
+    driver = SimpleNamespace(**(fields | driver_fields))
     instances = {"web-1": SimpleNamespace(name="web-1", driver=driver)}
     sent: list[apb.AgentMessage] = []
     sessions = Sessions(instances, sent.append, LogKeeper(instances, 1 << 20))  # type: ignore[arg-type]
-    return sessions, sent, out
+    return sessions, sent, driver
+
+
+def setup(tmp_path: Path) -> tuple[Sessions, list[apb.AgentMessage], Path]:
+    sessions, sent, _ = two_streams(tmp_path, b"x" * (100 << 10), b"")  # four chunks
+    return sessions, sent, tmp_path / "stdout.log"
 
 
 def stamp(seconds: float) -> Timestamp:
@@ -115,25 +127,6 @@ def test_the_log_keeper_looks_only_at_drivers_that_keep_log_files(tmp_path: Path
     from orka.runtime.fake import FakeDriver
 
     assert FakeDriver.keeps_logs is False
-
-
-def two_streams(
-    tmp_path: Path, out_data: bytes, err_data: bytes, **driver_fields: object
-) -> tuple[Sessions, list[apb.AgentMessage], SimpleNamespace]:
-    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
-    out.write_bytes(out_data)
-    err.write_bytes(err_data)
-
-    def log_paths(name: str) -> tuple[Path, Path]:
-        # The instance's own files, so a session asking for another's reads nothing.
-        return (out, err) if name == "web-1" else (tmp_path / "other.log", tmp_path / "other.err")
-
-    fields = {"log_paths": log_paths, "log_backup": None, "keeps_logs": True}
-    driver = SimpleNamespace(**(fields | driver_fields))
-    instances = {"web-1": SimpleNamespace(name="web-1", driver=driver)}
-    sent: list[apb.AgentMessage] = []
-    sessions = Sessions(instances, sent.append, LogKeeper(instances, 1 << 20))  # type: ignore[arg-type]
-    return sessions, sent, driver
 
 
 async def read_all(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ from orka.agent.sessions import MAX_QUEUED_INPUTS, MAX_SESSIONS, Sessions
 from orka.api import agent_pb2 as apb
 from orka.api import controller_pb2 as pb
 from orka.runtime.execs import ExecHandle, ExecOptions, SubprocessExec
+from tests.waits import until
 
 
 class Driver:
@@ -56,6 +56,10 @@ class Driver:
         return handle
 
 
+# A follow of one stream: a session that lasts until it is closed, and reads no input.
+FOLLOW = pb.ReadLogsRequest(instance="web-1", follow=True, stream=pb.LogChunk.STDOUT)
+
+
 def setup(
     tmp_path: Path, console_argv: list[str] | None = None
 ) -> tuple[Sessions, list[apb.AgentMessage], Driver]:
@@ -69,13 +73,6 @@ def setup(
 
 def outputs(sent: list[apb.AgentMessage]) -> list[apb.SessionOutput]:
     return [m.session_output for m in sent]
-
-
-async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        # Polled: the session's outputs land in a plain list, which signals nothing.
-        while not check():  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
 
 
 def ended(sent: list[apb.AgentMessage]) -> bool:
@@ -242,11 +239,10 @@ async def test_a_missing_or_used_session_id_is_refused(tmp_path: Path, sid: str)
 
 async def test_at_most_64_sessions_per_node(tmp_path: Path) -> None:
     sessions, sent, _ = setup(tmp_path)
-    follow = pb.ReadLogsRequest(instance="web-1", follow=True, stream=pb.LogChunk.STDOUT)
     for i in range(MAX_SESSIONS):
-        sessions.on_open(apb.SessionOpen(session=f"s{i}", logs=follow, credit=10))
+        sessions.on_open(apb.SessionOpen(session=f"s{i}", logs=FOLLOW, credit=10))
     assert len(sessions) == 64 and not sent
-    sessions.on_open(apb.SessionOpen(session="one-more", logs=follow, credit=10))
+    sessions.on_open(apb.SessionOpen(session="one-more", logs=FOLLOW, credit=10))
     (end,) = outputs(sent)
     assert (end.session, end.end.code, end.end.message) == (
         "one-more",
@@ -261,8 +257,7 @@ async def test_at_most_64_sessions_per_node(tmp_path: Path) -> None:
 async def test_a_full_input_queue_ends_the_session(tmp_path: Path) -> None:
     sessions, sent, _ = setup(tmp_path)
     # A log session reads no input: what it is sent stays queued.
-    follow = pb.ReadLogsRequest(instance="web-1", follow=True, stream=pb.LogChunk.STDOUT)
-    sessions.on_open(apb.SessionOpen(session="s1", logs=follow, credit=10))
+    sessions.on_open(apb.SessionOpen(session="s1", logs=FOLLOW, credit=10))
     await asyncio.sleep(0)
     for _ in range(MAX_QUEUED_INPUTS):
         sessions.on_input(apb.SessionInput(session="s1", data=b"x"))
