@@ -110,3 +110,33 @@ def test_missing_files_fifos_and_dirs_are_refused_without_hanging(allowed: Path)
     )
     assert _refused(files, spec(K=str(allowed / "fifo"))).endswith("fifo: not a regular file")
     assert _refused(files, spec(K=str(allowed))).endswith("secrets: not a regular file")
+
+
+def test_a_refusal_names_every_allowed_dir(allowed: Path, tmp_path: Path) -> None:
+    other = tmp_path / "more-secrets"
+    other.mkdir()
+    outside = tmp_path / "elsewhere"
+    outside.write_text("x")
+    message = _refused(SecretFiles([allowed, other]), spec(K=str(outside)))
+    assert message == (
+        f"secret_env_files[K]: {outside} is not inside the agent's --secret-dir "
+        f"({allowed}, {other})"
+    )
+
+
+def test_a_link_that_appears_after_the_path_was_resolved_is_not_followed(
+    allowed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check resolves links, then opens: a link swapped in between those two steps would
+    lead outside. The open itself follows no link; here resolving is made to miss the link,
+    as a swap just after it would."""
+    outside = tmp_path / "agent.key"
+    outside.write_text("PRIVATE KEY")
+    os.symlink(outside, allowed / "swapped")
+    files = SecretFiles([allowed])
+    monkeypatch.setattr(os.path, "realpath", lambda path: str(path))
+    message = _refused(files, spec(K=str(allowed / "swapped")))
+    assert message == (
+        f"secret_env_files[K]: {allowed / 'swapped'}: cannot open: "
+        "Too many levels of symbolic links"
+    )

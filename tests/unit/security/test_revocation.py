@@ -16,13 +16,6 @@ from orka.security.revocation import MAX_CRL_BYTES, CrlWatcher, Revocations
 from orka.security.revoke import current_crl, parse_serial, revoke, serial_of
 
 
-@pytest.fixture
-def certs(tmp_path: Path) -> Path:
-    d = tmp_path / "certs"
-    init_certs(d, ["node-1"])
-    return d
-
-
 def _watcher(certs: Path, folder: str = "controller") -> CrlWatcher:
     own = certs / folder
     return CrlWatcher(own / "crl.pem", own / "ca.crt", interval=1.0, registry=Revocations())
