@@ -3,6 +3,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import socket
+import time
 
 import pytest
 from cryptography import x509
@@ -10,7 +11,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from orka.errors import Invalid
-from orka.security.ca import SERVING_ROLES, create_ca, issue_leaf, role_dns_name
+from orka.security.ca import (
+    SERVING_ROLES,
+    create_ca,
+    issue_leaf,
+    local_host_names,
+    role_dns_name,
+)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +139,84 @@ def test_bad_role_or_name_is_invalid(ca, role: str, name: str, field: str) -> No
     with pytest.raises(Invalid) as exc:
         issue_leaf(ca, role, name)
     assert exc.value.message.startswith(f"{field}:")
+
+
+def _usage(**set_: bool) -> x509.KeyUsage:
+    flags = dict.fromkeys(
+        (
+            "digital_signature",
+            "content_commitment",
+            "key_encipherment",
+            "data_encipherment",
+            "key_agreement",
+            "key_cert_sign",
+            "crl_sign",
+        ),
+        False,
+    )
+    return x509.KeyUsage(**{**flags, **set_}, encipher_only=False, decipher_only=False)
+
+
+def test_the_ca_signs_leaves_only_and_a_leaf_signs_nothing() -> None:
+    """A node's key must not be able to vouch for anyone: its certificate is no CA and may
+    only sign handshakes; the CA's may sign certificates and CRLs, and none that sign more."""
+    ca = create_ca()  # its own, not the module's: this test is about making one
+    bc = ca.cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    assert (bc.ca, bc.path_length) == (True, 0)
+    assert ca.cert.extensions.get_extension_for_class(x509.KeyUsage).value == _usage(
+        key_cert_sign=True, crl_sign=True
+    )
+    for role in ("agent", "controller"):
+        leaf = issue_leaf(ca, role, "node-1").cert
+        bc = leaf.extensions.get_extension_for_class(x509.BasicConstraints)
+        assert bc.critical and (bc.value.ca, bc.value.path_length) == (False, None)
+        usage = leaf.extensions.get_extension_for_class(x509.KeyUsage)
+        assert usage.critical and usage.value == _usage(digital_signature=True)
+
+
+@pytest.mark.parametrize("zone", ["Etc/GMT-12", "Etc/GMT+12"])
+def test_a_fresh_certificate_is_valid_now_whatever_the_hosts_time_zone(
+    monkeypatch: pytest.MonkeyPatch, zone: str
+) -> None:
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        now = dt.datetime.now(dt.UTC)
+        for cert in (create_ca().cert, issue_leaf(create_ca(), "admin", "admin").cert):
+            assert cert.not_valid_before_utc <= now <= cert.not_valid_after_utc
+            assert now - cert.not_valid_before_utc < dt.timedelta(minutes=6)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+def test_a_client_leaf_with_hosts_says_which_certificates_carry_them(ca) -> None:
+    with pytest.raises(Invalid) as exc:
+        issue_leaf(ca, "agent", "node-1", ["node.example.com"])
+    assert exc.value.message == (
+        "hosts: agent certificates only dial out, so they carry no host names; "
+        "--host belongs to controller and scheduler certificates"
+    )
+
+
+def test_a_bad_host_is_quoted_up_to_80_characters(ca) -> None:
+    for size, shown in ((80, "é" * 80), (81, "é" * 80 + "...")):
+        with pytest.raises(Invalid) as exc:
+            issue_leaf(ca, "controller", "controller", ["é" * size])
+        assert exc.value.message == f"hosts: {shown!r} is not an ASCII DNS name or IP address"
+
+
+def test_a_serving_certificate_names_this_host_as_the_system_knows_it(
+    ca, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cases = [
+        (("node-a", "node-a.example.com"), ["localhost", "node-a", "node-a.example.com"]),
+        (("node-a", "node-a"), ["localhost", "node-a"]),
+        (("", "localhost"), ["localhost"]),
+    ]
+    for (host, fqdn), names in cases:
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        monkeypatch.setattr(socket, "getfqdn", lambda fqdn=fqdn: fqdn)
+        assert local_host_names() == names
+        dns = _sans(issue_leaf(ca, "scheduler", "s1").cert).get_values_for_type(x509.DNSName)
+        assert dns == ["scheduler.orka", *names]
