@@ -158,6 +158,9 @@ def test_many_errors_are_summed_up() -> None:
         (b"\0" * 70, repr(b"\0" * 64)[:66] + "..."),
         # Escapes make one character ten: the quoted text stays short all the same.
         ("\U0010ffff" * 10, repr("\U0010ffff" * 10)[:66] + "..."),
+        # At the limit nothing is cut; one escape past it (67 characters quoted) is.
+        ("a" * 64, "'" + "a" * 64 + "'"),
+        ("a" * 63 + "\n", repr("a" * 63 + "\n")[:66] + "..."),
     ],
 )
 def test_quote_cuts(value: object, expected: str) -> None:
@@ -174,6 +177,9 @@ def test_quote_cuts(value: object, expected: str) -> None:
         ("/etc/shadow", ["/var/lib/orka"], False),
         ("/anything", ["/"], True),
         ("/x", [], False),
+        # A root is a path, not a set of characters to trim: /data/X does not hold /data/Y.
+        ("/data/Y", ["/data/X"], False),
+        ("/data/X/y", ["/data/X//"], True),
     ],
 )
 def test_path_within(path: str, roots: list[str], inside: bool) -> None:
@@ -198,3 +204,28 @@ def test_big_specs_are_not_kept_in_the_parse_cache() -> None:
     assert convert._spec_from_bytes.cache_info().currsize == before
     convert.spec_from_pb(spec_pb(env={"V": "small-and-new"}))
     assert convert._spec_from_bytes.cache_info().currsize == before + 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"working_dir": "srv"}, "spec.working_dir: must be an absolute path, got 'srv'"),
+        (
+            {"working_dir": "/srv/../root"},
+            "spec.working_dir: must be a normalised path (no '.' or '..' component, no '//', "
+            "no trailing '/'), got '/srv/../root'",
+        ),
+        ({"env": {"A=B": "v"}}, "spec.env['A=B'] (key): must be non-empty without '='"),
+        (
+            {"node_selector": {"-zone": "a"}},
+            "spec.node_selector['-zone'] (key): '-zone' is not a valid label key (letters, "
+            "digits, '.', '_', '/', '-', starting with a letter or digit)",
+        ),
+    ],
+)
+def test_the_whole_refusal_of_a_path_an_env_key_and_a_label_key(
+    overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(Invalid) as info:
+        convert.spec_from_pb(spec_pb(**overrides))
+    assert info.value.message == message
