@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +93,16 @@ def _mounts_under(root: Path) -> list[str]:
     with open("/proc/mounts", encoding="utf-8") as f:
         # /proc/mounts escapes a space in a path as \040: paths under a tmp_path have none.
         return [p for _, p, *_ in (line.split() for line in f) if p.startswith(prefix)]
+
+
+@pytest.fixture(params=["Etc/GMT-12", "Etc/GMT+12"])
+def off_utc(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The process in a time zone twelve hours either side of UTC, for what dates itself."""
+    monkeypatch.setenv("TZ", request.param)
+    time.tzset()
+    yield request.param
+    monkeypatch.undo()
+    time.tzset()
 
 
 @pytest.fixture(autouse=True)

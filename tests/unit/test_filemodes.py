@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+from structlog.testing import capture_logs
+
+from orka import filemodes
 from orka.filemodes import private_dir, private_file, tighten_file
 
 
@@ -45,3 +49,59 @@ def test_tighten_file_leaves_a_missing_file_missing(tmp_path: Path) -> None:
     present.chmod(0o666)
     tighten_file(present)
     assert mode(present) == 0o600
+
+
+def test_modes_are_set_at_creation_not_only_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No window where a new folder or file is readable by others: created owner-only, before
+    any tightening (which is here made to do nothing)."""
+    monkeypatch.setattr(filemodes, "_tighten", lambda path, mode: None)
+    old = os.umask(0o022)
+    try:
+        assert mode(private_dir(tmp_path / "d")) == 0o700
+        assert mode(private_file(tmp_path / "f")) == 0o600
+    finally:
+        os.umask(old)
+
+
+def _tighten_where_chmod_fails(
+    path: Path, mode_before: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[Path], list[dict[str, object]]]:
+    """tighten_file on `path` (made with `mode_before`) with chmod failing as it does on
+    another user's file; returns the paths chmod was asked for and what was logged."""
+    path.write_text("x")
+    path.chmod(mode_before)
+    asked: list[Path] = []
+
+    def chmod(target: Path, mode: int) -> None:
+        asked.append(Path(target))
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chmod", chmod)
+    with capture_logs() as logs:
+        tighten_file(path)
+    return asked, logs
+
+
+def test_a_file_not_ours_to_change_is_used_and_named_in_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "theirs"
+    asked, logs = _tighten_where_chmod_fails(path, 0o644, monkeypatch)
+    assert asked == [path]
+    assert logs == [
+        {
+            "event": "cannot restrict access",
+            "log_level": "warning",
+            "path": str(path),
+            "mode": "0o600",
+            "error": "[Errno 1] Operation not permitted",
+        }
+    ]
+
+
+def test_a_file_already_private_is_left_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _tighten_where_chmod_fails(tmp_path / "ours", 0o600, monkeypatch) == ([], [])

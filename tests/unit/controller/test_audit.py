@@ -5,15 +5,24 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
 from structlog.testing import capture_logs
 
 from orka.api import controller_pb2 as pb
-from orka.controller.audit import MAX_MESSAGE_CHARS, AuditLog, object_of, to_record
+from orka.controller.audit import (
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    AuditLog,
+    object_of,
+    rfc3339,
+    to_record,
+)
 from orka.rpc.server import Call, Caller
 from orka.security.identity import Identity
 
@@ -192,3 +201,92 @@ def test_a_write_failure_is_logged_once_and_calls_go_on(tmp_path: Path) -> None:
     assert disk.calls == 3
     errors = [e for e in logs if e["event"] == "cannot write the audit log"]
     assert len(errors) == 1 and errors[0]["error"] == "[Errno 28] No space left on device"
+
+
+def test_the_object_of_a_call_on_an_instance_and_names_that_are_not_text() -> None:
+    logs = pb.ReadLogsRequest(instance="web-1")
+    assert object_of("ReadLogs", logs) == {"kind": "logs", "name": "web-1"}
+    # A field of that name that holds no text is passed over for the next one.
+    odd = SimpleNamespace(spec=None, name=["a"], instance="web-2")
+    assert object_of("ExecInstance", odd) == {"kind": "instance", "name": "web-2"}
+    longest = "n" * MAX_NAME_CHARS
+    assert object_of("DeleteWorkload", pb.DeleteWorkloadRequest(name=longest))["name"] == longest
+
+
+@pytest.mark.usefixtures("off_utc")
+def test_times_are_utc_whatever_the_hosts_time_zone() -> None:
+    plus_two = dt.timezone(dt.timedelta(hours=2))
+    assert rfc3339(dt.datetime(2026, 1, 1, 12, 0, 0, 123456, tzinfo=plus_two)) == (
+        "2026-01-01T10:00:00.123Z"
+    )
+
+
+def test_an_ok_call_goes_through_structlog_whole() -> None:
+    audit = AuditLog()
+    with capture_logs() as logs:
+        audit.record(call())
+    expected = to_record(call())
+    entry = logs[0]
+    assert {k: entry[k] for k in ("method", "caller", "object", "outcome")} == {
+        k: expected[k] for k in ("method", "caller", "object", "outcome")
+    }
+
+
+def test_a_record_is_one_compact_line_in_a_folder_made_for_it(tmp_path: Path) -> None:
+    path = tmp_path / "var" / "log" / "orka" / "audit.log"
+    audit = AuditLog(path)
+    audit.record(call())
+    audit.close()
+    (line,) = path.read_text().splitlines()
+    assert line == json.dumps(json.loads(line), separators=(",", ":"))
+
+
+def test_the_writer_is_a_named_daemon_thread(tmp_path: Path) -> None:
+    """Named for thread dumps; a daemon, so a process that ends without closing the log is
+    not held up by it."""
+    audit = AuditLog(tmp_path / "audit.log")
+    try:
+        writers = [t for t in threading.enumerate() if t.name == "orka-audit"]
+        assert writers and all(t.daemon for t in writers)
+    finally:
+        audit.close()
+
+
+class _FlakyDisk(_FullDisk):
+    """Full until `full` is cleared; counts the writes it took and refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = True
+
+    def writelines(self, lines: object) -> None:
+        self.calls += 1
+        if self.full:
+            raise OSError(28, "No space left on device")
+
+
+def test_each_outage_is_logged_once_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "audit.log"
+    audit = AuditLog(path)
+    assert audit._writer is not None
+    disk = _FlakyDisk()
+    audit._writer._file = disk  # type: ignore[assignment]
+
+    def write(n: int) -> None:
+        audit.record(call())
+        deadline = time.monotonic() + 5
+        while disk.calls < n and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    with capture_logs() as logs:
+        write(1)
+        write(2)
+        disk.full = False
+        write(3)  # the disk is back: the next outage is news again
+        disk.full = True
+        write(4)
+        audit.close()
+    errors = [e for e in logs if e["event"] == "cannot write the audit log"]
+    assert [(e["path"], e["error"]) for e in errors] == [
+        (str(path), "[Errno 28] No space left on device")
+    ] * 2
