@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 
 import pytest
 from sortedcontainers import SortedList
 
 from orka.controller import paging
-from orka.errors import Invalid
+from orka.errors import FieldViolation, Invalid
 
 
 @pytest.mark.parametrize(
@@ -21,8 +22,9 @@ def test_page_size_defaults_and_coerces_to_the_maximum(asked: int, got: int) -> 
 
 
 def test_a_negative_page_size_is_invalid() -> None:
-    with pytest.raises(Invalid, match=r"^page_size: must be >= 0, got -1$"):
+    with pytest.raises(Invalid, match=r"^page_size: must be >= 0, got -1$") as info:
         paging.page_size(-1)
+    assert info.value.violations() == [FieldViolation("page_size", "must be >= 0, got -1")]
 
 
 def test_tokens_round_trip_for_their_own_filters_only() -> None:
@@ -32,8 +34,11 @@ def test_tokens_round_trip_for_their_own_filters_only() -> None:
     assert paging.decode_token(token, mine, shape) == ("web", 1795000000.123456, "web-1")
     assert paging.decode_token("", mine, shape) is None
     other = paging.fingerprint("instances", "db", "", 0)
-    with pytest.raises(Invalid, match=r"^page_token: was issued for a listing with other filters"):
+    with pytest.raises(
+        Invalid, match=r"^page_token: was issued for a listing with other filters"
+    ) as info:
         paging.decode_token(token, other, shape)
+    assert [v.field for v in info.value.violations()] == ["page_token"]
 
 
 def _forged(key: object, f: str) -> str:
@@ -55,8 +60,9 @@ def _forged(key: object, f: str) -> str:
     ],
 )
 def test_what_is_not_our_token_is_invalid_naming_page_token(token: str) -> None:
-    with pytest.raises(Invalid, match=r"^page_token: "):
+    with pytest.raises(Invalid, match=r"^page_token: ") as info:
         paging.decode_token(token, "F", (str, float, str))
+    assert [v.field for v in info.value.violations()] == ["page_token"]
 
 
 def test_an_integer_time_in_a_token_is_taken_as_a_float() -> None:
@@ -85,3 +91,36 @@ def test_pages_resume_strictly_after_the_key_and_stop_at_size_and_bytes() -> Non
     assert list(paging.after(index, ("bb",))) == [("c",), ("d",), ("e",)]
     assert list(paging.after(index, ("a",), lower=("c",))) == [("c",), ("d",), ("e",)]
     assert list(paging.after(index, None, lower=("d",))) == [("d",), ("e",)]
+
+
+def test_a_token_at_the_lower_bound_resumes_after_it_not_at_it() -> None:
+    index = SortedList([("a",), ("b",), ("c",)])
+    # The first page of a range starting at "b" ended on "b": the next starts at "c".
+    assert list(paging.after(index, ("b",), lower=("b",))) == [("c",)]
+
+
+def test_a_page_holds_exactly_its_byte_bound() -> None:
+    index = SortedList([("a",), ("b",), ("c",)])
+    page, last = paging.take_page(
+        paging.after(index, None), 10, lambda key: key[0], lambda item: 50, max_bytes=100
+    )
+    assert (page, last) == (["a", "b"], ("b",))
+
+
+def test_a_token_is_compact_json_without_padding_bound_to_the_filters_texts() -> None:
+    """Any controller of the cluster resumes a listing another began (after a failover): the
+    token and the fingerprint are the same text everywhere."""
+    filters = paging.fingerprint("web", 5)
+    assert filters == hashlib.sha256(b'["web","5"]').hexdigest()[:16]
+    for name in ("a", "ab", "abc"):  # every padding length base64 has
+        token = paging.encode_token((name, 1.5), filters)
+        assert not token.endswith("=")
+        body = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        assert body.decode() == f'{{"k":["{name}",1.5],"f":"{filters}"}}'
+        assert paging.decode_token(token, filters, (str, float)) == (name, 1.5)
+
+
+def test_a_token_at_the_length_limit_is_read_not_refused_for_its_length() -> None:
+    with pytest.raises(Invalid) as info:
+        paging.decode_token("x" * paging.MAX_TOKEN_CHARS, "F", (str,))
+    assert info.value.message == "page_token: not a page token this server issued"

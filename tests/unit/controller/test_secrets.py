@@ -39,4 +39,8 @@ def test_the_merged_spec_equals_the_stored_one_when_nothing_changed() -> None:
 def test_redacted_without_a_stored_secret_is_refused(old: WorkloadSpec | None) -> None:
     with pytest.raises(Invalid) as info:
         keep_redacted(old, spec(NEW=REDACTED))
-    assert info.value.message.startswith("spec.secret_env: 'NEW' is '<redacted>'")
+    assert info.value.message == (
+        "spec.secret_env: 'NEW' is '<redacted>', which keeps a stored secret, but none is stored"
+        " under that key; send the value itself"
+    )
+    assert [v.field for v in info.value.violations()] == ["spec.secret_env"]
