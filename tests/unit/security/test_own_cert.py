@@ -4,7 +4,6 @@ it, and told why; left alone by anything else."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 from pathlib import Path
 
@@ -112,7 +111,7 @@ async def test_a_crl_revoking_the_servers_certificate_stops_it_once_and_says_why
     assert own not in registry.guards
 
 
-async def test_nothing_is_stopped_without_a_certificate_or_a_server(certs: Path) -> None:
+def test_nothing_is_stopped_without_a_certificate_or_a_server(certs: Path) -> None:
     own_serial = serial_of(certs, "controller", "controller")
     registry = Revocations()
     server = Server()
@@ -126,7 +125,6 @@ async def test_nothing_is_stopped_without_a_certificate_or_a_server(certs: Path)
     del server  # the server is gone: its guard has nothing to stop
     own.revoked(frozenset({own_serial}))
     assert own.stopping is None
-    await asyncio.sleep(0)
 
 
 async def test_guard_checks_at_once_and_passes_the_shutdown_on(certs: Path) -> None:
