@@ -29,6 +29,7 @@ from orka.security.revocation import (
     watch,
 )
 from orka.security.revoke import revoke, serial_of
+from tests.unit.security.handmade import handmade
 from tests.waits import until
 
 NOW = dt.datetime.now(dt.UTC)
@@ -97,16 +98,7 @@ def test_a_ca_whose_key_cannot_verify_a_signature_accepts_no_crl(certs: Path) ->
     answering false, and that is a refusal too."""
     signer = ec.generate_private_key(ec.SECP256R1())
     name = load_ca(certs).cert.subject
-    odd_ca = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(x25519.X25519PrivateKey.generate().public_key())
-        .serial_number(1)
-        .not_valid_before(NOW)
-        .not_valid_after(NOW + dt.timedelta(days=1))
-        .sign(signer, hashes.SHA256())
-    )
+    odd_ca = handmade(name, x25519.X25519PrivateKey.generate().public_key(), signer)
     with pytest.raises(Invalid) as info:
         parse_crl(_crl(signer, name, [5], 1), odd_ca, "f.pem")
     assert info.value.message == "crl: f.pem is not signed by the cluster CA"

@@ -4,13 +4,10 @@ it, and told why; left alone by anything else."""
 
 from __future__ import annotations
 
-import datetime as dt
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from structlog.testing import capture_logs
 
 from orka.errors import Invalid
@@ -19,6 +16,7 @@ from orka.security.issue import load_ca
 from orka.security.revocation import REVOCATIONS, Revocations
 from orka.security.revoke import serial_of
 from orka.security.tls import TlsFiles
+from tests.unit.security.handmade import handmade
 
 
 class Server:
@@ -58,16 +56,7 @@ def test_a_server_does_not_start_on_a_revoked_certificate(certs: Path) -> None:
 def test_a_certificate_without_an_identity_is_refused_with_the_plain_fix(certs: Path) -> None:
     ca = load_ca(certs)
     files = _files(certs)
-    bare = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "x")]))
-        .issuer_name(ca.cert.subject)
-        .public_key(ca.key.public_key())
-        .serial_number(77)
-        .not_valid_before(dt.datetime.now(dt.UTC))
-        .not_valid_after(dt.datetime.now(dt.UTC) + dt.timedelta(days=1))
-        .sign(ca.key, hashes.SHA256())
-    )
+    bare = handmade("x", ca.key.public_key(), ca.key, ca.cert.subject, serial=77)
     files.cert.write_bytes(bare.public_bytes(serialization.Encoding.PEM))
     registry = Revocations()
     registry.update(certs / "crl.pem", frozenset({77}))

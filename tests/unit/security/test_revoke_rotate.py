@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from orka.errors import Invalid
 from orka.security.ca import key_pem
 from orka.security.issue import load_ca
 from orka.security.revoke import current_crl, parse_serial, revoke, serial_of
 from orka.security.rotate import rotate
+from tests.unit.security.handmade import handmade
 
 LONGEST = "f" * 40  # a certificate serial is at most 20 bytes
 
@@ -87,24 +87,13 @@ def test_a_rotated_server_keeps_its_names_but_not_reserved_ones_written_with_a_d
     Orka's to add, so they are not carried over as hosts (which would be refused)."""
     ca = load_ca(certs)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    sans = [
+    sans: list[x509.GeneralName] = [
         x509.UniformResourceIdentifier("spiffe://orka/controller/controller"),
         x509.DNSName("controller.orka."),
         x509.DNSName("orka."),
         x509.DNSName("api.example.com"),
     ]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "controller")]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=1))
-        .not_valid_after(now + dt.timedelta(days=30))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .sign(ca.key, hashes.SHA256())
-    )
+    cert = handmade("controller", key.public_key(), ca.key, ca.cert.subject, sans=sans, days=31)
     folder = certs / "controller"
     (folder / "controller.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (folder / "controller.key").write_bytes(key_pem(key))
@@ -117,18 +106,7 @@ def test_a_rotated_server_keeps_its_names_but_not_reserved_ones_written_with_a_d
 def test_rotating_all_leaves_a_foreign_pair_alone(certs: Path) -> None:
     """An operator's own pair kept in the same directory (a web server's, say) is not ours."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "site")])
-    now = dt.datetime.now(dt.UTC)
-    site = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(now)
-        .not_valid_after(now + dt.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )
+    site = handmade("site", key.public_key(), key, serial=1)
     pem = site.public_bytes(serialization.Encoding.PEM)
     (certs / "site.crt").write_bytes(pem)
     (certs / "site.key").write_bytes(key_pem(key))

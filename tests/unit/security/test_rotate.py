@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from structlog.testing import capture_logs
@@ -27,6 +27,7 @@ from orka.security.tls import (
     renewal_threshold,
     warn_if_expiring,
 )
+from tests.unit.security.handmade import handmade
 
 NOW = dt.datetime.now(dt.UTC)
 
@@ -200,17 +201,7 @@ def test_rotate_leaves_the_reserved_role_names_to_issue_leaf() -> None:
         x509.DNSName("api.example.com"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(NOW)
-        .not_valid_after(NOW + dt.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .sign(key, hashes.SHA256())
-    )
+    cert = handmade(name, key.public_key(), key, sans=sans, serial=1, start=NOW, days=1)
     assert rotate_module._hosts(cert) == ["api.example.com", "127.0.0.1"]
 
 
@@ -224,16 +215,15 @@ def test_rotate_only_due_upgrades_a_server_certificate_without_its_role_name(cer
         x509.DNSName("api.example.com"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
-    old = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "scheduler/scheduler")]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(NOW - dt.timedelta(minutes=5))
-        .not_valid_after(NOW + dt.timedelta(days=80))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .sign(ca.key, hashes.SHA256())
+    start = NOW - dt.timedelta(minutes=5)
+    old = handmade(
+        "scheduler/scheduler",
+        key.public_key(),
+        ca.key,
+        ca.cert.subject,
+        sans=sans,
+        start=start,
+        days=(NOW + dt.timedelta(days=80) - start) / dt.timedelta(days=1),
     )
     folder = certs / "scheduler"
     (folder / "scheduler.key").write_bytes(key_pem(key))

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from structlog.testing import capture_logs
 
 from orka.errors import Invalid
@@ -23,6 +22,7 @@ from orka.security.tls import (
     load_and_check,
     warn_if_expiring,
 )
+from tests.unit.security.handmade import handmade
 from tests.waits import until
 
 # Whole seconds (what a certificate holds), an hour ahead: inside the test CA's validity.
@@ -190,15 +190,13 @@ def test_a_certificate_without_an_orka_identity_is_named(certs: Path) -> None:
     ca = load_ca(certs)
     files = _controller(certs)
     key = serialization.load_pem_private_key(files.key.read_bytes(), password=None)
-    bare = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "controller")]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())  # type: ignore[arg-type]
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(NOW - dt.timedelta(days=1))
-        .not_valid_after(NOW + DAYS_90)
-        .sign(ca.key, hashes.SHA256())
+    bare = handmade(
+        "controller",
+        key.public_key(),
+        ca.key,
+        ca.cert.subject,
+        start=NOW - dt.timedelta(days=1),
+        days=91,
     )
     files.cert.write_bytes(bare.public_bytes(serialization.Encoding.PEM))
     with pytest.raises(Invalid) as info:
